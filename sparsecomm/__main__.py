@@ -1,0 +1,5 @@
+import sys
+
+from sparsecomm.cli import main
+
+sys.exit(main())

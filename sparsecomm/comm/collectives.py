@@ -1,0 +1,26 @@
+"""Asynchronous c10d collectives wrapped as Futures that hold one tensor.
+
+Issue these from the hook body, in bucket order, never from a Future callback: callbacks
+run on other threads in any order, and gloo fails or hangs when ranks issue collectives
+in different orders (see DESIGN.md).
+"""
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older
+# releases only have the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def allreduce_future(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
+    """Sum ``tensor`` in place over ``group``; the Future holds ``tensor``."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def allgather_future(
+    out: torch.Tensor, payload: torch.Tensor, group: dist.ProcessGroup
+) -> torch.futures.Future:
+    """Gather every rank's equal-size ``payload`` into ``out`` (world_size x payload, in rank order)."""
+    work = _all_gather_single(out, payload, group=group, async_op=True)
+    return work.get_future().then(lambda fut: out)

@@ -1,0 +1,78 @@
+"""Error feedback: what is not sent this step is kept and added to the next step.
+
+Reference twin of the fused kernel (residual update + select + pack). Memory traffic of
+this reference: it reads ``acc`` three times and writes the residual and the payload; the
+native kernel reads the gradient and residual once.
+
+The invariant that makes error feedback lossless over time, and that tests check exactly::
+
+    sent + new_residual == acc            where acc = grad / world_size + old_residual
+
+``sent`` is the dense tensor the payload decodes to. Values cast to a narrower dtype keep
+their rounding error in the residual, so the cast is also compensated.
+
+Non-finite policy: NaN and Inf propagate (they are selected first by top-k, sent, and
+seen by every rank; never hidden in a residual). Finite values beyond the range of a
+narrower wire dtype (fp16 tops out at 65504) saturate at its largest finite value and the
+excess stays in the residual, instead of turning into Inf on the wire.
+"""
+from typing import Callable
+
+import torch
+
+from sparsecomm.compress.packing import pack_into
+
+Selector = Callable[[torch.Tensor, int, torch.Generator | None], torch.Tensor]
+
+
+def compensate(grad: torch.Tensor, residual: torch.Tensor | None, world_size: int) -> torch.Tensor:
+    """``grad / world_size + residual``, in place in ``grad`` (the bucket buffer).
+
+    Dividing first, as torch's allreduce hook does, keeps fp16 sums from overflowing.
+    """
+    grad.div_(world_size)
+    if residual is not None:
+        grad.add_(residual)
+    return grad
+
+
+def to_wire_dtype(values: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
+    """``values`` cast to ``value_dtype``, saturating finite values the dtype cannot hold."""
+    if value_dtype == values.dtype or torch.finfo(value_dtype).max >= torch.finfo(values.dtype).max:
+        return values.to(value_dtype)
+    limit = torch.finfo(value_dtype).max
+    saturated = torch.where(torch.isinf(values), values, values.clamp(-limit, limit))
+    return saturated.to(value_dtype)
+
+
+def select_and_pack(
+    acc: torch.Tensor,
+    k: int,
+    selector: Selector,
+    payload: torch.Tensor,
+    value_dtype: torch.dtype,
+    residual_out: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Select up to ``k`` entries of ``acc``, pack them into ``payload``, update the residual.
+
+    Args:
+        acc: 1-D compensated gradient (see :func:`compensate`).
+        k: payload capacity; the selector returns at most k indices.
+        selector: e.g. :func:`~sparsecomm.compress.topk.topk_indices`.
+        payload: uint8 buffer of :func:`~sparsecomm.compress.packing.payload_nbytes` bytes.
+        value_dtype: dtype of the values on the wire.
+        residual_out: if given, receives ``acc - sent`` (error feedback); may alias nothing.
+        generator: passed to the selector (sampled selectors draw from it).
+
+    Returns:
+        The selected indices (int64), for accounting and checks.
+    """
+    indices = selector(acc, k, generator)
+    values = to_wire_dtype(acc[indices], value_dtype)
+    pack_into(payload, indices, values, k)
+    if residual_out is not None:
+        residual_out.copy_(acc)
+        # acc - cast(acc) is exact in acc's dtype, so sent + residual == acc bit for bit.
+        residual_out[indices] = acc[indices] - values.to(acc.dtype)
+    return indices

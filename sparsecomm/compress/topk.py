@@ -1,0 +1,23 @@
+"""Exact top-k selection by magnitude."""
+import math
+
+import torch
+
+
+def num_selected(numel: int, density: float) -> int:
+    """Number of entries a bucket of ``numel`` elements sends at ``density`` (at least 1)."""
+    # Round away float noise first: 0.07 * 100 is 7.000000000000001, which must give 7.
+    return min(numel, max(1, math.ceil(round(density * numel, 6))))
+
+
+def topk_indices(acc: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Indices (int64) of the ``k`` entries of the 1-D tensor ``acc`` with the largest magnitude.
+
+    Ties are broken by ``torch.topk``; NaN counts as the largest magnitude, so a NaN in the
+    gradient is sent (and seen by every rank) rather than hidden in a residual.
+    ``generator`` is unused; it keeps one signature for all selectors.
+    """
+    del generator
+    if k >= acc.numel():
+        return torch.arange(acc.numel(), device=acc.device)
+    return torch.topk(acc.abs(), k, sorted=False).indices

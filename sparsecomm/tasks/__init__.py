@@ -1,0 +1,1 @@
+"""Reference tasks (model + data) that need no download."""

@@ -1,0 +1,67 @@
+"""Run a function on several gloo ranks in spawned processes, with a hard timeout.
+
+Each rank runs ``fn(rank, world_size, *args)`` after joining a gloo group through a
+FileStore; return values come back through files. A rank that raises fails the test with
+its traceback; ranks still running at the deadline are killed, so a hang never blocks CI.
+"""
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# A collective that does not complete within this time raises inside the rank instead of
+# hanging; shorter than the process deadline so the rank's own error is reported.
+COLLECTIVE_TIMEOUT = timedelta(seconds=45)
+
+
+def _rank_main(rank, world_size, workdir, fn, args):
+    result_path = os.path.join(workdir, f"rank{rank}.pkl")
+    try:
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            outcome = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion errors, to the parent
+        outcome = ("error", traceback.format_exc())
+    with open(result_path, "wb") as f:
+        pickle.dump(outcome, f)
+
+
+def run_on_ranks(fn, *args, world_size: int = 2, timeout: float = 90.0) -> list:
+    """Results of ``fn(rank, world_size, *args)`` on each rank, in rank order."""
+    with tempfile.TemporaryDirectory() as workdir:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, fn, args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(workdir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r} raised:\n{value}")
+            results.append(value)
+        if hung:
+            errors.insert(0, f"ranks {hung} still running after {timeout}s and were killed")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results

@@ -1,0 +1,359 @@
+"""The top-k hook inside real DDP: 2 gloo ranks in spawned processes, different data per rank.
+
+Each test localises one class of bug:
+- density 1 vs torch's allreduce: averaging and in-place decompression;
+- conservation and per-rank residuals: error-feedback bookkeeping, rank mixing;
+- bucket rebuild / bucket size change: residuals keyed by name, not bucket index;
+- no_sync, find_unused_parameters, static_graph, several buckets, fp16 wrapper: the DDP
+  features the hook must compose with;
+- state_dict: each rank keeps its own residual.
+"""
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_wrapper
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm
+from sparsecomm import TopKState, topk_hook
+from multiprocess import run_on_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+# The hook calls recorded by recording_hook in this process: (bucket index, numel, is_last).
+CALLS = []
+
+
+def recording_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    CALLS.append((bucket.index(), bucket.buffer().numel(), bucket.is_last()))
+    return topk_hook(state, bucket)
+
+
+def _rank_data(rank, steps, shape):
+    """Different inputs on every rank (same on a rank across runs)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(*shape, generator=generator) for _ in range(steps)]
+
+
+def _mlp(width=32, depth=3, out=4):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, out))
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ----- density 1 equals allreduce ---------------------------------------------------------
+
+
+def _density_one_worker(rank, world_size, allow_dense_fallback):
+    reference = DDP(_mlp())
+    reference.register_comm_hook(None, allreduce_hook)
+    hooked = DDP(_mlp())
+    state = TopKState(density=1.0, module=hooked, allow_dense_fallback=allow_dense_fallback)
+    hooked.register_comm_hook(state, topk_hook)
+    mismatches = []
+    for step, x in enumerate(_rank_data(rank, 5, (8, 32))):
+        for model in (reference, hooked):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+        for a, b in zip(_grads(reference.module), _grads(hooked.module)):
+            if not torch.equal(a, b):
+                mismatches.append((step, (a - b).abs().max().item()))
+    return mismatches, state.stats()
+
+
+@pytest.mark.parametrize("allow_dense_fallback", [True, False], ids=["dense-fallback", "sparse-k-equals-n"])
+def test_density_one_equals_allreduce_hook_bitwise(allow_dense_fallback):
+    # Bitwise: both divide by world size first, then sum two values per element; with two
+    # ranks the all-gather + scatter-add onto zeros is 0 + a + b == a + b exactly.
+    for mismatches, stats in run_on_ranks(_density_one_worker, allow_dense_fallback):
+        assert mismatches == [], f"(step, max |diff|) where grads differ: {mismatches}"
+        assert stats["warmup_calls"] >= 2
+        if allow_dense_fallback:
+            assert stats["sparse_calls"] == 0 and stats["fallback_calls"] >= 3
+        else:
+            assert stats["sparse_calls"] >= 3 and stats["effective_density"] == 1.0
+
+
+# ----- conservation, per-rank residuals, several buckets ----------------------------------
+
+
+def _several_buckets_worker(rank, world_size, selector, wrapper, value_dtype):
+    CALLS.clear()
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.05)
+    ddp = DDP(model, bucket_cap_mb=0.5)
+    state = TopKState(
+        density=0.01, module=ddp, selector=selector, value_dtype=value_dtype, verify_conservation=True
+    )
+    hook = fp16_compress_wrapper(recording_hook) if wrapper else recording_hook
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for x in _rank_data(rank, 6, (16, 256)):
+        optimizer.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+    residuals = {k: v for k, v in state.state_dict().items() if ".residual." in k}
+    return list(CALLS), residuals, _params(model), state.stats()
+
+
+@pytest.mark.parametrize(
+    "selector,wrapper,value_dtype",
+    [
+        ("exact", False, None),
+        ("sampled", False, None),
+        ("random", False, None),
+        ("exact", True, None),  # fp16_compress_wrapper: the hook sees an fp16 buffer
+        ("exact", False, torch.bfloat16),  # narrower values on the wire
+    ],
+    ids=["exact", "sampled", "random", "fp16-wrapper", "bf16-values"],
+)
+def test_conservation_rebuild_and_per_rank_residuals(selector, wrapper, value_dtype):
+    results = run_on_ranks(_several_buckets_worker, selector, wrapper, value_dtype)
+    (calls, residuals0, params0, stats), (_, residuals1, params1, _) = results
+    # verify_conservation=True made the hook check sent + residual == grad/ws + old residual
+    # bit for bit on every sparse call; reaching here means it held every step.
+    assert stats["sparse_calls"] > 0 and stats["steps"] == 6
+    # DDP rebuilt its buckets after iteration 0 (one 1.5 MB bucket, then several of
+    # <= 0.5 MB): the test really crosses a rebuild with residuals alive.
+    first_step = [c for c in calls[: calls.index(next(c for c in calls if c[2])) + 1]]
+    assert len(first_step) == 1
+    assert len({index for index, _, _ in calls[-4:]}) >= 3
+    # Residuals are keyed by parameter name and differ per rank (different data).
+    names = {f"{i * 1}.{kind}" for i in range(6) for kind in ("weight", "bias")}
+    assert {k.split(".residual.")[1] for k in residuals0} == names
+    assert {k.split(".residual.")[1] for k in residuals1} == names
+    assert all(k.startswith("rank0.") for k in residuals0) and all(k.startswith("rank1.") for k in residuals1)
+    differing = [
+        n for n in names if not torch.equal(residuals0[f"rank0.residual.{n}"], residuals1[f"rank1.residual.{n}"])
+    ]
+    assert len(differing) == len(names)
+    # DDP replicas stay identical: every rank applied the same reduced gradient.
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b)
+
+
+def _broken_kernel(acc, k, selector, payload, value_dtype, residual_out=None, generator=None):
+    """select_and_pack that forgets to keep what it did not send (drops gradient mass)."""
+    indices = sparsecomm.compress.select_and_pack(acc, k, selector, payload, value_dtype, residual_out, generator)
+    residual_out.zero_()
+    return indices
+
+
+def _conservation_violation_worker(rank, world_size):
+    sparsecomm.ops.register_kernel("select_and_pack", "cpu", _broken_kernel)
+    ddp = DDP(_mlp())
+    sparsecomm.register_topk_hook(ddp, density=0.1, verify_conservation=True)
+    for step, x in enumerate(_rank_data(rank, 4, (8, 32))):
+        try:
+            ddp(x).pow(2).mean().backward()
+        except Exception as error:  # DDP re-raises the hook's error from backward()
+            return step, str(error)
+    return None, ""
+
+
+def test_conservation_check_catches_lost_mass():
+    for step, message in run_on_ranks(_conservation_violation_worker):
+        assert step == 2, "the first sparse step (after 2 warm-up steps) must fail"
+        assert "sent + residual != grad/ws + old_residual" in message
+
+
+# ----- residuals move with their parameters across a change of bucket size ----------------
+
+
+def _bucket_size_change_worker(rank, world_size):
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = sparsecomm.register_topk_hook(ddp, density=0.05)
+    for x in _rank_data(rank, 5, (8, 64)):
+        ddp.zero_grad()
+        ddp(x).pow(2).mean().backward()
+    saved = state.state_dict()
+    # Same parameters, very different bucket layout.
+    ddp2 = DDP(model, bucket_cap_mb=25)
+    state2 = TopKState(density=0.05, module=ddp2)
+    state2.load_state_dict(saved)
+    ddp2.register_comm_hook(state2, topk_hook)
+    # A zero gradient makes the reduced gradient exactly what the residuals released.
+    ddp2.zero_grad()
+    (ddp2(torch.zeros(1, 64)).sum() * 0).backward()
+    released = {n: p.grad.detach().clone().flatten() for n, p in model.named_parameters()}
+    after = state2.state_dict()
+    old = {k.split(".residual.")[1]: v for k, v in saved.items() if ".residual." in k}
+    new = {k.split(".residual.")[1]: v for k, v in after.items() if ".residual." in k}
+    return released, old, new
+
+
+def test_residuals_follow_parameters_across_bucket_size_change():
+    (released, old0, new0), (released1, old1, new1) = run_on_ranks(_bucket_size_change_worker)
+    for name in released:
+        assert torch.equal(released[name], released1[name])
+        # Per element at most one of (released, new residual) is nonzero per rank, so this
+        # sum is exact: what both ranks held == what was released + what both still hold.
+        assert torch.equal((released[name] + new0[name]) + new1[name], old0[name] + old1[name]), name
+        assert not torch.equal(old0[name], old1[name])
+
+
+# ----- DDP features: no_sync, find_unused_parameters, static_graph ------------------------
+
+
+class _Branchy(nn.Module):
+    """Uses ``unused`` only on even steps: DDP must be told with find_unused_parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(32, 32)
+        self.unused = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, use_branch):
+        h = torch.tanh(self.trunk(x))
+        if use_branch:
+            h = h + self.unused(h)
+        return self.head(h)
+
+
+def _ddp_features_worker(rank, world_size, feature):
+    if feature == "find_unused_parameters":
+        model, ddp_kwargs = _Branchy(), {"find_unused_parameters": True}
+    elif feature == "static_graph":
+        model, ddp_kwargs = _mlp(), {"static_graph": True}
+    else:
+        model, ddp_kwargs = _mlp(), {}
+    ddp = DDP(model, **ddp_kwargs)
+    state = sparsecomm.register_topk_hook(ddp, density=0.05, verify_conservation=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    micro = 3 if feature == "no_sync" else 1
+    for step, x in enumerate(_rank_data(rank, 6 * micro, (8, 32))):
+        args = (x, step % 2 == 0) if feature == "find_unused_parameters" else (x,)
+        if (step + 1) % micro:
+            with ddp.no_sync():
+                ddp(*args).pow(2).mean().backward()
+            continue
+        ddp(*args).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return state.stats(), _params(model)
+
+
+@pytest.mark.parametrize("feature", ["no_sync", "find_unused_parameters", "static_graph"])
+def test_ddp_features(feature):
+    (stats, params0), (_, params1) = run_on_ranks(_ddp_features_worker, feature)
+    # Steps count optimizer steps (synchronising backwards), not micro-batches.
+    assert stats["steps"] == 6
+    assert stats["sparse_calls"] >= 4
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b)
+
+
+def _no_sync_density_one_worker(rank, world_size):
+    """Accumulated gradients through the hook at density 1 == DDP's own allreduce."""
+    results = []
+    for use_hook in (False, True):
+        ddp = DDP(_mlp())
+        if use_hook:
+            ddp.register_comm_hook(TopKState(density=1.0, module=ddp), topk_hook)
+        data = _rank_data(rank, 6, (8, 32))
+        for i, x in enumerate(data):
+            if i % 3 != 2:
+                with ddp.no_sync():
+                    ddp(x).pow(2).mean().backward()
+            else:
+                ddp(x).pow(2).mean().backward()
+        results.append(_grads(ddp.module))
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_no_sync_accumulation_matches_dense():
+    assert run_on_ranks(_no_sync_density_one_worker) == [True, True]
+
+
+# ----- state dict: rank-qualified, refused across ranks ----------------------------------
+
+
+def _state_dict_worker(rank, world_size):
+    ddp = DDP(_mlp())
+    state = sparsecomm.register_topk_hook(ddp, density=0.05, selector="sampled")
+    for x in _rank_data(rank, 4, (8, 32)):
+        ddp(x).pow(2).mean().backward()
+    saved = state.state_dict()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, saved)
+    errors = {}
+    other = everyone[1 - rank]
+    for label, candidate, kwargs in [
+        ("other rank", other, {}),
+        ("world size", {**saved, "world_size": 4}, {}),
+        ("config", {**saved, "config": {**saved["config"], "density": 0.5}}, {}),
+    ]:
+        try:
+            TopKState(density=0.05, selector="sampled").load_state_dict(candidate, **kwargs)
+        except ValueError as error:
+            errors[label] = str(error)
+    restored = TopKState(density=0.05, selector="sampled")
+    restored.load_state_dict(saved)
+    roundtrip = restored.state_dict()
+    unpickled = pickle.loads(pickle.dumps(state))
+    return saved, errors, roundtrip, unpickled.process_group, unpickled.state_dict()
+
+
+def test_state_dict_is_rank_qualified_and_refuses_other_ranks():
+    for rank, (saved, errors, roundtrip, pg, unpickled_sd) in enumerate(run_on_ranks(_state_dict_worker)):
+        memory_keys = [k for k in saved if k.startswith("rank") and "." in k]
+        assert memory_keys and all(k.startswith(f"rank{rank}.") for k in memory_keys)
+        assert f"state of rank {1 - rank}, this is rank {rank}" in errors["other rank"]
+        assert "world_size=4" in errors["world size"] and "world_size=2" in errors["world size"]
+        assert "density" in errors["config"] and "0.5" in errors["config"]
+        for sd in (roundtrip, unpickled_sd):
+            assert sd.keys() == saved.keys()
+            for key in memory_keys:
+                assert torch.equal(sd[key], saved[key]), key
+        assert pg is None  # pickling drops the process group, as PowerSGDState does
+
+
+# ----- misuse ------------------------------------------------------------------------------
+
+
+def _double_registration_worker(rank, world_size):
+    errors = []
+    ddp = DDP(_mlp())
+    sparsecomm.register_topk_hook(ddp, density=0.05)
+    try:
+        sparsecomm.register_topk_hook(ddp, density=0.05)
+    except ValueError as error:
+        errors.append(str(error))
+    other = DDP(_mlp())
+    other.register_comm_hook(None, allreduce_hook)
+    try:
+        sparsecomm.register_topk_hook(other, density=0.05)
+    except ValueError as error:
+        errors.append(str(error))
+    state = TopKState(density=0.05, module=ddp)
+    try:
+        sparsecomm.register_topk_hook(DDP(_mlp()), state)
+    except ValueError as error:
+        errors.append(str(error))
+    return errors
+
+
+def test_double_registration_and_state_reuse_are_refused():
+    for errors in run_on_ranks(_double_registration_worker):
+        assert len(errors) == 3
+        assert "already has a communication hook (topk_hook)" in errors[0]
+        assert "allreduce_hook" in errors[1]
+        assert "one TopKState per DDP model" in errors[2]
