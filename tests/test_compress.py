@@ -108,6 +108,8 @@ def test_topk_indices_ignores_generator_argument():
         (10, 1.0, 10),  # all of it
         (10, 1.5, 10),  # never more than numel
         (3, 0.5, 2),
+        (100, 0.07, 7),  # 0.07 * 100 == 7.000000000000001 in floating point: still 7
+        (25_000_000, 0.07, 1_750_000),
     ],
 )
 def test_num_selected(numel, density, expected):
@@ -449,3 +451,18 @@ def test_dispatch_uses_reference_without_registered_kernel():
 def test_dispatch_rejects_unknown_op():
     with pytest.raises(ValueError, match="op must be one of"):
         ops.register_kernel("topk", "cpu", lambda *a: None)
+
+
+def test_narrow_wire_dtype_saturates_and_keeps_the_excess_in_the_residual():
+    # 1e5 does not fit in fp16 (max 65504): it is sent as 65504 and 34496 stays behind, so
+    # conservation still holds exactly; Inf is not a range problem and propagates as Inf.
+    acc = torch.tensor([1e5, 1.0, -2.0, -7e4])
+    payload = torch.empty(payload_nbytes(2, torch.float16), dtype=torch.uint8)
+    residual = torch.empty_like(acc)
+    select_and_pack(acc, 2, topk_indices, payload, torch.float16, residual_out=residual)
+    sent = unpack_add(payload, torch.empty_like(acc), 2, torch.float16)
+    assert sent.tolist() == [65504.0, 0.0, 0.0, -65504.0]
+    assert torch.equal(sent + residual, acc)
+    inf_acc = torch.tensor([float("inf"), 1.0])
+    select_and_pack(inf_acc, 1, topk_indices, payload, torch.float16, residual_out=residual[:2])
+    assert unpack_add(payload, torch.empty(2), 1, torch.float16)[0].item() == float("inf")

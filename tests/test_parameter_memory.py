@@ -181,3 +181,25 @@ def test_clear():
     flat = _bucket(memory, 0, ("a",))
     assert flat is not cached
     assert torch.equal(flat, torch.zeros(2))
+
+
+def test_returning_to_an_old_layout_rebuilds_from_the_entries():
+    # Regression: layout A -> B -> A used to hand back A's stale flat tensor for bucket 1,
+    # losing what was written in layout B and detaching later writes from the entries.
+    memory = ParameterMemory()
+    _fill(memory, 0, ("a",))
+    _fill(memory, 1, ("b",))
+    merged = _bucket(memory, 0, ("a", "b"))
+    merged += 10
+    _bucket(memory, 0, ("a",))
+    b_again = _bucket(memory, 1, ("b",))
+    assert torch.equal(b_again, _values("b") + 10)
+    b_again += 1
+    assert torch.equal(memory.get("b"), _values("b") + 11)  # writes reach the entry
+
+
+def test_same_names_with_other_sizes_raises_instead_of_reusing():
+    memory = ParameterMemory()
+    memory.bucket_tensor(0, ("a",), (4,), torch.zeros(4))
+    with pytest.raises(ValueError, match="'a' has 5 elements but its stored entry has 4"):
+        memory.bucket_tensor(0, ("a",), (5,), torch.zeros(5))

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create or update ./.venv with everything sparsecomm needs. Idempotent.
+# torch is installed first and pinned: a bare "torch" requirement resolved from scratch
+# would pull a multi-GB CUDA build. Override with SPARSECOMM_TORCH=torch==X.Y.Z.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($python --version)"
+  "$python" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing ${SPARSECOMM_TORCH:-torch==2.13.0}"
+  .venv/bin/pip install --quiet "${SPARSECOMM_TORCH:-torch==2.13.0}"
+fi
+echo "setup: installing sparsecomm (editable) and its test dependencies"
+.venv/bin/pip install --quiet --editable ".[test]"
