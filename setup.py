@@ -18,6 +18,8 @@ setup(
         "torch>=2.4,<=2.14.1",
         "numpy",
         "scikit-learn",
+        "scipy",
+        "matplotlib",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={"console_scripts": ["sparsecomm=sparsecomm.cli:main"]},

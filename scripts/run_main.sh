@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quick start, part 1: set up .venv, then run the main job on its built-in default.
-# Extra arguments go to the job, e.g. scripts/run_main.sh --density 0.001
+# Extra arguments go to the job, e.g. scripts/run_main.sh --experiment digits-quick
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/sparsecomm demo "$@"
+exec .venv/bin/sparsecomm compare "$@"

@@ -6,15 +6,20 @@ Two lines in an existing DDP job::
     sparsecomm.register_topk_hook(ddp_model, density=0.01)
 """
 from sparsecomm.errors import ConservationError, SparsecommError
-from sparsecomm.hooks import TopKState, register_topk_hook, topk_hook
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConservationError",
-    "SparsecommError",
-    "TopKState",
-    "register_topk_hook",
-    "topk_hook",
-    "__version__",
-]
+# The hook API needs torch; it is imported on first use so that reading results
+# (ledger, tolerance checker, plots) works without importing torch at all.
+_HOOK_NAMES = ("TopKState", "register_topk_hook", "topk_hook")
+
+
+def __getattr__(name):
+    if name in _HOOK_NAMES:
+        from sparsecomm import hooks
+
+        return getattr(hooks, name)
+    raise AttributeError(f"module 'sparsecomm' has no attribute {name!r}")
+
+
+__all__ = ["ConservationError", "SparsecommError", *_HOOK_NAMES, "__version__"]

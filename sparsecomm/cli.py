@@ -1,8 +1,12 @@
 """``sparsecomm`` command line: ``sparsecomm <command> [options]``."""
+import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("sparsecomm.demo", "2-rank DDP job on bundled digits: dense vs top-k+EF vs top-k without EF"),
+    "compare": ("sparsecomm.experiment.compare", "run a paired dense-vs-sparse experiment; print ledger, verdicts, plots"),
+    "ledger": ("sparsecomm.ledger", "print the time-to-quality ledger of a run directory"),
+    "check": ("sparsecomm.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
+    "plot": ("sparsecomm.plots", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
 }
 
 
@@ -23,8 +27,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsecomm: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n", file=sys.stderr)
         print(_usage(), file=sys.stderr)
         return 2
-    import importlib
-
     return importlib.import_module(COMMANDS[command][0]).main(rest)
 
 

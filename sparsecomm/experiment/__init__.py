@@ -1,0 +1,1 @@
+"""Paired dense-vs-sparse experiments: config, arms, per-rank worker, runner."""

@@ -1,0 +1,144 @@
+"""The arms of a comparison: how each one reduces gradients, and how many bytes it sends.
+
+Every arm registers a comm hook, dense included (torch's ``allreduce_hook`` is the
+Python twin of DDP's built-in allreduce), so one meter times all of them the same way.
+
+| arm        | hook                                                         |
+|------------|--------------------------------------------------------------|
+| dense      | torch ``allreduce_hook``                                      |
+| dense-bf16 | torch ``bf16_compress_hook`` on NCCL; ``fp16_compress_hook`` on gloo, which DDP refuses bf16 on |
+| powersgd   | torch ``powerSGD_hook`` (error feedback, warm start)          |
+| topk-ef    | sparsecomm ``topk_hook``, error feedback                      |
+| topk-noef  | sparsecomm ``topk_hook`` without error feedback (ablation)    |
+"""
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.hooks import TopKState, topk_hook
+
+
+@dataclass
+class ArmHook:
+    """A hook, its state, and how to count the bytes one call sends from this rank."""
+
+    description: str
+    state: object
+    hook: Callable
+    # (state, bucket, snapshot taken before the call) -> bytes this rank contributed
+    call_bytes: Callable
+    snapshot: Callable = lambda state: None
+    stats: Callable = lambda state: None
+
+
+def _buffer_bytes(state, bucket, before) -> int:
+    return bucket.buffer().numel() * bucket.buffer().element_size()
+
+
+def _half_bytes(state, bucket, before) -> int:
+    return bucket.buffer().numel() * 2
+
+
+def _powersgd_bytes(state, bucket, before) -> int:
+    # PowerSGD counts elements of P, Q and uncompressed tensors; none during warm-up.
+    sent = state.total_numel_after_compression - before
+    element = bucket.buffer().element_size()
+    return sent * element if sent else bucket.buffer().numel() * element
+
+
+def _topk_bytes(state, bucket, before) -> int:
+    return state.stats()["bytes_sent"] - before
+
+
+def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> ArmHook:
+    """The hook for ``arm``, configured from ``config``; not yet registered."""
+    if arm == "dense":
+        return ArmHook("torch allreduce_hook", None, default_hooks.allreduce_hook, _buffer_bytes)
+    if arm == "dense-bf16":
+        if dist.get_backend() == "nccl":
+            return ArmHook("torch bf16_compress_hook", None, default_hooks.bf16_compress_hook, _half_bytes)
+        return ArmHook("torch fp16_compress_hook (bf16 needs NCCL)", None, default_hooks.fp16_compress_hook, _half_bytes)
+    if arm == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=config.warmup_steps,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=seed,
+        )
+        return ArmHook(
+            f"torch powerSGD_hook rank {config.powersgd_rank}",
+            state,
+            powerSGD_hook.powerSGD_hook,
+            _powersgd_bytes,
+            snapshot=lambda s: s.total_numel_after_compression,
+        )
+    if arm in ("topk-ef", "topk-noef"):
+        state = TopKState(
+            density=config.density,
+            error_feedback=arm == "topk-ef",
+            warmup_steps=config.warmup_steps,
+            seed=seed,
+            module=ddp_model,
+        )
+        return ArmHook(
+            f"sparsecomm topk_hook density {config.density:g}" + ("" if arm == "topk-ef" else " without error feedback"),
+            state,
+            topk_hook,
+            _topk_bytes,
+            snapshot=lambda s: s.stats()["bytes_sent"],
+            stats=lambda s: s.stats(),
+        )
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+class HookMeter:
+    """Wraps an arm's hook: host time inside the hook, bytes sent, when the last bucket left.
+
+    The time from the last bucket's hook returning to the end of ``backward()`` is time
+    spent waiting for collectives that computation could no longer hide.
+    """
+
+    def __init__(self, arm_hook: ArmHook):
+        self.arm_hook = arm_hook
+        self._reset()
+
+    def _reset(self):
+        self.hook_seconds = 0.0
+        self.bytes_sent = 0
+        self.bytes_dense = 0
+        self.last_hook_return = None
+
+    def register(self, ddp_model) -> None:
+        arm_hook = self.arm_hook
+
+        def metered_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            before = arm_hook.snapshot(state)
+            self.bytes_dense += _buffer_bytes(state, bucket, None)
+            started = time.perf_counter()
+            fut = arm_hook.hook(state, bucket)
+            ended = time.perf_counter()
+            self.hook_seconds += ended - started
+            self.bytes_sent += arm_hook.call_bytes(state, bucket, before)
+            if bucket.is_last():
+                self.last_hook_return = ended
+            return fut
+
+        ddp_model.register_comm_hook(arm_hook.state, metered_hook)
+
+    def take_step(self) -> dict:
+        """This step's figures; resets the counters."""
+        figures = {
+            "hook_seconds": self.hook_seconds,
+            "bytes_sent": self.bytes_sent,
+            "bytes_dense": self.bytes_dense,
+            "last_hook_return": self.last_hook_return,
+        }
+        self._reset()
+        return figures

@@ -1,0 +1,128 @@
+"""What an experiment is: a task, arms, seeds, world size, training budget and a policy.
+
+Named experiments are functions in :mod:`sparsecomm.experiment.named`; a JSON file with
+the same fields (``ExperimentConfig.to_dict()``) works too (``--config FILE``).
+Everything is validated here, before any process is launched.
+"""
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from sparsecomm.policy import Policy
+
+ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef")
+TASK_NAMES = ("pydoc-gpt", "digits-mlp")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    name: str
+    """Names the run directory (``RUN_ROOT/<name>``) and the plots folder."""
+    task: str
+    """One of TASK_NAMES: the model and data."""
+    arms: tuple[str, ...] = ARM_NAMES
+    """Ways of reducing gradients to compare; "dense" is the baseline every arm is paired with."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """One paired run per arm and seed: same initial weights and data order in every arm."""
+    world_size: int = 2
+    steps: int = 300
+    """Optimizer steps per run."""
+    batch_size: int = 16
+    """Samples per rank per step (every rank reads different samples)."""
+    eval_every: int = 25
+    """Validation cadence in steps; also the resolution of steps-to-target."""
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    momentum: float = 0.9
+    """SGD momentum (ignored by AdamW)."""
+    weight_decay: float = 0.0
+    density: float = 0.01
+    """Fraction of each gradient bucket the top-k arms send."""
+    warmup_steps: int = 2
+    """Dense steps before compressed arms compress (DDP rebuilds buckets after step 1)."""
+    powersgd_rank: int = 2
+    bucket_cap_mb: float = 1.0
+    target_loss: float | None = None
+    """Declared target validation loss; None derives it from dense (median final + tolerance)."""
+    collective_timeout_s: float = 60.0
+    """A collective that takes longer fails the run (counted as failed) instead of hanging."""
+    stall_timeout_s: float = 120.0
+    """A run that completes no step for this long (start-up included) is killed and counted as failed."""
+    policy: Policy = field(default_factory=Policy)
+
+    def __post_init__(self):
+        _check(isinstance(self.name, str) and self.name and "/" not in self.name, "name", "a non-empty string without '/'", self.name)
+        _check(self.task in TASK_NAMES, "task", f"one of {TASK_NAMES}", self.task)
+        _check(isinstance(self.arms, tuple) and len(self.arms) >= 1 and all(a in ARM_NAMES for a in self.arms)
+               and len(set(self.arms)) == len(self.arms), "arms", f"distinct names from {ARM_NAMES}", self.arms)
+        _check("dense" in self.arms, "arms", "a list that includes 'dense' (the paired baseline)", self.arms)
+        _check(isinstance(self.seeds, tuple) and len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds)
+               and all(_is_int(s) and s >= 0 for s in self.seeds), "seeds", "distinct integers >= 0", self.seeds)
+        _check(_is_int(self.world_size) and self.world_size >= 2, "world_size", "an integer >= 2", self.world_size)
+        _check(_is_int(self.steps) and self.steps >= 1, "steps", "an integer >= 1", self.steps)
+        _check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+        _check(_is_int(self.eval_every) and 1 <= self.eval_every, "eval_every", "an integer >= 1", self.eval_every)
+        _check(self.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}", self.optimizer)
+        _check(_is_real(self.lr) and self.lr > 0, "lr", "a finite number > 0", self.lr)
+        _check(_is_real(self.momentum) and 0 <= self.momentum < 1, "momentum", "in [0, 1)", self.momentum)
+        _check(_is_real(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a finite number >= 0", self.weight_decay)
+        _check(_is_real(self.density) and 0 < self.density <= 1, "density", "in (0, 1]", self.density)
+        _check(_is_int(self.warmup_steps) and self.warmup_steps >= 2, "warmup_steps", "an integer >= 2", self.warmup_steps)
+        _check(_is_int(self.powersgd_rank) and self.powersgd_rank >= 1, "powersgd_rank", "an integer >= 1", self.powersgd_rank)
+        _check(_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "bucket_cap_mb", "a finite number > 0", self.bucket_cap_mb)
+        _check(self.target_loss is None or (_is_real(self.target_loss) and self.target_loss > 0), "target_loss",
+               "None or a finite number > 0", self.target_loss)
+        _check(_is_real(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
+               "a finite number > 0", self.collective_timeout_s)
+        _check(_is_real(self.stall_timeout_s) and self.stall_timeout_s > 0, "stall_timeout_s",
+               "a finite number > 0", self.stall_timeout_s)
+        _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.policy.Policy", self.policy)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["arms"], d["seeds"] = list(self.arms), list(self.seeds)
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ExperimentConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown experiment config keys {unknown}; accepted keys: {sorted(known)}")
+        values = dict(raw)
+        for key in ("arms", "seeds"):
+            if key in values and isinstance(values[key], list):
+                values[key] = tuple(values[key])
+        if "policy" in values:
+            values["policy"] = Policy(**values["policy"])
+        return cls(**values)
+
+    def with_overrides(self, **overrides) -> "ExperimentConfig":
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def run_hash(self, arm: str, seed: int) -> str:
+        """Identifies one run: everything that changes what it computes, plus arm and seed.
+
+        The experiment's name, arm list, seed list, target and policy only change the
+        report, so a finished run is reused when they change.
+        """
+        d = self.to_dict()
+        for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s"):
+            d.pop(key)
+        d.update(arm=arm, seed=seed)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, accepted: str, value) -> None:
+    if not ok:
+        raise ValueError(f"experiment config: {name} must be {accepted}, got {value!r}")

@@ -1,0 +1,47 @@
+"""Named experiments: ``sparsecomm compare --experiment NAME``.
+
+Each is a function returning an :class:`ExperimentConfig`; read them before adding knobs.
+"""
+from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.policy import Policy
+
+
+def pydoc_gpt() -> ExperimentConfig:
+    """The default: byte-level GPT (2 layers, width 96, 0.25M parameters) on Python's docs.
+
+    5 arms x 3 seeds x 2 gloo ranks, 300 AdamW steps each; about 10 minutes on 2 CPU cores.
+    """
+    return ExperimentConfig(
+        name="pydoc-gpt",
+        task="pydoc-gpt",
+        steps=300,
+        batch_size=16,
+        eval_every=25,
+        optimizer="adamw",
+        lr=3e-3,
+        density=0.01,
+        policy=Policy(quality_tolerance=0.05, staleness_limit=1000, redundancy_budget=0.05),
+    )
+
+
+def digits_quick() -> ExperimentConfig:
+    """MLP on scikit-learn's digits, dense vs top-k+EF: about a minute, for quick checks."""
+    return ExperimentConfig(
+        name="digits-quick",
+        task="digits-mlp",
+        arms=("dense", "topk-ef"),
+        seeds=(0, 1, 2),
+        steps=300,
+        batch_size=32,
+        eval_every=25,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.9,
+        density=0.01,
+        bucket_cap_mb=0.1,
+        policy=Policy(quality_tolerance=0.05, staleness_limit=1000, redundancy_budget=0.05),
+    )
+
+
+EXPERIMENTS = {"pydoc-gpt": pydoc_gpt, "digits-quick": digits_quick}
+DEFAULT_EXPERIMENT = "pydoc-gpt"

@@ -1,0 +1,153 @@
+"""Run every (arm, seed) of an experiment as its own multi-rank job, skipping finished ones.
+
+Each run is launched with ``torchrun --standalone`` (``python -m torch.distributed.run``)
+as ``world_size`` local gloo ranks, in its own process group so a hung run can be killed
+whole. A run that fails (an exception, a
+collective timeout) is recorded with status "failed" and its error: it is counted in
+every report, never dropped. Re-running the same experiment skips runs whose
+``summary.json`` exists with status "ok" for the same (arm, seed, config hash).
+"""
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.experiment.worker import write_json_atomically
+
+
+def run_directory(config: ExperimentConfig, root: Path, arm: str, seed: int) -> Path:
+    return root / config.name / "runs" / f"{arm}-seed{seed}-{config.run_hash(arm, seed)}"
+
+
+def _git_commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": _git_commit(),
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
+    """Write ``experiment.json``; an earlier snapshot with another config is kept in history/."""
+    experiment_dir = root / config.name
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+    path = experiment_dir / "experiment.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+        if previous.get("config") != config.to_dict():
+            history = experiment_dir / "history"
+            history.mkdir(exist_ok=True)
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+            shutil.copy2(path, history / f"experiment-{stamp}.json")
+    runs = {f"{arm}/{seed}": run_directory(config, root, arm, seed).name for arm in config.arms for seed in config.seeds}
+    write_json_atomically(path, {"config": config.to_dict(), "environment": environment(), "runs": runs})
+    return experiment_dir
+
+
+def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", "--max-restarts=0",
+        "-m", "sparsecomm.experiment.worker",
+        "--experiment-json", str(experiment_dir / "experiment.json"),
+        "--arm", arm, "--seed", str(seed), "--out", str(out_dir),
+        "--launch-time", repr(time.time()),
+    ]
+
+
+def _stalled_for(steps_path: Path, launched: float) -> float:
+    """Seconds since the run last wrote a step (or since launch)."""
+    last = steps_path.stat().st_mtime if steps_path.exists() else launched
+    return time.time() - max(last, launched)
+
+
+def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> dict:
+    """Run one arm x seed under torchrun; returns its summary (a "failed" one on error or stall).
+
+    A run that writes no step for ``stall_timeout_s`` is killed (its whole process group)
+    and recorded as failed: gloo's own timeout does not cover every hang (a Future that
+    never completes inside DDP waits forever).
+    """
+    log_path = out_dir / "launch.log"
+    steps_path = out_dir / "steps.jsonl"
+    steps_path.unlink(missing_ok=True)
+    launched = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(_torchrun_command(config, experiment_dir, arm, seed, out_dir),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        error = None
+        while proc.poll() is None:
+            if _stalled_for(steps_path, launched) > config.stall_timeout_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
+                break
+            time.sleep(0.2)
+    summary_path = out_dir / "summary.json"
+    if error is None and proc.returncode == 0 and summary_path.exists():
+        return json.loads(summary_path.read_text())
+    if error is None:
+        error = f"exit code {proc.returncode}: " + _tail(log_path)
+    summary = {"arm": arm, "seed": seed, "status": "failed", "config_hash": config.run_hash(arm, seed),
+               "error": error, "evals": []}
+    write_json_atomically(summary_path, summary)
+    return summary
+
+
+def _tail(path: Path, num_lines: int = 6) -> str:
+    """The last lines of a log that explain a failure (error lines first)."""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return " | ".join((errors or lines)[-num_lines:])[:2000]
+
+
+def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> Path:
+    """Run what is missing; returns the experiment directory ``root/<name>``."""
+    experiment_dir = write_snapshot(config, root)
+    jobs = [(arm, seed) for seed in config.seeds for arm in config.arms]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for number, (arm, seed) in enumerate(jobs, start=1):
+        out_dir = run_directory(config, root, arm, seed)
+        label = f"[{number}/{len(jobs)}] {arm} seed {seed}"
+        summary_path = out_dir / "summary.json"
+        if summary_path.exists():
+            if json.loads(summary_path.read_text()).get("status") == "ok":
+                progress(f"{label}: finished earlier, skipped ({out_dir.name})")
+                continue
+            # A failed attempt is retried; its record is kept beside the new one.
+            summary_path.rename(out_dir / f"failed-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}.json")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        summary = _launch(config, experiment_dir, arm, seed, out_dir)
+        took = time.perf_counter() - started
+        if summary["status"] == "ok":
+            progress(f"{label}: final val loss {summary['evals'][-1][2]:.4f}, "
+                     f"{summary['median_step_seconds'] * 1e3:.1f} ms/step, {took:.0f} s")
+        else:
+            progress(f"{label}: FAILED after {took:.0f} s: {summary['error'][:300]}")
+        sys.stdout.flush()
+    return experiment_dir

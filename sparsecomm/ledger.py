@@ -1,0 +1,273 @@
+"""The time-to-quality ledger: what a run costs until it reaches the target, item by item.
+
+Line items per arm (median over seeds): setup, step cost x steps actually needed,
+checkpoint, expected recovery. Every figure carries the boundary it was measured against:
+
+- ``step``: one training step (compute + compression + communication);
+- ``steps_to_target``: steps until the validated target is first reached (resolution:
+  the evaluation cadence);
+- ``time_to_target``: wall clock from first data touch to the target, evaluation included;
+- ``end_to_end``: setup + step x steps + checkpoint + expected recovery.
+
+Adding or dividing figures of different boundaries raises :class:`BoundaryError`; the
+only cross-boundary operation is :func:`step_cost_to_target` (step x steps), which is how
+the ledger defines that line item. An item not measured yet is ``not measured``, never
+zero, and a total that includes it is ``not measured`` too (its measured part is shown
+separately, labelled as partial). Speedups are printed per boundary: "1.9x (boundary:
+step)" and "1.2x (boundary: end_to_end)" are different claims.
+
+Needs no torch.
+
+    sparsecomm ledger RUN_DIR
+"""
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparsecomm.policy import format_policy
+from sparsecomm.results import RunSummary, load_experiment, load_runs
+from sparsecomm.target import DENSE_ARM, Target, resolve_target
+
+BOUNDARIES = ("step", "steps_to_target", "time_to_target", "end_to_end")
+NOT_MEASURED_YET = {
+    "checkpoint": "not measured (checkpointing is not part of these runs yet)",
+    "recovery": "not measured (no fault was injected in these runs)",
+}
+
+
+class BoundaryError(TypeError):
+    """Two figures measured against different boundaries (or units) were combined."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A measured value with its unit and boundary; ``value=None`` means not measured."""
+
+    value: float | None
+    unit: str
+    boundary: str
+    note: str = ""
+
+    def __post_init__(self):
+        if self.boundary not in BOUNDARIES:
+            raise ValueError(f"boundary must be one of {BOUNDARIES}, got {self.boundary!r}")
+
+    @property
+    def measured(self) -> bool:
+        return self.value is not None
+
+    def _check_compatible(self, other: "Figure", operation: str) -> None:
+        if not isinstance(other, Figure):
+            raise TypeError(f"cannot {operation} a Figure and {type(other).__name__}")
+        if (self.boundary, self.unit) != (other.boundary, other.unit):
+            raise BoundaryError(
+                f"cannot {operation} {self.unit} [boundary: {self.boundary}] and "
+                f"{other.unit} [boundary: {other.boundary}]"
+            )
+
+    def __add__(self, other: "Figure") -> "Figure":
+        self._check_compatible(other, "add")
+        if not (self.measured and other.measured):
+            return Figure(None, self.unit, self.boundary, "not measured: a summand is not measured")
+        return Figure(self.value + other.value, self.unit, self.boundary)
+
+    def speedup_over(self, baseline: "Figure") -> "Speedup":
+        """``baseline / self`` (a cost ratio: > 1 means this is cheaper)."""
+        self._check_compatible(baseline, "divide")
+        if not (self.measured and baseline.measured) or self.value == 0:
+            return Speedup(None, self.boundary)
+        return Speedup(baseline.value / self.value, self.boundary)
+
+    def __str__(self) -> str:
+        return format_value(self.value, self.unit) if self.measured else "not measured"
+
+
+@dataclass(frozen=True)
+class Speedup:
+    ratio: float | None
+    boundary: str
+
+    def __str__(self) -> str:
+        shown = "n/a" if self.ratio is None else f"{self.ratio:.2f}x"
+        return f"{shown} (boundary: {self.boundary})"
+
+
+def format_value(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.1f} s"
+    if unit == "B":
+        for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+            if value >= scale:
+                return f"{value / scale:.2f} {name}"
+        return f"{value:.0f} B"
+    return f"{value:g} {unit}"
+
+
+def step_cost_to_target(step: Figure, steps: Figure) -> Figure:
+    """The line item "step cost x steps actually needed" (boundary: end_to_end)."""
+    if (step.boundary, steps.boundary) != ("step", "steps_to_target"):
+        raise BoundaryError(
+            f"step x steps needs a [step] and a [steps_to_target] figure, got [{step.boundary}] and [{steps.boundary}]"
+        )
+    if not (step.measured and steps.measured):
+        return Figure(None, "s", "end_to_end", steps.note or step.note)
+    return Figure(step.value * steps.value, "s", "end_to_end")
+
+
+@dataclass(frozen=True)
+class ArmLedger:
+    arm: str
+    num_ok: int
+    num_failed: int
+    setup: Figure  # end_to_end item
+    step: Figure
+    bytes_per_step: Figure
+    steps_to_target: Figure
+    time_to_target: Figure
+    step_x_steps: Figure  # end_to_end item
+    checkpoint: Figure  # end_to_end item
+    recovery: Figure  # end_to_end item
+
+    @property
+    def end_to_end(self) -> Figure:
+        return self.setup + self.step_x_steps + self.checkpoint + self.recovery
+
+    @property
+    def measured_part(self) -> Figure:
+        """The measured end_to_end items only: a partial total, never shown as the total."""
+        items = [f for f in (self.setup, self.step_x_steps, self.checkpoint, self.recovery) if f.measured]
+        total = items[0] if items else Figure(None, "s", "end_to_end")
+        for item in items[1:]:
+            total = total + item
+        return total
+
+    @property
+    def missing_items(self) -> list[str]:
+        names = ("setup", "step x steps", "checkpoint", "recovery")
+        figures = (self.setup, self.step_x_steps, self.checkpoint, self.recovery)
+        return [name for name, f in zip(names, figures) if not f.measured]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def arm_ledger(arm: str, runs: list[RunSummary], target: Target) -> ArmLedger:
+    """Median over this arm's finished seeds of every figure."""
+    ok = [r for r in runs if r.arm == arm and r.status == "ok" and r.evals]
+    failed = [r for r in runs if r.arm == arm and r.status != "ok"]
+    reached = [r.first_reaching(target.val_loss) for r in ok]
+    hits = [e for e in reached if e is not None]
+    not_reached = len(ok) - len(hits)
+    if not ok:
+        note = "no finished run"
+    elif not_reached:
+        # A median over only the seeds that made it would flatter the arm.
+        note = f"target not reached in {not_reached} of {len(ok)} seeds"
+    else:
+        note = ""
+    steps = _median([e.step for e in hits]) if hits and not not_reached else None
+    seconds = _median([e.elapsed_seconds for e in hits]) if hits and not not_reached else None
+    step = Figure(_median([r.median_step_seconds for r in ok]), "s", "step")
+    steps_to_target = Figure(steps, "steps", "steps_to_target", note)
+    return ArmLedger(
+        arm=arm,
+        num_ok=len(ok),
+        num_failed=len(failed),
+        setup=Figure(_median([r.setup_seconds for r in ok]), "s", "end_to_end"),
+        step=step,
+        bytes_per_step=Figure(_median([r.bytes_sent_per_step for r in ok]), "B", "step"),
+        steps_to_target=steps_to_target,
+        time_to_target=Figure(seconds, "s", "time_to_target", note),
+        step_x_steps=step_cost_to_target(step, steps_to_target),
+        checkpoint=Figure(None, "s", "end_to_end", NOT_MEASURED_YET["checkpoint"]),
+        recovery=Figure(None, "s", "end_to_end", NOT_MEASURED_YET["recovery"]),
+    )
+
+
+@dataclass(frozen=True)
+class Ledger:
+    experiment: dict
+    target: Target
+    arms: list[ArmLedger]
+
+    def arm(self, name: str) -> ArmLedger:
+        return next(a for a in self.arms if a.arm == name)
+
+
+def build_ledger(run_dir: str | Path) -> Ledger:
+    experiment = load_experiment(run_dir)
+    runs = load_runs(run_dir)
+    target = resolve_target(experiment, runs)
+    order = list(experiment["config"]["arms"])
+    order += sorted({r.arm for r in runs} - set(order))
+    return Ledger(experiment, target, [arm_ledger(arm, runs, target) for arm in order])
+
+
+def ledger_items_for_plot(run_dir: str | Path) -> dict[str, dict[str, float | None]]:
+    """Per arm, the four end_to_end line items in seconds (None: not measured)."""
+    return {
+        a.arm: {"setup": a.setup.value, "step x steps": a.step_x_steps.value,
+                "checkpoint": a.checkpoint.value, "recovery": a.recovery.value}
+        for a in build_ledger(run_dir).arms
+    }
+
+
+def format_ledger(ledger: Ledger) -> str:
+    config = ledger.experiment["config"]
+    dense = next((a for a in ledger.arms if a.arm == DENSE_ARM), None)
+    lines = [
+        format_policy(config["policy"]),
+        ledger.target.describe(),
+        f"experiment {config['name']}: task {config['task']}, {config['world_size']} ranks, {config['steps']} steps, "
+        f"seeds {config['seeds']}; figures are medians over finished seeds, [boundary] after each",
+        "",
+    ]
+    header = ["arm", "runs ok/failed", "setup [e2e]", "step [step]", "sent/step [step]", "steps [s2t]",
+              "step x steps [e2e]", "time [t2t]", "checkpoint [e2e]", "recovery [e2e]", "end-to-end [e2e]"]
+    rows = [header]
+    for a in ledger.arms:
+        total = a.end_to_end
+        total_text = str(total) if total.measured else f"not measured (partial {a.measured_part})"
+        rows.append([a.arm, f"{a.num_ok}/{a.num_failed}", str(a.setup), str(a.step), str(a.bytes_per_step),
+                     _or_note(a.steps_to_target), str(a.step_x_steps), _or_note(a.time_to_target),
+                     str(a.checkpoint), str(a.recovery), total_text])
+    lines += _table(rows)
+    lines += ["", "boundaries: e2e = end_to_end, s2t = steps_to_target, t2t = time_to_target (evaluation included)"]
+    for name, note in NOT_MEASURED_YET.items():
+        lines.append(f"{name}: {note}")
+    if dense is not None:
+        lines += ["", "speedup vs dense (dense cost / arm cost; > 1: arm is cheaper):"]
+        for a in ledger.arms:
+            if a.arm == DENSE_ARM:
+                continue
+            partial = a.measured_part.speedup_over(dense.measured_part)
+            lines.append(
+                f"  {a.arm:<11} {a.step.speedup_over(dense.step)}; {a.steps_to_target.speedup_over(dense.steps_to_target)}; "
+                f"{a.time_to_target.speedup_over(dense.time_to_target)}; {a.end_to_end.speedup_over(dense.end_to_end)}, "
+                f"measured items only ({', '.join(a.missing_items) or 'none'} missing): {partial}"
+            )
+    return "\n".join(lines)
+
+
+def _or_note(figure: Figure) -> str:
+    return str(figure) if figure.measured else (figure.note or "not measured")
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparsecomm ledger", description="Print the time-to-quality ledger of a run directory.")
+    parser.add_argument("run_dir", type=Path, help="experiment directory written by sparsecomm compare")
+    args = parser.parse_args(argv)
+    try:
+        print(format_ledger(build_ledger(args.run_dir)))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"sparsecomm ledger: {error}", file=sys.stderr)
+        return 2
+    return 0

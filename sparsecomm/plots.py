@@ -1,0 +1,380 @@
+"""Figures of an experiment's run directory (``sparsecomm plot RUN_DIR [--out DIR]``).
+
+* ``time_to_loss.png``: validation loss against wall clock since the run's first data
+  touch (evaluation included), one line per arm: the mean over seeds, with a shaded band
+  from the best to the worst seed, and the quality target as a dashed horizontal line.
+* ``loss_vs_step.png``: the same against optimizer steps, plus the seed-mean training
+  loss (moving average) as a thin faint line of the arm's colour.
+* ``ledger.png``: the time-to-quality ledger per arm as stacked horizontal bars (setup,
+  step time x steps to target, checkpoint, recovery); what was not measured is written
+  next to the bar, never drawn as zero.
+
+Colours are Okabe-Ito (colour-blind safe), fixed per arm name; every arm also has its own
+line style and every ledger segment its own hatching, so the figures survive greyscale.
+Reads result files only: no torch needed.
+"""
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+# The Figure API with an explicit Agg canvas is headless and, unlike matplotlib.use("Agg")
+# + pyplot, neither touches the caller's backend nor keeps figures alive in pyplot's registry.
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from sparsecomm.results import RunSummary, load_experiment, load_runs, load_steps
+from sparsecomm.target import DENSE_ARM, Target, resolve_target
+
+OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef")
+# Non-dense colours in assignment order; black is kept for dense. Yellow goes last because
+# a thin yellow line is nearly invisible on white.
+_ARM_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#D55E00", "#0072B2", "#CC79A7", "#F0E442")
+_ARM_LINESTYLES = (
+    "--", "-.", ":", (0, (3, 1, 1, 1, 1, 1)), (0, (5, 1)), (0, (1, 2, 5, 2)), (0, (8, 2, 2, 2)),
+)
+SEGMENTS = ("setup", "step x steps", "checkpoint", "recovery")
+STEP_SEGMENT = "step x steps"
+_SEGMENT_COLOURS = ("#56B4E9", "#0072B2", "#E69F00", "#D55E00", "#009E73", "#CC79A7", "#F0E442")
+_SEGMENT_HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo")
+
+TIME_XLABEL = "wall clock since first data touch (s), evaluation included"
+_GRID_POINTS = 200
+_DPI = 120
+
+
+def arm_order(arms: Iterable[str]) -> list[str]:
+    """Distinct arm names: the preferred order first, then other names as they first appear."""
+    seen = list(dict.fromkeys(arms))
+    known = [a for a in PREFERRED_ARM_ORDER if a in seen]
+    return known + [a for a in seen if a not in PREFERRED_ARM_ORDER]
+
+
+def arm_styles(arms: Iterable[str]) -> dict[str, dict]:
+    """``{arm: {"color", "linestyle"}}`` for ``Axes.plot(**style)``.
+
+    Known arms keep the same colour and style in every figure and experiment whatever the
+    other arms are; unknown names take the slots after the known ones.
+    """
+    styles = {}
+    others = 0
+    for arm in arm_order(arms):
+        if arm == DENSE_ARM:
+            styles[arm] = {"color": OKABE_ITO[0], "linestyle": "-"}
+            continue
+        if arm in PREFERRED_ARM_ORDER:
+            slot = PREFERRED_ARM_ORDER.index(arm) - 1
+        else:
+            slot = len(PREFERRED_ARM_ORDER) - 1 + others
+            others += 1
+        styles[arm] = {"color": _ARM_COLOURS[slot % len(_ARM_COLOURS)],
+                       "linestyle": _ARM_LINESTYLES[slot % len(_ARM_LINESTYLES)]}
+    return styles
+
+
+def _mean_band(curves: Sequence[tuple[Sequence[float], Sequence[float]]], grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, min and max over ``curves`` (each ``(xs, ys)``), linearly interpolated onto ``grid``."""
+    if not curves:
+        raise ValueError("no curves to average")
+    grid = np.asarray(grid, dtype=float)
+    values = []
+    for xs, ys in curves:
+        xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+        order = np.argsort(xs, kind="stable")
+        values.append(np.interp(grid, xs[order], ys[order]))
+    stacked = np.vstack(values)
+    return stacked.mean(axis=0), stacked.min(axis=0), stacked.max(axis=0)
+
+
+def _common_grid(curves: Sequence[tuple[Sequence[float], Sequence[float]]], points: int = _GRID_POINTS) -> np.ndarray:
+    """Where every curve has data: from the latest first x to the earliest last x.
+
+    Starts at 0 when every seed evaluates at time 0; never extrapolates a seed past its
+    own ends, which would invent losses it never measured.
+    """
+    start = max(min(xs) for xs, _ in curves)
+    end = min(max(xs) for xs, _ in curves)
+    if end <= start:
+        return np.array([float(end)])
+    return np.linspace(float(start), float(end), points)
+
+
+def _moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing simple moving average; ``len(values) - window + 1`` points."""
+    values = np.asarray(values, dtype=float)
+    window = max(1, min(int(window), len(values)))
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def _by_arm(runs: list[RunSummary]) -> dict[str, dict]:
+    """Per arm, in plotting order: the plottable runs and the counts of the others."""
+    groups = {arm: {"ok": [], "failed": 0, "no_evals": 0} for arm in arm_order(r.arm for r in runs)}
+    for run in runs:
+        group = groups[run.arm]
+        if run.status != "ok":
+            group["failed"] += 1
+        elif not run.evals:
+            group["no_evals"] += 1
+        else:
+            group["ok"].append(run)
+    return groups
+
+
+def _arm_label(arm: str, group: dict) -> str:
+    n_ok, n_failed = len(group["ok"]), group["failed"]
+    if not n_ok:
+        return f"{arm} (failed)" if n_failed else f"{arm} (no evaluations)"
+    notes = [f"{n_ok} seed{'s' if n_ok != 1 else ''}"]
+    if n_failed:
+        notes.append(f"{n_failed} failed")
+    if group["no_evals"]:
+        notes.append(f"{group['no_evals']} without evaluations")
+    return f"{arm} ({', '.join(notes)})"
+
+
+def _new_axes(figsize=(8.0, 5.0)):
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _save(fig: Figure, path, on_figure: Callable[[Figure], None] | None) -> Path:
+    if on_figure is not None:
+        on_figure(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=_DPI, bbox_inches="tight")
+    return path
+
+
+def _draw_target(ax, target: Target | None) -> None:
+    if target is None:
+        return
+    ax.axhline(target.val_loss, color="0.35", linewidth=1.0, linestyle=(0, (6, 4)), zorder=1)
+    # Left end: loss curves are still high there, so the label rarely sits on a line.
+    ax.annotate(f"target {target.val_loss:.4f}", xy=(0.0, target.val_loss), xycoords=ax.get_yaxis_transform(),
+                xytext=(4, 3), textcoords="offset points", ha="left", va="bottom", fontsize=8, color="0.25")
+
+
+def _draw_mean_band(ax, x, mean, lo, hi, style: dict, label: str) -> None:
+    marker = "o" if len(x) == 1 else None
+    ax.fill_between(x, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
+    ax.plot(x, mean, linewidth=1.8, marker=marker, label=label, **style)
+
+
+def _finish_legend(ax, groups: dict, styles: dict, drawn: set[str], extra_handles: list) -> None:
+    handles, _ = ax.get_legend_handles_labels()
+    for arm, group in groups.items():
+        if arm not in drawn:  # no line to point at: an "x" marks the arm in the legend only
+            handles.append(Line2D([], [], color=styles[arm]["color"], linestyle="none", marker="x",
+                                  label=_arm_label(arm, group)))
+    if drawn:
+        handles += extra_handles
+    if handles:
+        ax.legend(handles=handles, fontsize=8, loc="upper right")
+
+
+def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *,
+                      on_figure: Callable[[Figure], None] | None = None) -> Path:
+    """Validation loss against wall clock: per arm the seed mean and the min-max band.
+
+    ``on_figure`` (tests) is called with the finished figure before it is saved.
+    """
+    groups = _by_arm(runs)
+    styles = arm_styles(groups)
+    fig, ax = _new_axes()
+    drawn = set()
+    for arm, group in groups.items():
+        if not group["ok"]:
+            continue
+        curves = [([e.elapsed_seconds for e in r.evals], [e.val_loss for e in r.evals]) for r in group["ok"]]
+        grid = _common_grid(curves)
+        _draw_mean_band(ax, grid, *_mean_band(curves, grid), styles[arm], _arm_label(arm, group))
+        drawn.add(arm)
+    _draw_target(ax, target)
+    ax.set_title("time to loss")
+    ax.set_xlabel(TIME_XLABEL)
+    ax.set_ylabel("validation loss")
+    ax.grid(True, alpha=0.3)
+    band = Patch(facecolor="0.5", alpha=0.3, label="shaded: min to max over seeds")
+    _finish_legend(ax, groups, styles, drawn, [band])
+    return _save(fig, path, on_figure)
+
+
+def _train_curve(runs: list[RunSummary]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Seed-mean training loss over the steps every seed logged, or None without logs."""
+    per_seed = []
+    for run in runs:
+        try:
+            rows = load_steps(run.path)
+        except FileNotFoundError:
+            continue
+        # A step logged twice (resumed run) keeps its last value.
+        losses = {int(r["step"]): float(r["train_loss"]) for r in rows
+                  if r.get("kind") == "train" and r.get("train_loss") is not None}
+        if losses:
+            per_seed.append(losses)
+    if not per_seed:
+        return None
+    steps = sorted(set.intersection(*(set(s) for s in per_seed)))
+    if not steps:
+        return None
+    return np.array(steps, dtype=float), np.array([np.mean([s[k] for s in per_seed]) for k in steps])
+
+
+def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *,
+                      on_figure: Callable[[Figure], None] | None = None) -> Path:
+    """Validation loss against step (seed mean and min-max band) plus the smoothed train loss."""
+    groups = _by_arm(runs)
+    styles = arm_styles(groups)
+    fig, ax = _new_axes()
+    drawn = set()
+    any_train = False
+    for arm, group in groups.items():
+        if not group["ok"]:
+            continue
+        evals = [{e.step: e.val_loss for e in r.evals} for r in group["ok"]]
+        steps = sorted(set.intersection(*(set(e) for e in evals)))
+        train = _train_curve(group["ok"])
+        if train is not None:
+            train_steps, train_loss = train
+            window = max(1, len(train_steps) // 50)
+            ax.plot(train_steps[window - 1:], _moving_average(train_loss, window), color=styles[arm]["color"],
+                    linewidth=0.8, alpha=0.35, zorder=1)
+            any_train = True
+        if not steps:
+            continue
+        curves = [(steps, [e[s] for s in steps]) for e in evals]
+        _draw_mean_band(ax, steps, *_mean_band(curves, steps), styles[arm], _arm_label(arm, group))
+        drawn.add(arm)
+    _draw_target(ax, target)
+    ax.set_title("loss vs step")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    extra = [Patch(facecolor="0.5", alpha=0.3, label="shaded: min to max over seeds")]
+    if any_train:
+        extra.append(Line2D([], [], color="0.3", linewidth=0.8, alpha=0.5, label="faint: train loss, seed mean, moving avg"))
+    _finish_legend(ax, groups, styles, drawn, extra)
+    return _save(fig, path, on_figure)
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _segments(items: dict[str, dict]) -> list[str]:
+    extra = dict.fromkeys(k for values in items.values() for k in values if k not in SEGMENTS)
+    return list(SEGMENTS) + list(extra)
+
+
+def ledger_annotation(values: dict[str, float | None]) -> str:
+    """What is written next to one arm's ledger bar about missing segments ("" if none).
+
+    A missing "step x steps" means the target was not reached; any other missing segment
+    (None, NaN or absent key) was not measured.
+    """
+    notes = []
+    if _missing(values.get(STEP_SEGMENT)):
+        notes.append("target not reached")
+    unmeasured = [s for s in _segments({"": values}) if s != STEP_SEGMENT and _missing(values.get(s))]
+    if unmeasured:
+        notes.append(f"{', '.join(unmeasured)}: not measured")
+    return "; ".join(notes)
+
+
+def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
+                      title: str = "time-to-quality ledger (median over seeds)",
+                      on_figure: Callable[[Figure], None] | None = None) -> Path:
+    """Stacked horizontal bars of seconds per ledger segment, one bar per arm."""
+    arms = arm_order(items)
+    segments = _segments(items)
+    fig, ax = _new_axes(figsize=(8.0, 1.6 + 0.55 * max(1, len(arms))))
+    totals = {}
+    for arm_index, arm in enumerate(arms):
+        left = 0.0
+        for seg_index, segment in enumerate(segments):
+            value = items[arm].get(segment)
+            if _missing(value):
+                continue
+            ax.barh(arm_index, value, left=left, height=0.6, color=_SEGMENT_COLOURS[seg_index % len(_SEGMENT_COLOURS)],
+                    hatch=_SEGMENT_HATCHES[seg_index % len(_SEGMENT_HATCHES)], edgecolor="0.15", linewidth=0.6)
+            left += value
+        totals[arm] = left
+    widest = max(totals.values(), default=0.0)
+    for arm_index, arm in enumerate(arms):
+        note = ledger_annotation(items[arm])
+        # The sum is only the ledger total when nothing is missing.
+        text = note if note else f"{totals[arm]:.1f} s"
+        ax.annotate(text, xy=(totals[arm], arm_index), xytext=(4, 0), textcoords="offset points",
+                    ha="left", va="center", fontsize=7 if note else 8, color="0.15")
+    ax.set_yticks(range(len(arms)), arms)
+    ax.set_ylim(max(1, len(arms)) - 0.5, -0.5)  # first arm on top
+    ax.set_xlim(0, widest * 1.15 if widest > 0 else 1.0)
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    if not arms:
+        ax.text(0.5, 0.5, "no ledger items", transform=ax.transAxes, ha="center", va="center")
+    handles = [Patch(facecolor=_SEGMENT_COLOURS[i % len(_SEGMENT_COLOURS)], hatch=_SEGMENT_HATCHES[i % len(_SEGMENT_HATCHES)],
+                     edgecolor="0.15", linewidth=0.6, label=segment) for i, segment in enumerate(segments)]
+    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=min(4, len(handles)), frameon=False)
+    return _save(fig, path, on_figure)
+
+
+def plot_run_dir(run_dir, out_dir, ledger_items: dict | None = None) -> list[Path]:
+    """Write ``time_to_loss.png``, ``loss_vs_step.png`` (and ``ledger.png``) into ``out_dir``."""
+    experiment = load_experiment(run_dir)
+    runs = load_runs(run_dir)
+    try:
+        target = resolve_target(experiment, runs)
+    except ValueError as e:
+        print(f"sparsecomm plot: no target line: {e}", file=sys.stderr)
+        target = None
+    out_dir = Path(out_dir)
+    paths = [plot_time_to_loss(runs, target, out_dir / "time_to_loss.png"),
+             plot_loss_vs_step(runs, target, out_dir / "loss_vs_step.png")]
+    if ledger_items is not None:
+        paths.append(plot_ledger_items(ledger_items, out_dir / "ledger.png"))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="sparsecomm plot",
+        description="Plot an experiment run directory: time to loss, loss vs step, and the ledger.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory written by sparsecomm compare")
+    parser.add_argument("--out", metavar="DIR", type=Path, default=None,
+                        help="where to write the PNGs (default: plots/<experiment name>)")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"sparsecomm plot: run directory {args.run_dir} does not exist", file=sys.stderr)
+        return 2
+    try:
+        experiment = load_experiment(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"sparsecomm plot: {e}", file=sys.stderr)
+        return 2
+    out_dir = args.out if args.out is not None else Path("plots") / experiment["config"]["name"]
+    ledger_items = None
+    try:
+        from sparsecomm.ledger import ledger_items_for_plot
+    except ImportError as e:
+        print(f"sparsecomm plot: ledger plot skipped: the ledger is not available ({e})", file=sys.stderr)
+    else:
+        try:
+            ledger_items = ledger_items_for_plot(args.run_dir)
+        except ValueError as e:
+            print(f"sparsecomm plot: ledger plot skipped: {e}", file=sys.stderr)
+    for path in plot_run_dir(args.run_dir, out_dir, ledger_items):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Plots of a run directory: every figure is written from synthetic runs, the seed averaging
+is exact, missing ledger segments are written out (never drawn as zero), and the CLI works."""
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from run_dir_fixture import write_run_dir
+from sparsecomm import plots
+from sparsecomm.results import load_experiment, load_runs
+from sparsecomm.target import Target, resolve_target
+
+ARMS = ("dense", "topk-ef", "powersgd")
+SEEDS = (0, 1, 2)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _curves(arms=ARMS):
+    curves = {}
+    for a, arm in enumerate(arms):
+        for seed in SEEDS:
+            # Same eval steps in every seed, different wall clock per seed and arm.
+            curves[(arm, seed)] = [(10 * k, k * (1.0 + 0.1 * seed + 0.2 * a), 3.0 / k + 0.05 * seed + 0.1 * a)
+                                   for k in range(1, 6)]
+    return curves
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    failed = (("topk-ef", 3), ("topk-noef", 0))
+    return write_run_dir(tmp_path / "exp-small", _curves(), failed=failed)
+
+
+def _assert_png(path):
+    assert path.is_file()
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 5000
+
+
+def _texts(fig):
+    """Every string drawn in the figure: axes texts, titles, labels and legends."""
+    return [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+
+
+def test_mean_band_is_exact_on_a_hand_made_example():
+    curves = [([0.0, 2.0, 4.0], [4.0, 2.0, 0.0]),  # 4, 3, 2 on the grid
+              ([2.0, 0.0, 1.0], [2.0, 2.0, 2.0])]  # unsorted input; 2, 2, 2 on the grid
+    mean, lo, hi = plots._mean_band(curves, [0.0, 1.0, 2.0])
+    np.testing.assert_allclose(mean, [3.0, 2.5, 2.0])
+    np.testing.assert_allclose(lo, [2.0, 2.0, 2.0])
+    np.testing.assert_allclose(hi, [4.0, 3.0, 2.0])
+
+
+def test_common_grid_ends_at_the_shortest_seed_and_never_extrapolates():
+    grid = plots._common_grid([([0.0, 5.0, 10.0], [1, 1, 1]), ([0.0, 4.0, 8.0], [1, 1, 1])], points=5)
+    np.testing.assert_allclose(grid, [0.0, 2.0, 4.0, 6.0, 8.0])
+    grid = plots._common_grid([([1.0, 5.0], [1, 1]), ([2.0, 6.0], [1, 1])], points=3)
+    np.testing.assert_allclose(grid, [2.0, 3.5, 5.0])
+
+
+def test_moving_average():
+    np.testing.assert_allclose(plots._moving_average([1, 2, 3, 4, 5], 2), [1.5, 2.5, 3.5, 4.5])
+    np.testing.assert_allclose(plots._moving_average([1, 2, 3], 1), [1, 2, 3])
+
+
+def test_palette_dense_black_distinct_and_fixed_per_name():
+    five = ["topk-noef", "topk-ef", "dense", "powersgd", "dense-bf16"]
+    styles = plots.arm_styles(five)
+    assert plots.arm_order(five) == ["dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef"]
+    assert styles["dense"]["color"] == "#000000"
+    assert len({s["color"] for s in styles.values()}) == 5
+    assert len({str(s["linestyle"]) for s in styles.values()}) == 5
+    assert all(s["color"] in plots.OKABE_ITO for s in styles.values())
+    # An arm keeps its colour whatever else is plotted; black stays reserved for dense.
+    assert plots.arm_styles(["topk-ef"])["topk-ef"] == styles["topk-ef"]
+    assert plots.arm_styles(["zeta", "alpha"])["zeta"]["color"] != "#000000"
+    assert plots.arm_order(["zeta", "topk-ef", "alpha", "dense", "zeta"]) == ["dense", "topk-ef", "zeta", "alpha"]
+
+
+def test_time_to_loss_plot(run_dir, tmp_path):
+    runs = load_runs(run_dir)
+    seen = {}
+    path = plots.plot_time_to_loss(runs, Target(1.2345, "declared"), tmp_path / "out" / "t.png",
+                                   on_figure=lambda fig: seen.update(fig=fig))
+    _assert_png(path)
+    ax = seen["fig"].axes[0]
+    texts = _texts(seen["fig"])
+    assert ax.get_title() == "time to loss"
+    assert ax.get_xlabel() == plots.TIME_XLABEL
+    assert "target 1.2345" in texts
+    assert "dense (3 seeds)" in texts
+    assert "topk-ef (3 seeds, 1 failed)" in texts
+    assert "topk-noef (failed)" in texts
+    # One mean line per arm that finished (no per-seed lines, nothing for the failed arm).
+    assert len([line for line in ax.get_lines() if line.get_label() and not line.get_label().startswith("_")]) == 3
+
+
+def test_loss_vs_step_plot_without_target(run_dir, tmp_path):
+    seen = {}
+    path = plots.plot_loss_vs_step(load_runs(run_dir), None, tmp_path / "s.png", on_figure=lambda fig: seen.update(fig=fig))
+    _assert_png(path)
+    texts = _texts(seen["fig"])
+    assert "powersgd (3 seeds)" in texts
+    assert not any(t.startswith("target") for t in texts)
+
+
+def test_ledger_annotation_strings():
+    assert plots.ledger_annotation({"setup": 1.0, "step x steps": 2.0, "checkpoint": 0.5, "recovery": 0.1}) == ""
+    assert plots.ledger_annotation({"setup": 1.0, "step x steps": 2.0, "checkpoint": None, "recovery": None}) \
+        == "checkpoint, recovery: not measured"
+    assert plots.ledger_annotation({"setup": 1.0, "step x steps": None, "checkpoint": 0.5}) \
+        == "target not reached; recovery: not measured"
+
+
+def test_ledger_plot_writes_missing_segments_out(tmp_path):
+    items = {
+        "topk-ef": {"setup": 2.0, "step x steps": 30.0, "checkpoint": None, "recovery": None},
+        "dense": {"setup": 2.0, "step x steps": 45.0, "checkpoint": 1.0, "recovery": 3.0},
+        "topk-noef": {"setup": 2.0, "step x steps": None, "checkpoint": None, "recovery": None},
+    }
+    seen = {}
+    path = plots.plot_ledger_items(items, tmp_path / "l" / "ledger.png", on_figure=lambda fig: seen.update(fig=fig))
+    _assert_png(path)
+    ax = seen["fig"].axes[0]
+    texts = _texts(seen["fig"])
+    assert "checkpoint, recovery: not measured" in texts
+    assert "target not reached; checkpoint, recovery: not measured" in texts
+    assert "51.0 s" in texts  # dense: everything measured, so the total is shown
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["dense", "topk-ef", "topk-noef"]
+    assert ax.get_xlabel() == "seconds"
+    # Only measured segments are drawn: 4 (dense) + 2 (topk-ef) + 1 (topk-noef).
+    assert len(ax.patches) == 7
+    assert all(s in texts for s in plots.SEGMENTS)
+
+
+def test_plot_run_dir_with_and_without_ledger(run_dir, tmp_path):
+    paths = plots.plot_run_dir(run_dir, tmp_path / "a")
+    assert [p.name for p in paths] == ["time_to_loss.png", "loss_vs_step.png"]
+    ledger = {"dense": {"setup": 1.0, "step x steps": 5.0, "checkpoint": None, "recovery": None}}
+    paths = plots.plot_run_dir(run_dir, tmp_path / "b", ledger_items=ledger)
+    assert [p.name for p in paths] == ["time_to_loss.png", "loss_vs_step.png", "ledger.png"]
+    for p in paths:
+        _assert_png(p)
+        assert p.parent == tmp_path / "b"
+
+
+def test_plot_run_dir_without_a_finished_dense_run(tmp_path, capsys):
+    run_dir = write_run_dir(tmp_path / "nodense", _curves(arms=("topk-ef",)), failed=(("dense", 0),))
+    with pytest.raises(ValueError):
+        resolve_target(load_experiment(run_dir), load_runs(run_dir))
+    paths = plots.plot_run_dir(run_dir, tmp_path / "out")
+    assert len(paths) == 2
+    assert "no target line" in capsys.readouterr().err
+
+
+def test_main_writes_plots_and_skips_ledger_when_unavailable(run_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sparsecomm.ledger", None)  # import raises ImportError
+    assert plots.main([str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["loss_vs_step.png", "time_to_loss.png"]
+    assert str(tmp_path / "out" / "time_to_loss.png") in out
+    assert "ledger plot skipped" in err
+
+
+def test_main_draws_ledger_and_defaults_out_dir(run_dir, tmp_path, monkeypatch, capsys):
+    fake = types.ModuleType("sparsecomm.ledger")
+    fake.ledger_items_for_plot = lambda d: {"dense": {"setup": 1.0, "step x steps": 4.0, "checkpoint": 0.2, "recovery": None}}
+    monkeypatch.setitem(sys.modules, "sparsecomm.ledger", fake)
+    monkeypatch.chdir(tmp_path)
+    assert plots.main([str(run_dir)]) == 0
+    out_dir = tmp_path / "plots" / "exp-small"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["ledger.png", "loss_vs_step.png", "time_to_loss.png"]
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_main_missing_run_dir(tmp_path, capsys):
+    assert plots.main([str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert plots.main([str(tmp_path / "empty")]) == 2
+    assert "experiment.json" in capsys.readouterr().err

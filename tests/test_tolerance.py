@@ -1,0 +1,269 @@
+"""The "no loss" checker: paired TOST verdicts, noise floor, cost ratios, check() and the CLI."""
+import ast
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from run_dir_fixture import write_run_dir
+from sparsecomm import tolerance
+from sparsecomm.policy import format_policy
+from sparsecomm.tolerance import (
+    ZERO_VARIANCE_REASON,
+    check,
+    equivalence,
+    format_report,
+    main,
+    noise_floor,
+    ratio_spread,
+    steps_to_target_test,
+)
+
+DENSE = {0: 1.50, 1: 1.52, 2: 1.49, 3: 1.51, 4: 1.50}
+NOISE = [0.001, -0.002, 0.0015, 0.0, -0.001]  # nonzero variance, tiny against delta 0.05
+
+
+def shifted(shift: float, noise=NOISE, dense=DENSE) -> dict[int, float]:
+    return {s: dense[s] + shift + e for s, e in zip(sorted(dense), noise)}
+
+
+# --- equivalence ---------------------------------------------------------------------------------
+
+
+def test_clearly_equivalent():
+    e = equivalence(DENSE, shifted(0.0), 0.05)
+    assert e.verdict == "equivalent", e.reason
+    assert e.n == 5 and e.seeds == (0, 1, 2, 3, 4)
+    assert -0.05 < e.ci_low < e.ci_high < 0.05
+    assert e.p_tost < 0.05
+
+
+def test_clearly_worse():
+    e = equivalence(DENSE, shifted(0.15), 0.05)
+    assert e.verdict == "worse", e.reason
+    assert e.ci_low > 0.05
+    assert e.p_tost > 0.5  # equivalence is far from shown
+
+
+def test_clearly_better():
+    e = equivalence(DENSE, shifted(-0.15), 0.05)
+    assert e.verdict == "better", e.reason
+    assert e.ci_high < -0.05
+
+
+def test_two_seeds_inconclusive_even_if_tiny():
+    e = equivalence({0: 1.5, 1: 1.6}, {0: 1.5001, 1: 1.5998, 7: 9.0}, 0.05)
+    assert e.verdict == "inconclusive"
+    assert e.reason == "n=2 paired seeds < 3"
+    assert e.n == 2 and e.seeds == (0, 1)  # seed 7 has no dense pair
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.01, 0.3])
+def test_zero_variance_never_equivalent(shift):
+    # Identical differences on every seed; 0.01 is not bit-identical after rounding either.
+    e = equivalence(DENSE, shifted(shift, noise=[0.0] * 5), 0.05)
+    assert e.verdict == "inconclusive"
+    assert e.reason == ZERO_VARIANCE_REASON
+    assert e.p_tost is None and e.ci_low is None
+
+
+def test_ci_crossing_bound_inconclusive():
+    e = equivalence(DENSE, shifted(0.045, noise=[0.02, -0.02, 0.01, -0.01, 0.0]), 0.05)
+    assert e.verdict == "inconclusive"
+    assert e.ci_low < 0.05 < e.ci_high
+    assert e.reason.startswith("90% CI [") and "crosses the tolerance bound" in e.reason
+
+
+def test_relative_mode():
+    rel = {s: DENSE[s] * (1 + 0.01 + e / 10) for s, e in zip(sorted(DENSE), NOISE)}  # ~ +1%
+    assert equivalence(DENSE, rel, 0.05, relative=True).verdict == "equivalent"
+    e = equivalence(DENSE, rel, 0.005, relative=True)
+    assert e.verdict == "worse" and e.relative
+    assert e.mean_diff == pytest.approx(0.01, abs=1e-4)
+    # The same data in absolute units: a 1% shift of ~1.5 is 0.015 > 0.005.
+    assert equivalence(DENSE, rel, 0.005).mean_diff == pytest.approx(0.015, abs=2e-4)
+
+
+def test_exact_ci_and_p_against_scipy():
+    dense = {1: 2.31, 2: 2.27, 3: 2.35, 4: 2.29, 5: 2.33, 6: 2.30}
+    arm = {1: 2.33, 2: 2.26, 3: 2.39, 4: 2.31, 5: 2.32, 6: 2.34}
+    delta, alpha = 0.04, 0.05
+    d = np.array([arm[s] - dense[s] for s in sorted(dense)])
+    n, mean, sem = len(d), d.mean(), stats.sem(d)
+    lo, hi = stats.t.interval(1 - 2 * alpha, n - 1, loc=mean, scale=sem)
+    p_lower = stats.ttest_1samp(d, -delta, alternative="greater").pvalue
+    p_upper = stats.ttest_1samp(d, delta, alternative="less").pvalue
+    e = equivalence(dense, arm, delta, alpha=alpha)
+    assert e.mean_diff == pytest.approx(mean, rel=1e-12)
+    assert e.sd_diff == pytest.approx(np.std(d, ddof=1), rel=1e-12)
+    assert e.ci_low == pytest.approx(lo, rel=1e-12)
+    assert e.ci_high == pytest.approx(hi, rel=1e-12)
+    assert e.p_tost == pytest.approx(max(p_lower, p_upper), rel=1e-12)
+    assert e.verdict == ("equivalent" if -delta < lo and hi < delta else "inconclusive")
+
+
+@pytest.mark.parametrize("delta", [0, -0.1, math.nan, math.inf])
+def test_bad_delta(delta):
+    with pytest.raises(ValueError, match=r"delta \(--tolerance\) must be a finite number > 0"):
+        equivalence(DENSE, shifted(0.0), delta)
+
+
+@pytest.mark.parametrize("alpha", [0, 0.5, 0.7])
+def test_bad_alpha(alpha):
+    with pytest.raises(ValueError, match="alpha"):
+        equivalence(DENSE, shifted(0.0), 0.05, alpha=alpha)
+
+
+def test_diverged_run_is_not_equivalent():
+    arm = shifted(0.0)
+    arm[2] = math.nan
+    e = equivalence(DENSE, arm, 0.05)
+    assert e.verdict == "inconclusive" and "non-finite" in e.reason and "[2]" in e.reason
+
+
+# --- noise floor, ratios, steps test -------------------------------------------------------------
+
+
+def test_noise_floor():
+    nf = noise_floor({0: 1.0, 1: 1.2, 2: 1.1})
+    assert nf.n == 3
+    assert nf.mean == pytest.approx(1.1)
+    assert nf.sd == pytest.approx(0.1)
+    assert (nf.min, nf.max) == (1.0, 1.2)
+    assert nf.range == pytest.approx(0.2)
+    one = noise_floor({0: 1.0})
+    assert one.sd is None and one.range == 0.0
+
+
+def test_ratio_spread_with_not_reached():
+    r = ratio_spread({0: 100, 1: 200, 2: 100, 3: None, 9: 50}, {0: 200, 1: 100, 2: None, 3: 300})
+    assert r.n == 4  # seed 9 unpaired
+    assert r.ratios == {0: 2.0, 1: 0.5, 2: None, 3: None}
+    assert r.geo_mean == pytest.approx(1.0)
+    assert (r.min, r.max) == (0.5, 2.0)
+    assert r.num_not_reached_arm == 1 and r.num_not_reached_dense == 1
+    none = ratio_spread({0: None}, {0: 5.0})
+    assert none.geo_mean is None and none.min is None and none.ratios == {0: None}
+
+
+def test_steps_test_with_censoring():
+    dense = {0: 100, 1: 100, 2: 200, 3: 100}
+    arm = {0: 200, 1: None, 2: 300, 3: 150}
+    t = steps_to_target_test(dense, arm, max_steps=400)
+    logs = np.log([2.0, 401 / 100, 1.5, 1.5])
+    assert t.mean_log_ratio == pytest.approx(logs.mean(), rel=1e-12)
+    assert t.p_value == pytest.approx(stats.ttest_1samp(logs, 0.0, alternative="greater").pvalue, rel=1e-12)
+    assert t.p_value < 0.05
+    assert "401" in t.reason and "lower bound" in t.reason and "1 arm" in t.reason
+
+
+def test_steps_test_undefined_cases():
+    same = steps_to_target_test({0: 100, 1: 200, 2: 50}, {0: 100, 1: 200, 2: 50}, max_steps=300)
+    assert same.p_value is None and "zero variance" in same.reason
+    one = steps_to_target_test({0: 100}, {0: 200}, max_steps=300)
+    assert one.p_value is None and one.n == 1 and "n=1" in one.reason
+
+
+# --- check() and the CLI on synthetic run directories --------------------------------------------
+
+
+def make_run_dir(root: Path, arm_finals: dict[str, dict[int, float]], **kw) -> Path:
+    """Evaluations at steps 50, 100, 150; the final one is the given loss."""
+    curves = {}
+    for arm, finals in arm_finals.items():
+        slow = 1.0 if arm == "dense" else 1.5  # seconds per 50 steps: the arm is slower in time
+        for seed, final in finals.items():
+            curves[(arm, seed)] = [(50, 5 * slow, final + 0.4), (100, 10 * slow, final + 0.05 * (seed % 2)),
+                                   (150, 15 * slow, final)]
+    return write_run_dir(root, curves, target_loss=kw.pop("target_loss", 1.6), **kw)
+
+
+@pytest.fixture
+def equivalent_dir(tmp_path):
+    return make_run_dir(tmp_path / "eq", {"dense": DENSE, "topk": shifted(0.0)}, failed=(("topk", 5),))
+
+
+def test_check_equivalent_counts_failed(equivalent_dir):
+    report = check(equivalent_dir)
+    assert report.tolerance == 0.05  # the policy's quality_tolerance
+    assert report.target.val_loss == 1.6
+    [arm] = report.arms
+    assert arm.arm == "topk" and arm.equivalence.verdict == "equivalent"
+    assert arm.failed == 1 and arm.equivalence.n == 5
+    assert report.dense_missing == 1  # seed 5 is configured but dense has no run for it
+    assert arm.steps_ratio.n == 5 and arm.steps_ratio.num_not_reached_arm == 0
+    assert arm.time_ratio.geo_mean == pytest.approx(1.5)
+    assert report.noise_floor.n == 5 and report.noise_floor.sd == pytest.approx(np.std(list(DENSE.values()), ddof=1))
+    assert report.exit_code == 0
+
+
+def test_format_report(equivalent_dir):
+    report = check(equivalent_dir)
+    text = format_report(report)
+    lines = text.splitlines()
+    assert lines[0] == format_policy(report.policy)
+    assert lines[1] == report.target.describe()
+    assert "dense seed spread (noise floor): sd " in text and "over 5 seeds" in text
+    assert "topk: EQUIVALENT" in text and "failed runs 1" in text and "p_TOST" in text
+    assert "geo-mean 1.50x" in text
+    assert max(len(line) for line in lines[1:]) <= 100  # the policy header is format_policy's own
+
+
+def test_check_worse_and_relative(tmp_path):
+    run_dir = make_run_dir(tmp_path / "w", {"dense": DENSE, "topk": shifted(0.15), "randk": shifted(-0.15)})
+    report = check(run_dir)
+    verdicts = {a.arm: a.equivalence.verdict for a in report.arms}
+    assert verdicts == {"topk": "worse", "randk": "better"}
+    assert report.exit_code == 1
+    # topk misses target 1.6 at every seed: no ratio, all censored in the steps test.
+    topk = next(a for a in report.arms if a.arm == "topk")
+    assert topk.steps_ratio.num_not_reached_arm == 5 and topk.steps_ratio.geo_mean is None
+    assert "151" in topk.steps_test.reason
+    rel = check(run_dir, tolerance=0.2, relative=True)
+    assert rel.relative and rel.exit_code == 0
+    with pytest.raises(ValueError, match="--relative needs an explicit --tolerance"):
+        check(run_dir, relative=True)
+
+
+def test_check_needs_dense_and_another_arm(tmp_path):
+    with pytest.raises(ValueError, match="no 'dense' runs"):
+        check(make_run_dir(tmp_path / "a", {"topk": DENSE}))
+    with pytest.raises(ValueError, match="no other arm"):
+        check(make_run_dir(tmp_path / "b", {"dense": DENSE}))
+
+
+def test_main_exit_codes(tmp_path, equivalent_dir, capsys):
+    assert main([str(equivalent_dir)]) == 0
+    assert "topk: EQUIVALENT" in capsys.readouterr().out
+    worse = make_run_dir(tmp_path / "w", {"dense": DENSE, "topk": shifted(0.15)})
+    assert main([str(worse)]) == 1
+    few = make_run_dir(tmp_path / "f", {"dense": {0: 1.5, 1: 1.5}, "topk": {0: 1.5, 1: 1.51}})
+    assert main([str(few)]) == 3
+    assert "n=2 paired seeds < 3" in capsys.readouterr().out
+    assert main([str(worse), "--tolerance", "0.5"]) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_main_bad_tolerance(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "does-not-exist"), f"--tolerance={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tolerance must be a finite number > 0" in err
+
+
+def test_main_bad_run_dir(tmp_path, capsys):
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "experiment.json is missing" in capsys.readouterr().err
+
+
+def test_module_does_not_import_torch():
+    tree = ast.parse(Path(tolerance.__file__).read_text())
+    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(name.split(".")[0] == "torch" for name in imported)
