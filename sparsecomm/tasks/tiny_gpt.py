@@ -41,6 +41,16 @@ class TinyGPT(nn.Module):
         self.position = nn.Embedding(cfg.context, cfg.width)
         self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg.num_layers)])
         self.norm = nn.LayerNorm(cfg.width)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        # nanoGPT's init: with PyTorch's N(0, 1) embeddings the tied head starts with
+        # logits of std ~sqrt(width) and a loss near 60 instead of ln(256) = 5.5.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx):  # idx: (B, T) int64 -> logits (B, T, vocab)
         positions = torch.arange(idx.shape[1], device=idx.device)
