@@ -165,7 +165,7 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target) -> ArmLedger:
         note = "no finished run"
     elif not_reached:
         # A median over only the seeds that made it would flatter the arm.
-        note = f"target not reached in {not_reached} of {len(ok)} seeds"
+        note = f"not reached in {not_reached}/{len(ok)} seeds"
     else:
         note = ""
     steps = _median([e.step for e in hits]) if hits and not not_reached else None
@@ -243,7 +243,11 @@ def format_ledger(ledger: Ledger) -> str:
         for a in ledger.arms:
             if a.arm == DENSE_ARM:
                 continue
-            partial = a.measured_part.speedup_over(dense.measured_part)
+            # Partial totals compare only when the same items are missing on both sides.
+            if a.missing_items == dense.missing_items:
+                partial = str(a.measured_part.speedup_over(dense.measured_part))
+            else:
+                partial = f"n/a (dense lacks {', '.join(dense.missing_items)}: not the same items)"
             lines.append(
                 f"  {a.arm:<11} {a.step.speedup_over(dense.step)}; {a.steps_to_target.speedup_over(dense.steps_to_target)}; "
                 f"{a.time_to_target.speedup_over(dense.time_to_target)}; {a.end_to_end.speedup_over(dense.end_to_end)}, "

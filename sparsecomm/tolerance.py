@@ -421,7 +421,7 @@ def format_report(report: CheckReport) -> str:
             f"({a.steps_test.reason})",
         ]
     code = report.exit_code
-    lines += ["", f"exit {code}: {EXIT_MEANING[code]}"]
+    lines += ["", f"overall: {EXIT_MEANING[code]} (sparsecomm check exits {code})"]
     # Reasons can be long (censoring notes); wrap so the report stays within 100 columns. The
     # policy header is format_policy's line, kept verbatim so it reads the same in every report.
     return "\n".join(

@@ -66,14 +66,16 @@ def test_ledger_medians_and_totals_from_a_run_dir(tmp_path):
     assert dense.missing_items == ["checkpoint", "recovery"]
     # One seed of topk never reached the target: no median over the lucky seeds.
     assert topk.steps_to_target.value is None
-    assert topk.steps_to_target.note == "target not reached in 1 of 3 seeds"
+    assert topk.steps_to_target.note == "not reached in 1/3 seeds"
     assert (powersgd.num_ok, powersgd.num_failed) == (0, 1)
     text = format_ledger(built)
     assert text.splitlines()[0].startswith("policy: quality tolerance 0.05")
     assert "target: val loss <= 1.5000 (declared in the config)" in text
-    assert "target not reached in 1 of 3 seeds" in text
+    assert "not reached in 1/3 seeds" in text
     assert "not measured (partial 4.0 s)" in text
     assert "2.00x (boundary: step)" in text  # topk step 0.05 s vs dense 0.1 s
+    # topk's partial total lacks step x steps, dense's has it: no ratio of unlike sums.
+    assert "(step x steps, checkpoint, recovery missing): n/a (dense lacks checkpoint, recovery: not the same items)" in text
 
 
 def test_ledger_items_for_plot_keep_unmeasured_as_none(tmp_path):

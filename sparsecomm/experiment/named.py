@@ -20,7 +20,9 @@ def pydoc_gpt() -> ExperimentConfig:
         optimizer="adamw",
         lr=3e-3,
         density=0.01,
-        policy=Policy(quality_tolerance=0.05, staleness_limit=1000, redundancy_budget=0.05),
+        # Dense's own final validation loss varies with the seed by sd ~0.045 (range ~0.09)
+        # at this budget: a tolerance below that would call dense itself "worse".
+        policy=Policy(quality_tolerance=0.1, staleness_limit=1000, redundancy_budget=0.05),
     )
 
 
