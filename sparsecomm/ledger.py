@@ -247,7 +247,7 @@ def format_ledger(ledger: Ledger) -> str:
             if a.missing_items == dense.missing_items:
                 partial = str(a.measured_part.speedup_over(dense.measured_part))
             else:
-                partial = f"n/a (dense lacks {', '.join(dense.missing_items)}: not the same items)"
+                partial = "n/a (dense and this arm do not have the same items measured)"
             lines.append(
                 f"  {a.arm:<11} {a.step.speedup_over(dense.step)}; {a.steps_to_target.speedup_over(dense.steps_to_target)}; "
                 f"{a.time_to_target.speedup_over(dense.time_to_target)}; {a.end_to_end.speedup_over(dense.end_to_end)}, "

@@ -75,7 +75,7 @@ def test_ledger_medians_and_totals_from_a_run_dir(tmp_path):
     assert "not measured (partial 4.0 s)" in text
     assert "2.00x (boundary: step)" in text  # topk step 0.05 s vs dense 0.1 s
     # topk's partial total lacks step x steps, dense's has it: no ratio of unlike sums.
-    assert "(step x steps, checkpoint, recovery missing): n/a (dense lacks checkpoint, recovery: not the same items)" in text
+    assert "(step x steps, checkpoint, recovery missing): n/a (dense and this arm do not have the same items measured)" in text
 
 
 def test_ledger_items_for_plot_keep_unmeasured_as_none(tmp_path):
