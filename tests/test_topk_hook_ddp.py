@@ -357,3 +357,36 @@ def test_double_registration_and_state_reuse_are_refused():
         assert "already has a communication hook (topk_hook)" in errors[0]
         assert "allreduce_hook" in errors[1]
         assert "one TopKState per DDP model" in errors[2]
+
+
+# ----- observers and in-flight tracking ---------------------------------------------------
+
+
+def _observer_worker(rank, world_size):
+    ddp = DDP(_mlp())
+    state = sparsecomm.register_topk_hook(ddp, density=0.05)
+    seen = []
+    state.add_observer(lambda event: seen.append((event.stage, event.step, event.dense, event.rank)))
+    for x in _rank_data(rank, 3, (8, 32)):
+        ddp(x).pow(2).mean().backward()
+    pending_after_backward = state.pending_collectives
+    refusal = None
+
+    def save_mid_step(event):
+        if event.stage == "packed":
+            state.state_dict()
+
+    state.add_observer(save_mid_step)
+    try:
+        ddp(torch.ones(8, 32)).pow(2).mean().backward()
+    except Exception as error:  # DDP re-raises the hook's error from backward()
+        refusal = str(error)
+    return seen, pending_after_backward, refusal
+
+
+def test_observers_see_every_stage_and_saving_mid_step_is_refused():
+    for rank, (seen, pending, refusal) in enumerate(run_on_ranks(_observer_worker)):
+        # one bucket per step: gradient -> packed -> reduced; dense during the 2 warm-up steps
+        assert seen == [(stage, step, step < 2, rank) for step in range(3) for stage in ("gradient", "packed", "reduced")]
+        assert pending == 0
+        assert "collective(s) in flight" in refusal or "mid-update" in refusal

@@ -19,6 +19,7 @@ from sparsecomm import compress, ops
 from sparsecomm.comm import allgather_future, allreduce_future
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.errors import ConservationError
+from sparsecomm.hooks.events import HookEvent
 from sparsecomm.hooks.parameter_memory import ParameterMemory
 from sparsecomm.hooks.validation import (
     check_bool,
@@ -112,6 +113,9 @@ class TopKState:
         "_buffers",  # bucket index -> (k, value dtype, payload, gathered): reused every step
         "_sample_generator",  # per-rank generator for the sampled selector
         "_stats",
+        "_observers",  # callables receiving HookEvents (monitors, fault injectors)
+        "_pending",  # collectives issued whose result has not been delivered yet
+        "_rank",  # this process's rank in the group, cached on first use
     )
 
     def __init__(
@@ -164,6 +168,9 @@ class TopKState:
         self._buffers: dict[int, tuple] = {}
         self._sample_generator: torch.Generator | None = None
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._observers = []
+        self._pending = 0
+        self._rank = None
         if module is not None:
             self.bind(module)
 
@@ -197,6 +204,33 @@ class TopKState:
             names.append(name)
             numels.append(param.numel())
         return tuple(names), tuple(numels)
+
+    # ----- observers ---------------------------------------------------------------------
+
+    def add_observer(self, observer) -> None:
+        """Call ``observer(event)`` with a :class:`~sparsecomm.hooks.events.HookEvent` at
+        every stage of every bucket (see :mod:`sparsecomm.hooks.events`)."""
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {type(observer).__name__}")
+        self._observers.append(observer)
+
+    def remove_observer(self, observer) -> None:
+        self._observers.remove(observer)
+
+    @property
+    def pending_collectives(self) -> int:
+        """Buckets sent but not yet delivered: non-zero means the step is not finished."""
+        return self._pending
+
+    def _emit(self, stage, bucket, names, numels, dense, step=None, **tensors) -> None:
+        if not self._observers:
+            return
+        if self._rank is None:
+            self._rank = dist.get_rank(self._group())
+        step = self.step if step is None else step
+        event = HookEvent(stage, step, self._rank, bucket.index(), names, numels, dense, tensors)
+        for observer in self._observers:
+            observer(event)
 
     # ----- process group ---------------------------------------------------------------
 
@@ -250,8 +284,13 @@ class TopKState:
         """This rank's state. Memory keys are rank-qualified: ``rank{r}.residual.{name}``.
 
         Every rank's residual differs, so each rank saves its own state dict and loads it
-        back; loading another rank's raises.
+        back; loading another rank's raises. Refused while a collective is in flight.
         """
+        if self._pending:
+            raise RuntimeError(
+                f"TopKState.state_dict() with {self._pending} collective(s) in flight: the "
+                "residuals are mid-update; save between steps (after optimizer.step())"
+            )
         rank, world_size = self._rank_and_world_size()
         prefix = f"rank{rank}."
         sd = {
@@ -319,7 +358,14 @@ class TopKState:
 
     def __getstate__(self) -> dict:
         """Everything but the process group, which cannot be pickled (as PowerSGDState)."""
+        if self._pending:
+            raise RuntimeError(
+                f"cannot pickle a TopKState with {self._pending} collective(s) in flight: "
+                "save between steps, after backward() and optimizer.step() returned"
+            )
         state = {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
+        state["_observers"] = []  # observers belong to this process (monitors, injectors)
+        state["_rank"] = None
         if self._sample_generator is not None:
             state["_sample_generator"] = self._sample_generator.get_state()
         state["_buffers"] = {}
@@ -386,6 +432,7 @@ def _dense(state, bucket, buffer, names, numels, group, world_size, *, warmup) -
     _, residual = _compensated(state, bucket, buffer, names, numels, world_size, use_residual)
     if residual is not None:
         residual.zero_()
+    state._emit("packed", bucket, names, numels, True, acc=buffer, residual=residual, indices=None, payload=buffer)
     nbytes = buffer.numel() * buffer.element_size()
     state._count(
         **{"warmup_calls" if warmup else "fallback_calls": 1},
@@ -431,6 +478,7 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, k, val
     )
     if velocity is not None:
         velocity[indices] = 0  # momentum factor masking (DGC): sent velocity starts over
+    state._emit("packed", bucket, names, numels, False, acc=acc, residual=residual, indices=indices, payload=payload)
     if acc_before is not None:
         sent = ops.unpack_add(payload, torch.empty_like(acc), k, value_dtype)
         _check_conservation(acc_before, residual, sent, bucket.index(), state.step)
@@ -474,6 +522,7 @@ def _sparse_random(state, bucket, buffer, names, numels, group, world_size, k, v
             _check_conservation(acc, residual, sent, bucket.index(), state.step)
     if velocity is not None:
         velocity[indices] = 0
+    state._emit("packed", bucket, names, numels, False, acc=acc, residual=residual, indices=indices, payload=values)
     state._count(
         sparse_calls=1,
         elements_total=acc.numel(),
@@ -536,14 +585,15 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     world_size = dist.get_world_size(group)
     names, numels = state._bucket_layout(bucket)
     numel = buffer.numel()
+    warmup = state.step < state.warmup_steps
     value_dtype = state.value_dtype or buffer.dtype
     k = compress.num_selected(numel, state.density)
-    if state.step < state.warmup_steps:
-        fut = _dense(state, bucket, buffer, names, numels, group, world_size, warmup=True)
-    elif state.allow_dense_fallback and not _sparse_is_smaller(
-        state, numel, k, buffer.dtype, value_dtype, world_size
-    ):
-        fut = _dense(state, bucket, buffer, names, numels, group, world_size, warmup=False)
+    dense = warmup or (
+        state.allow_dense_fallback and not _sparse_is_smaller(state, numel, k, buffer.dtype, value_dtype, world_size)
+    )
+    state._emit("gradient", bucket, names, numels, dense, gradient=buffer)
+    if dense:
+        fut = _dense(state, bucket, buffer, names, numels, group, world_size, warmup=warmup)
     else:
         if numel > MAX_BUCKET_NUMEL:
             raise ValueError(
@@ -552,6 +602,17 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
             )
         reduce_sparse = _sparse_random if state.selector == "random" else _sparse_topk
         fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, k, value_dtype)
+    state._pending += 1
+    step = state.step  # the callback may run after the step counter moved on
+
+    def deliver(done: torch.futures.Future) -> torch.Tensor:
+        try:
+            reduced = done.value()  # re-raises a failed collective
+        finally:
+            state._pending -= 1
+        state._emit("reduced", bucket, names, numels, dense, step=step, reduced=reduced)
+        return reduced
+
     if bucket.is_last():
         state.step += 1
-    return fut
+    return fut.then(deliver)
