@@ -366,7 +366,11 @@ def _observer_worker(rank, world_size):
     ddp = DDP(_mlp())
     state = sparsecomm.register_topk_hook(ddp, density=0.05)
     seen = []
-    state.add_observer(lambda event: seen.append((event.stage, event.step, event.dense, event.rank)))
+
+    def record(event):
+        seen.append((event.stage, event.step, event.dense, event.rank))
+
+    state.add_observer(record)
     for x in _rank_data(rank, 3, (8, 32)):
         ddp(x).pow(2).mean().backward()
     pending_after_backward = state.pending_collectives
@@ -376,6 +380,7 @@ def _observer_worker(rank, world_size):
         if event.stage == "packed":
             state.state_dict()
 
+    state.remove_observer(record)
     state.add_observer(save_mid_step)
     try:
         ddp(torch.ones(8, 32)).pow(2).mean().backward()
