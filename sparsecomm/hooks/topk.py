@@ -585,24 +585,29 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     world_size = dist.get_world_size(group)
     names, numels = state._bucket_layout(bucket)
     numel = buffer.numel()
-    warmup = state.step < state.warmup_steps
-    value_dtype = state.value_dtype or buffer.dtype
-    k = compress.num_selected(numel, state.density)
-    dense = warmup or (
-        state.allow_dense_fallback and not _sparse_is_smaller(state, numel, k, buffer.dtype, value_dtype, world_size)
-    )
-    state._emit("gradient", bucket, names, numels, dense, gradient=buffer)
-    if dense:
-        fut = _dense(state, bucket, buffer, names, numels, group, world_size, warmup=warmup)
-    else:
-        if numel > MAX_BUCKET_NUMEL:
-            raise ValueError(
-                f"bucket {bucket.index()} has {numel} elements; int32 indices allow at most "
-                f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb"
-            )
-        reduce_sparse = _sparse_random if state.selector == "random" else _sparse_topk
-        fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, k, value_dtype)
+    # From here until the reduced bucket is delivered the residuals are mid-update.
     state._pending += 1
+    try:
+        warmup = state.step < state.warmup_steps
+        value_dtype = state.value_dtype or buffer.dtype
+        k = compress.num_selected(numel, state.density)
+        dense = warmup or (
+            state.allow_dense_fallback and not _sparse_is_smaller(state, numel, k, buffer.dtype, value_dtype, world_size)
+        )
+        state._emit("gradient", bucket, names, numels, dense, gradient=buffer)
+        if dense:
+            fut = _dense(state, bucket, buffer, names, numels, group, world_size, warmup=warmup)
+        else:
+            if numel > MAX_BUCKET_NUMEL:
+                raise ValueError(
+                    f"bucket {bucket.index()} has {numel} elements; int32 indices allow at most "
+                    f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb"
+                )
+            reduce_sparse = _sparse_random if state.selector == "random" else _sparse_topk
+            fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, k, value_dtype)
+    except BaseException:
+        state._pending -= 1
+        raise
     step = state.step  # the callback may run after the step counter moved on
 
     def deliver(done: torch.futures.Future) -> torch.Tensor:
