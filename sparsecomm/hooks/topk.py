@@ -11,6 +11,7 @@ double registration and non-DDP modules.
 # No ``from __future__ import annotations`` here: DDP checks the hook's ``bucket``
 # annotation by identity, and string annotations fail that check.
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ _STAT_NAMES = (
     "bytes_sent",  # bytes this rank actually contributed (payload or dense buffer)
     "seconds_select_pack",  # host time: error feedback + selection + packing
     "seconds_unpack",  # host time: scatter-add of the gathered payloads
+    "residual_reset",  # residuals were reset by a lenient load (error feedback restarted)
 )
 
 
@@ -107,6 +109,7 @@ class TopKState:
         "process_group",
         "step",
         "_param_names",  # id(parameter) -> name
+        "_param_shapes",  # name -> (numel, dtype) of the bound module's parameters
         "_bound_module_id",  # id of the module the names came from, None if unbound
         "_residuals",  # ParameterMemory of error-feedback residuals
         "_velocities",  # ParameterMemory of momentum-correction velocities
@@ -162,12 +165,14 @@ class TopKState:
         self.process_group = process_group
         self.step = 0
         self._param_names: dict[int, str] = {}
+        self._param_shapes: dict[str, tuple[int, torch.dtype]] = {}
         self._bound_module_id: int | None = None
         self._residuals = ParameterMemory()
         self._velocities = ParameterMemory()
         self._buffers: dict[int, tuple] = {}
         self._sample_generator: torch.Generator | None = None
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._stats["residual_reset"] = False
         self._observers = []
         self._pending = 0
         self._rank = None
@@ -189,6 +194,7 @@ class TopKState:
             raise ValueError("bind() must be called before the hook first runs")
         self._bound_module_id = id(inner)
         self._param_names = {id(p): name for name, p in inner.named_parameters()}
+        self._param_shapes = {name: (p.numel(), p.dtype) for name, p in inner.named_parameters()}
 
     def _bucket_layout(self, bucket: dist.GradBucket) -> tuple[tuple[str, ...], tuple[int, ...]]:
         names, numels = [], []
@@ -281,10 +287,16 @@ class TopKState:
         }
 
     def state_dict(self) -> dict:
-        """This rank's state. Memory keys are rank-qualified: ``rank{r}.residual.{name}``.
+        """This rank's state, with every per-rank entry under ``rank{r}.``.
 
-        Every rank's residual differs, so each rank saves its own state dict and loads it
-        back; loading another rank's raises. Refused while a collective is in flight.
+        ``rank{r}.residual.{name}``, ``rank{r}.velocity.{name}``, ``rank{r}.stats`` and
+        ``rank{r}.sample_generator`` differ per rank; ``format``, ``world_size``, ``step``
+        and ``config`` are the same on every rank. Rank-qualified keys matter for
+        torch.distributed.checkpoint, which treats an unqualified key saved by every rank
+        as replicated and hands rank 0's value to all. With a bound module and error
+        feedback, every parameter has a residual entry (zeros before the first sparse
+        step), so the dict is also a complete template for DCP to load into.
+        Refused while a collective is in flight.
         """
         if self._pending:
             raise RuntimeError(
@@ -293,16 +305,15 @@ class TopKState:
             )
         rank, world_size = self._rank_and_world_size()
         prefix = f"rank{rank}."
-        sd = {
-            "format": STATE_DICT_FORMAT,
-            "rank": rank,
-            "world_size": world_size,
-            "step": self.step,
-            "config": self._config(),
-            "stats": dict(self._stats),
-        }
-        for kind, memory in (("residual", self._residuals), ("velocity", self._velocities)):
-            for name, tensor in memory.state_dict().items():
+        sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self._config()}
+        sd[f"{prefix}stats"] = dict(self._stats)
+        memories = [("residual", self._residuals, self.error_feedback), ("velocity", self._velocities, self.momentum > 0)]
+        for kind, memory, used in memories:
+            entries = memory.state_dict()
+            if used:
+                for name, (numel, dtype) in self._param_shapes.items():
+                    entries.setdefault(name, torch.zeros(numel, dtype=dtype))
+            for name, tensor in sorted(entries.items()):
                 sd[f"{prefix}{kind}.{name}"] = tensor
         if self._sample_generator is not None:
             sd[f"{prefix}sample_generator"] = self._sample_generator.get_state()
@@ -311,8 +322,13 @@ class TopKState:
     def load_state_dict(self, state_dict: dict, *, strict: bool = True) -> None:
         """Restore this rank's state from ``state_dict`` (made by :meth:`state_dict`).
 
-        Refuses another rank's state, a different world size and, with ``strict``, a
-        different configuration; every message gives both values.
+        Strict (default): refuses another rank's state, a different world size, a
+        different configuration and, for a bound state, a residual missing for any
+        parameter; every message gives both values. Lenient (``strict=False``): in those
+        cases the residuals and velocities are reset to zero with a warning, and
+        ``stats()["residual_reset"]`` becomes True so the ledger can report it (error
+        feedback then restarts from nothing; convergence usually survives an occasional
+        reset, DeepSpeed's 1-bit optimizers always reset).
         """
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(
@@ -320,40 +336,52 @@ class TopKState:
                 f"(got format {state_dict.get('format') if isinstance(state_dict, dict) else type(state_dict).__name__!r})"
             )
         rank, world_size = self._rank_and_world_size()
+        prefix = f"rank{rank}."
+        problems = []
         if state_dict["world_size"] != world_size:
-            raise ValueError(
-                f"state_dict was saved with world_size={state_dict['world_size']}, "
-                f"this job has world_size={world_size}"
+            problems.append(
+                f"state_dict was saved with world_size={state_dict['world_size']}, this job has world_size={world_size}"
             )
-        if state_dict["rank"] != rank:
-            raise ValueError(
-                f"state_dict holds the state of rank {state_dict['rank']}, this is rank {rank}: "
+        saved_ranks = sorted({int(k.split(".", 1)[0][4:]) for k in state_dict if k.startswith("rank") and "." in k})
+        if rank not in saved_ranks:
+            problems.append(
+                f"state_dict holds the state of rank(s) {saved_ranks}, this is rank {rank}: "
                 "every rank's residual differs; save and load each rank's own state dict"
             )
-        if strict and state_dict["config"] != self._config():
+        if state_dict["config"] != self._config():
             diffs = {
                 key: (state_dict["config"].get(key), value)
                 for key, value in self._config().items()
                 if state_dict["config"].get(key) != value
             }
-            raise ValueError(
-                "state_dict config differs from this TopKState (key: (saved, current)): "
-                f"{diffs}; pass strict=False to load it anyway"
-            )
-        prefix = f"rank{rank}."
+            problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
         memories = {"residual": {}, "velocity": {}}
         for key, value in state_dict.items():
-            if key.startswith(prefix) and key != f"{prefix}sample_generator":
-                kind, name = key[len(prefix) :].split(".", 1)
+            if key.startswith(prefix) and key.split(".", 2)[1] in memories:
+                _, kind, name = key.split(".", 2)
                 memories[kind][name] = value
+        if self.error_feedback and not problems:
+            missing = sorted(set(self._param_shapes) - set(memories["residual"]))
+            if missing:
+                problems.append(f"rank {rank}'s residuals are missing for {len(missing)} parameter(s): {missing[:5]}")
+        reset = bool(problems)
+        if reset and strict:
+            raise ValueError("; ".join(problems) + "; pass strict=False to reset the residuals instead")
+        if reset:
+            warnings.warn(
+                "TopKState.load_state_dict(strict=False): resetting error-feedback residuals: " + "; ".join(problems),
+                stacklevel=2,
+            )
+            memories = {"residual": {}, "velocity": {}}
         self._residuals.load_state_dict(memories["residual"])
         self._velocities.load_state_dict(memories["velocity"])
-        generator_state = state_dict.get(f"{prefix}sample_generator")
+        generator_state = None if reset else state_dict.get(f"{prefix}sample_generator")
         self._sample_generator = None
         if generator_state is not None:
             self._sample_generator = torch.Generator().set_state(generator_state)
         self.step = state_dict["step"]
-        self._stats = dict.fromkeys(_STAT_NAMES, 0) | state_dict["stats"]
+        self._stats = dict.fromkeys(_STAT_NAMES, 0) | state_dict.get(f"{prefix}stats", {})
+        self._stats["residual_reset"] = reset or bool(self._stats.get("residual_reset"))
         self._buffers = {}
 
     def __getstate__(self) -> dict:

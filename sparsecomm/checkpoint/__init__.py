@@ -1,0 +1,21 @@
+"""Consistent, verified checkpoints of a DDP job with per-rank error-feedback state."""
+from sparsecomm.checkpoint.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointRefused,
+    NoCheckpoint,
+)
+from sparsecomm.checkpoint.manager import CheckpointManager, LoadedCheckpoint, committed_steps, step_directory
+
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMismatch",
+    "CheckpointRefused",
+    "LoadedCheckpoint",
+    "NoCheckpoint",
+    "committed_steps",
+    "step_directory",
+]
