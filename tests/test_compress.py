@@ -19,6 +19,7 @@ from sparsecomm.compress import (
     SELECTORS,
     compensate,
     num_selected,
+    per_parameter,
     pack_into,
     payload_nbytes,
     random_indices,
@@ -214,7 +215,7 @@ def test_sampled_threshold_advances_the_given_generator(normal_acc):
 
 
 def test_random_indices_distinct_and_in_range():
-    indices = random_indices(1000, 37, seed=3, step=4, bucket_index=1)
+    indices = random_indices(1000, 37, seed=3, step=4, stream=1)
     assert indices.dtype == torch.int64
     assert indices.numel() == 37
     assert indices.unique().numel() == 37
@@ -222,22 +223,22 @@ def test_random_indices_distinct_and_in_range():
 
 
 def test_random_indices_reproducible_and_vary_with_each_argument():
-    base = dict(seed=3, step=4, bucket_index=1)
+    base = dict(seed=3, step=4, stream=1)
     reference = random_indices(1000, 37, **base)
     assert torch.equal(random_indices(1000, 37, **base), reference)
-    for changed in (dict(step=5), dict(bucket_index=2), dict(seed=4)):
+    for changed in (dict(step=5), dict(stream=2), dict(seed=4)):
         other = random_indices(1000, 37, **{**base, **changed})
         assert not torch.equal(other, reference), changed
 
 
 def test_random_indices_k_at_least_numel_returns_everything():
-    assert random_indices(7, 7, seed=0, step=0, bucket_index=0).tolist() == list(range(7))
-    assert random_indices(7, 9, seed=0, step=0, bucket_index=0).tolist() == list(range(7))
+    assert random_indices(7, 7, seed=0, step=0, stream=0).tolist() == list(range(7))
+    assert random_indices(7, 9, seed=0, step=0, stream=0).tolist() == list(range(7))
 
 
 def test_random_indices_does_not_touch_global_rng():
     before = torch.get_rng_state()
-    random_indices(1000, 37, seed=3, step=4, bucket_index=1)
+    random_indices(1000, 37, seed=3, step=4, stream=1)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -466,3 +467,11 @@ def test_narrow_wire_dtype_saturates_and_keeps_the_excess_in_the_residual():
     inf_acc = torch.tensor([float("inf"), 1.0])
     select_and_pack(inf_acc, 1, topk_indices, payload, torch.float16, residual_out=residual[:2])
     assert unpack_add(payload, torch.empty(2), 1, torch.float16)[0].item() == float("inf")
+
+
+def test_per_parameter_selection_takes_k_inside_each_slice():
+    # Slices of sizes 4 and 6; the big values all sit in the second slice, yet the first
+    # still sends its own top-1: per-parameter k is what makes selection layout-independent.
+    acc = torch.tensor([0.1, -0.4, 0.2, 0.3, 9.0, -8.0, 7.0, 1.0, 2.0, -3.0])
+    select = per_parameter(topk_indices, (1, 2), (4, 6))
+    assert sorted(select(acc, 3).tolist()) == [1, 4, 5]

@@ -8,7 +8,7 @@ from sparsecomm.compress.error_feedback import compensate, select_and_pack, to_w
 from sparsecomm.compress.packing import payload_nbytes, pack_into, unpack_add
 from sparsecomm.compress.randomk import random_indices
 from sparsecomm.compress.sampled_threshold import sampled_threshold_indices
-from sparsecomm.compress.topk import num_selected, topk_indices
+from sparsecomm.compress.topk import num_selected, per_parameter, topk_indices
 
 SELECTORS = {
     "exact": topk_indices,
@@ -20,6 +20,7 @@ __all__ = [
     "compensate",
     "num_selected",
     "pack_into",
+    "per_parameter",
     "payload_nbytes",
     "random_indices",
     "sampled_threshold_indices",

@@ -21,3 +21,23 @@ def topk_indices(acc: torch.Tensor, k: int, generator: torch.Generator | None = 
     if k >= acc.numel():
         return torch.arange(acc.numel(), device=acc.device)
     return torch.topk(acc.abs(), k, sorted=False).indices
+
+
+def per_parameter(selector, ks: tuple[int, ...], numels: tuple[int, ...]):
+    """A selector that takes ``ks[i]`` entries inside the i-th parameter's slice of a bucket.
+
+    Choosing k per parameter (layer-wise top-k) makes the selection independent of how DDP
+    groups parameters into buckets: results do not change with ``bucket_cap_mb`` or across
+    DDP's bucket rebuild, so a run resumed from a checkpoint (whose first iteration uses
+    DDP's initial layout) matches the uninterrupted run bit for bit. It also keeps small
+    layers from being starved by large ones. Returned indices are bucket-relative.
+    """
+    def select(acc: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        assert k == sum(ks), (k, ks)
+        parts, offset = [], 0
+        for k_part, numel in zip(ks, numels):
+            parts.append(selector(acc[offset : offset + numel], k_part, generator) + offset)
+            offset += numel
+        return torch.cat(parts)
+
+    return select

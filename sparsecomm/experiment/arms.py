@@ -107,7 +107,12 @@ class HookMeter:
 
     def __init__(self, arm_hook: ArmHook):
         self.arm_hook = arm_hook
+        self._fail_next = False
         self._reset()
+
+    def fail_next_call(self, armed: bool = True) -> None:
+        """Fault injection: the next hook call raises before issuing its collective."""
+        self._fail_next = armed
 
     def _reset(self):
         self.hook_seconds = 0.0
@@ -119,6 +124,9 @@ class HookMeter:
         arm_hook = self.arm_hook
 
         def metered_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            if self._fail_next:
+                self._fail_next = False
+                raise RuntimeError(f"injected fault: comm hook error in bucket {bucket.index()}")
             before = arm_hook.snapshot(state)
             self.bytes_dense += _buffer_bytes(state, bucket, None)
             started = time.perf_counter()

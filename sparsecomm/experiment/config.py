@@ -14,6 +14,7 @@ from sparsecomm.policy import Policy
 ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef")
 TASK_NAMES = ("pydoc-gpt", "digits-mlp")
 OPTIMIZERS = ("adamw", "sgd")
+FAULT_KINDS = ("kill", "hang", "hook_error")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,17 @@ class ExperimentConfig:
     """A collective that takes longer fails the run (counted as failed) instead of hanging."""
     stall_timeout_s: float = 120.0
     """A run that completes no step for this long (start-up included) is killed and counted as failed."""
+    checkpoint_every: int = 0
+    """Save a verified checkpoint every this many steps (0: never)."""
+    keep_checkpoints: int = 2
+    max_restarts: int = 0
+    """torchrun --max-restarts: how often a failed run is restarted from its last checkpoint."""
+    fault: dict | None = None
+    """Injected fault, e.g. {"kind": "kill", "rank": 1, "step": 120}; kinds: kill (the rank
+    exits), hang (the rank sleeps past the collective timeout), hook_error (the comm hook
+    raises). Fires once, in the first attempt. Recovery time and lost work are measured."""
+    fault_rate_per_hour: float = 1.0
+    """Declared fault rate: the ledger's expected recovery = measured cost per fault x rate x run hours."""
     policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self):
@@ -78,6 +90,23 @@ class ExperimentConfig:
                "a finite number > 0", self.collective_timeout_s)
         _check(_is_real(self.stall_timeout_s) and self.stall_timeout_s > 0, "stall_timeout_s",
                "a finite number > 0", self.stall_timeout_s)
+        _check(_is_int(self.checkpoint_every) and self.checkpoint_every >= 0, "checkpoint_every",
+               "an integer >= 0 (0: no checkpoints)", self.checkpoint_every)
+        _check(_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1, "keep_checkpoints", "an integer >= 1",
+               self.keep_checkpoints)
+        _check(_is_int(self.max_restarts) and self.max_restarts >= 0, "max_restarts", "an integer >= 0", self.max_restarts)
+        _check(_is_real(self.fault_rate_per_hour) and self.fault_rate_per_hour >= 0, "fault_rate_per_hour",
+               "a finite number >= 0", self.fault_rate_per_hour)
+        if self.fault is not None:
+            _check(isinstance(self.fault, dict) and set(self.fault) == {"kind", "rank", "step"}, "fault",
+                   'None or {"kind": ..., "rank": ..., "step": ...}', self.fault)
+            _check(self.fault["kind"] in FAULT_KINDS, "fault.kind", f"one of {FAULT_KINDS}", self.fault["kind"])
+            _check(_is_int(self.fault["rank"]) and 0 <= self.fault["rank"] < self.world_size, "fault.rank",
+                   f"an integer in [0, {self.world_size - 1}]", self.fault["rank"])
+            _check(_is_int(self.fault["step"]) and 1 <= self.fault["step"] <= self.steps, "fault.step",
+                   f"an integer in [1, {self.steps}]", self.fault["step"])
+            _check(self.max_restarts >= 1 and self.checkpoint_every >= 1, "fault",
+                   "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
         _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.policy.Policy", self.policy)
 
     def to_dict(self) -> dict:
@@ -109,7 +138,7 @@ class ExperimentConfig:
         report, so a finished run is reused when they change.
         """
         d = self.to_dict()
-        for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s"):
+        for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour"):
             d.pop(key)
         d.update(arm=arm, seed=seed)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

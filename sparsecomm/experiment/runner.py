@@ -71,7 +71,7 @@ def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
 def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", "--max-restarts=0",
+        "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", f"--max-restarts={config.max_restarts}",
         "-m", "sparsecomm.experiment.worker",
         "--experiment-json", str(experiment_dir / "experiment.json"),
         "--arm", arm, "--seed", str(seed), "--out", str(out_dir),

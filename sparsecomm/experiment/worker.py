@@ -20,7 +20,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.experiment.arms import HookMeter, make_arm_hook
+from sparsecomm.checkpoint import CheckpointManager
 from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.hooks import TopKState
+from sparsecomm.results import load_steps
 from sparsecomm.tasks import get_task
 
 # Large odd multiplier so that (seed, step) pairs never share a sample stream.
@@ -39,8 +42,62 @@ def make_optimizer(config: ExperimentConfig, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 
+def _probe(task, config: ExperimentConfig):
+    """Loss of a fixed batch: the checkpoint's semantic fingerprint (exact on CPU)."""
+    ids = global_batch(config, task.num_train_samples, seed=2**20, step=0)[: config.batch_size]
+    inputs, targets = task.train_batch(ids)
+
+    def probe(module) -> float:
+        with torch.no_grad():
+            return task.loss(module, inputs, targets).item()
+
+    return probe
+
+
+def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> tuple[int, dict, list, list]:
+    """Restore the latest checkpoint if there is one (a restart); returns
+    (step, ledger counters, train rows, evals) as they were at that step."""
+    if checkpoints.latest_step() is None:
+        return 0, {}, [], []
+    loaded = checkpoints.load()
+    counters = dict(loaded.ledger)
+    counters["restore_seconds"] = counters.get("restore_seconds", 0.0) + loaded.seconds
+    counters["residual_reset"] = counters.get("residual_reset", False) or loaded.residual_reset
+    rows, evals = [], []
+    if rank == 0 and out_dir is not None:
+        # Keep what was logged up to the checkpoint; the steps after it are recomputed.
+        kept = [r for r in load_steps(out_dir) if r["step"] <= loaded.step]
+        (out_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        rows = [r for r in kept if r["kind"] == "train"]
+        evals = [[r["step"], r["elapsed_seconds"], r["val_loss"]] for r in kept if r["kind"] == "eval"]
+    return loaded.step, counters, rows, evals
+
+
+def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path | None, meter: HookMeter) -> None:
+    """The configured fault, in the first attempt only (a restarted run must recover)."""
+    fault = config.fault
+    if fault is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if fault["kind"] == "hook_error" and step == fault["step"] - 1:
+        meter.fail_next_call(rank == fault["rank"])
+    if step != fault["step"] or rank != fault["rank"]:
+        return
+    if out_dir is not None:
+        (out_dir / "fault.json").write_text(json.dumps({**fault, "wall_time": time.time()}))
+    if fault["kind"] == "kill":
+        os._exit(1)
+    if fault["kind"] == "hang":
+        time.sleep(10 * config.collective_timeout_s)  # the other ranks time out and fail
+
+
 def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | None, launch_wall_time: float) -> dict:
-    """Train one run on an initialised process group; returns the summary (all ranks)."""
+    """Train one run on an initialised process group; returns the summary (all ranks).
+
+    With ``checkpoint_every`` a verified checkpoint is saved every N steps under
+    ``out_dir/checkpoints``; a restarted run (torchrun ``--max-restarts``) resumes from
+    the latest one and records the recovery time (fault -> first completed step after
+    the restore) and the recomputed steps.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     task = get_task(config.task)
     torch.manual_seed(seed)
@@ -50,12 +107,26 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     meter = HookMeter(arm_hook)
     meter.register(ddp)
     optimizer = make_optimizer(config, ddp.parameters())
-    writer = open(out_dir / "steps.jsonl", "w") if rank == 0 and out_dir is not None else None
-    rows, evals = [], []
-    first_touch_wall = time.time()
-    first_touch = time.perf_counter()
+    checkpoints = None
+    start_step, counters, rows, evals = 0, {}, [], []
+    if config.checkpoint_every and out_dir is not None:
+        checkpoints = CheckpointManager(
+            out_dir / "checkpoints", model=ddp, optimizer=optimizer,
+            hook_state=arm_hook.state if isinstance(arm_hook.state, TopKState) else None,
+            probe=_probe(task, config), config_hash=config.run_hash(arm, seed), keep=config.keep_checkpoints,
+        )
+        start_step, counters, rows, evals = _resume(checkpoints, out_dir, rank)
+    counters.setdefault("first_touch_wall", time.time())
+    counters.setdefault("checkpoint_seconds", 0.0)
+    counters.setdefault("num_checkpoints", 0)
+    writer = open(out_dir / "steps.jsonl", "a" if start_step else "w") if rank == 0 and out_dir is not None else None
+    first_touch_wall = counters["first_touch_wall"]
+
+    def elapsed() -> float:  # wall clock across restarts: lost time counts
+        return time.time() - first_touch_wall
+
     try:
-        for step in range(1, config.steps + 1):
+        for step in range(start_step + 1, config.steps + 1):
             started = time.perf_counter()
             ids = global_batch(config, task.num_train_samples, seed, step)
             inputs, targets = task.train_batch(ids[rank * config.batch_size : (rank + 1) * config.batch_size])
@@ -80,14 +151,24 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                 "comm_wait_seconds": comm_wait,
                 "bytes_sent": measured["bytes_sent"],
                 "bytes_dense": measured["bytes_dense"],
-                "elapsed_seconds": time.perf_counter() - first_touch,
+                "elapsed_seconds": elapsed(),
             }
             rows.append(row)
             _write(writer, row)
+            if step == start_step + 1 and start_step and out_dir is not None and (out_dir / "fault.json").exists():
+                fault = json.loads((out_dir / "fault.json").read_text())
+                counters.setdefault("recovery_seconds", time.time() - fault["wall_time"])
+                counters.setdefault("lost_steps", fault["step"] - start_step)
             if step % config.eval_every == 0 or step == config.steps:
                 val_loss = task.val_loss(model)
-                evals.append([step, time.perf_counter() - first_touch, val_loss])
+                evals.append([step, elapsed(), val_loss])
                 _write(writer, {"kind": "eval", "step": step, "val_loss": val_loss, "elapsed_seconds": evals[-1][1]})
+            if checkpoints is not None and step % config.checkpoint_every == 0:
+                save_started = time.perf_counter()
+                counters["num_checkpoints"] += 1
+                checkpoints.save(step, data_position={"step": step}, ledger=counters)
+                counters["checkpoint_seconds"] += time.perf_counter() - save_started
+            _inject_fault(config, rank, step, out_dir, meter)
     finally:
         if writer is not None:
             writer.close()
@@ -110,6 +191,13 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "bytes_sent_per_step": statistics.fmean(r["bytes_sent"] for r in steady),
         "bytes_dense_per_step": statistics.fmean(r["bytes_dense"] for r in steady),
         "total_seconds": rows[-1]["elapsed_seconds"],
+        "checkpoint_seconds": counters["checkpoint_seconds"] if checkpoints is not None else None,
+        "num_checkpoints": counters["num_checkpoints"],
+        "restore_seconds": counters.get("restore_seconds"),
+        "recovery_seconds": counters.get("recovery_seconds"),
+        "lost_steps": counters.get("lost_steps"),
+        "residual_reset": counters.get("residual_reset", False),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "evals": evals,
         "hook_stats": arm_hook.stats(arm_hook.state),
         "world_size": world_size,
@@ -134,6 +222,32 @@ def write_json_atomically(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+INIT_TRIES = 3
+
+
+def _init_process_group(config: ExperimentConfig) -> None:
+    """Join the gloo group through torchrun's store, retrying a failed mesh connection.
+
+    After a torchrun restart, gloo's full-mesh connect sometimes fails with "Connection
+    refused" (seen in about a third of restarts on this machine); every rank then fails
+    the same attempt, and all retry under a fresh store prefix.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=False, timeout=timeout)
+    for attempt in range(INIT_TRIES):
+        store = dist.PrefixStore(f"sparsecomm/restart{restart}/init{attempt}", base)
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            return
+        except RuntimeError as error:
+            if "connectFullMesh" not in str(error) or attempt == INIT_TRIES - 1:
+                raise
+            time.sleep(1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank under torchrun: ``python -m sparsecomm.experiment.worker``."""
     parser = argparse.ArgumentParser(prog="python -m sparsecomm.experiment.worker")
@@ -145,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = ExperimentConfig.from_dict(json.loads(args.experiment_json.read_text())["config"])
     torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun arranges
-    dist.init_process_group("gloo", timeout=timedelta(seconds=config.collective_timeout_s))
+    _init_process_group(config)
     try:
         train_run(config, args.arm, args.seed, args.out, args.launch_time)
         dist.barrier()  # no rank leaves while another still has a collective in flight

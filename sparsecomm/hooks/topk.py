@@ -10,8 +10,10 @@ double registration and non-DDP modules.
 """
 # No ``from __future__ import annotations`` here: DDP checks the hook's ``bucket``
 # annotation by identity, and string annotations fail that check.
+import itertools
 import time
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -485,8 +487,9 @@ def _compensated(state, bucket, buffer, names, numels, world_size, use_residual)
     return velocity, residual
 
 
-def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, k, value_dtype):
+def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype):
     """All-gather (index, value) payloads of the selected entries; scatter-add them."""
+    k = sum(ks)
     started = time.perf_counter()
     velocity, residual = _compensated(
         state, bucket, buffer, names, numels, world_size, state.error_feedback
@@ -498,7 +501,7 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, k, val
     indices = ops.select_and_pack(
         acc,
         k,
-        compress.SELECTORS[state.selector],
+        compress.per_parameter(compress.SELECTORS[state.selector], ks, numels),
         payload,
         value_dtype,
         residual_out=residual,
@@ -531,16 +534,20 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, k, val
     return allgather_future(gathered, payload, group).then(unpack)
 
 
-def _sparse_random(state, bucket, buffer, names, numels, group, world_size, k, value_dtype):
+def _sparse_random(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype):
     """Allreduce the values at indices every rank drew from the same seeded stream."""
+    k = sum(ks)
     started = time.perf_counter()
     velocity, residual = _compensated(
         state, bucket, buffer, names, numels, world_size, state.error_feedback
     )
     acc = buffer
-    indices = compress.random_indices(
-        acc.numel(), k, seed=state.seed, step=state.step, bucket_index=bucket.index()
-    ).to(acc.device)
+    # One stream per parameter name: the same indices whatever the bucket layout.
+    offsets = [0, *itertools.accumulate(numels)]
+    indices = torch.cat([
+        compress.random_indices(n, k_part, seed=state.seed, step=state.step, stream=zlib.crc32(name.encode())) + offset
+        for name, n, k_part, offset in zip(names, numels, ks, offsets)
+    ]).to(acc.device)
     values = compress.to_wire_dtype(acc[indices], value_dtype)
     if residual is not None:
         residual.copy_(acc)
@@ -583,8 +590,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        (DDP rebuilds buckets after the first iteration; residuals start after that).
     2. Compensate: ``acc = grad / world_size + residual`` (dividing first avoids fp16
        overflow), with the velocity in between when momentum correction is on.
-    3. Select k = ceil(density * numel) entries of ``acc`` (exact top-k, sampled
-       threshold, or random-k) and pack their int32 indices and values into one buffer.
+    3. Select k = ceil(density * numel) entries of each parameter's slice of ``acc``
+       (exact top-k, sampled threshold, or random-k; per parameter so the result does not
+       depend on DDP's bucket layout) and pack int32 indices and values into one buffer.
     4. Keep ``acc - sent`` as the new residual (so ``sent + residual == acc`` exactly).
     5. All-gather the fixed-size payloads (one collective per bucket) and scatter-add
        them into the bucket buffer in place: the result is the average over ranks of
@@ -618,7 +626,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     try:
         warmup = state.step < state.warmup_steps
         value_dtype = state.value_dtype or buffer.dtype
-        k = compress.num_selected(numel, state.density)
+        ks = tuple(compress.num_selected(n, state.density) for n in numels)  # per parameter
+        k = sum(ks)
         dense = warmup or (
             state.allow_dense_fallback and not _sparse_is_smaller(state, numel, k, buffer.dtype, value_dtype, world_size)
         )
@@ -632,7 +641,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
                     f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb"
                 )
             reduce_sparse = _sparse_random if state.selector == "random" else _sparse_topk
-            fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, k, value_dtype)
+            fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype)
     except BaseException:
         state._pending -= 1
         raise
