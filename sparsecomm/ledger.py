@@ -9,7 +9,9 @@ checkpoint, expected recovery. Every figure carries the boundary it was measured
 - ``time_to_target``: wall clock from first data touch to the target, evaluation included;
 - ``end_to_end``: setup + step x steps + checkpoint + expected recovery.
 
-Adding or dividing figures of different boundaries raises :class:`BoundaryError`; the
+Checkpoint = blocking time spent saving verified checkpoints; recovery = measured cost of
+one injected fault (recovery time + recomputed steps) x the declared fault rate x run
+hours. Adding or dividing figures of different boundaries raises :class:`BoundaryError`; the
 only cross-boundary operation is :func:`step_cost_to_target` (step x steps), which is how
 the ledger defines that line item. An item not measured yet is ``not measured``, never
 zero, and a total that includes it is ``not measured`` too (its measured part is shown
@@ -31,8 +33,8 @@ from sparsecomm.results import RunSummary, load_experiment, load_runs
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 BOUNDARIES = ("step", "steps_to_target", "time_to_target", "end_to_end")
-NOT_MEASURED_YET = {
-    "checkpoint": "not measured (checkpointing is not part of these runs yet)",
+NOT_MEASURED = {
+    "checkpoint": "not measured (these runs saved no checkpoint: checkpoint_every = 0)",
     "recovery": "not measured (no fault was injected in these runs)",
 }
 
@@ -154,7 +156,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def arm_ledger(arm: str, runs: list[RunSummary], target: Target) -> ArmLedger:
+def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_hour: float = 1.0) -> ArmLedger:
     """Median over this arm's finished seeds of every figure."""
     ok = [r for r in runs if r.arm == arm and r.status == "ok" and r.evals]
     failed = [r for r in runs if r.arm == arm and r.status != "ok"]
@@ -172,6 +174,9 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target) -> ArmLedger:
     seconds = _median([e.elapsed_seconds for e in hits]) if hits and not not_reached else None
     step = Figure(_median([r.median_step_seconds for r in ok]), "s", "step")
     steps_to_target = Figure(steps, "steps", "steps_to_target", note)
+    checkpoint_values = [r.extra.get("checkpoint_seconds") for r in ok]
+    checkpoint = (Figure(_median(checkpoint_values), "s", "end_to_end")
+                  if ok and None not in checkpoint_values else Figure(None, "s", "end_to_end", NOT_MEASURED["checkpoint"]))
     return ArmLedger(
         arm=arm,
         num_ok=len(ok),
@@ -182,9 +187,25 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target) -> ArmLedger:
         steps_to_target=steps_to_target,
         time_to_target=Figure(seconds, "s", "time_to_target", note),
         step_x_steps=step_cost_to_target(step, steps_to_target),
-        checkpoint=Figure(None, "s", "end_to_end", NOT_MEASURED_YET["checkpoint"]),
-        recovery=Figure(None, "s", "end_to_end", NOT_MEASURED_YET["recovery"]),
+        checkpoint=checkpoint,
+        recovery=_expected_recovery(ok, fault_rate_per_hour),
     )
+
+
+def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float) -> Figure:
+    """Measured cost of one fault x expected faults in a run under the declared rate.
+
+    Cost of one fault = recovery time (fault -> first completed step after the restore,
+    measured from an injected fault) + lost work (steps recomputed since the checkpoint x
+    step time). Expected faults = rate x the run's wall-clock hours.
+    """
+    measured = [r for r in ok if r.extra.get("recovery_seconds") is not None]
+    if not measured:
+        return Figure(None, "s", "end_to_end", NOT_MEASURED["recovery"])
+    per_fault = _median([r.extra["recovery_seconds"] + r.extra["lost_steps"] * r.median_step_seconds for r in measured])
+    hours = _median([r.extra.get("total_seconds", 0.0) for r in ok]) / 3600
+    return Figure(per_fault * fault_rate_per_hour * hours, "s", "end_to_end",
+                  f"{per_fault:.1f} s per fault x {fault_rate_per_hour:g}/h x {hours * 3600:.0f} s")
 
 
 @dataclass(frozen=True)
@@ -203,7 +224,8 @@ def build_ledger(run_dir: str | Path) -> Ledger:
     target = resolve_target(experiment, runs)
     order = list(experiment["config"]["arms"])
     order += sorted({r.arm for r in runs} - set(order))
-    return Ledger(experiment, target, [arm_ledger(arm, runs, target) for arm in order])
+    rate = experiment["config"].get("fault_rate_per_hour", 1.0)
+    return Ledger(experiment, target, [arm_ledger(arm, runs, target, rate) for arm in order])
 
 
 def ledger_items_for_plot(run_dir: str | Path) -> dict[str, dict[str, float | None]]:
@@ -236,8 +258,12 @@ def format_ledger(ledger: Ledger) -> str:
                      str(a.checkpoint), str(a.recovery), total_text])
     lines += _table(rows)
     lines += ["", "boundaries: e2e = end_to_end, s2t = steps_to_target, t2t = time_to_target (evaluation included)"]
-    for name, note in NOT_MEASURED_YET.items():
-        lines.append(f"{name}: {note}")
+    for name in ("checkpoint", "recovery"):
+        notes = {a.arm: getattr(a, name).note for a in ledger.arms if getattr(a, name).note}
+        if len(set(notes.values())) == 1 and len(notes) == len(ledger.arms):
+            lines.append(f"{name}: {next(iter(notes.values()))}")
+        else:
+            lines += [f"{arm} {name}: {note}" for arm, note in notes.items()]
     if dense is not None:
         lines += ["", "speedup vs dense (dense cost / arm cost; > 1: arm is cheaper):"]
         for a in ledger.arms:

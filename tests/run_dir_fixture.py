@@ -18,6 +18,7 @@ def write_run_dir(
     policy: dict | None = None,
     failed: tuple[tuple[str, int], ...] = (),
     bytes_per_step: dict[str, float] | None = None,
+    summary_extra: dict[str, dict] | None = None,
 ) -> Path:
     """Write ``root/experiment.json`` and one run per ``(arm, seed)``.
 
@@ -54,6 +55,7 @@ def write_run_dir(
             "median_compute_seconds": per_step * 0.7, "median_compress_seconds": per_step * 0.1,
             "median_comm_wait_seconds": per_step * 0.2, "bytes_sent_per_step": sent,
             "bytes_dense_per_step": 1000.0, "evals": [list(e) for e in evals],
+            **(summary_extra or {}).get(arm, {}),
         }
         (run / "summary.json").write_text(json.dumps(summary))
     for arm, seed in failed:

@@ -89,3 +89,16 @@ def test_ledger_items_for_plot_keep_unmeasured_as_none(tmp_path):
 def test_cli_missing_directory_exits_2(tmp_path, capsys):
     assert ledger.main([str(tmp_path / "nope")]) == 2
     assert "experiment.json is missing" in capsys.readouterr().err
+
+
+def test_checkpoint_and_recovery_items_when_measured(tmp_path):
+    extra = {"dense": {"checkpoint_seconds": 0.5, "recovery_seconds": 4.0, "lost_steps": 10, "total_seconds": 3600.0}}
+    run_dir = write_run_dir(tmp_path / "exp", _curves(), step_seconds={"dense": 0.1}, target_loss=1.5,
+                            summary_extra=extra)
+    dense = build_ledger(run_dir).arm("dense")
+    assert dense.checkpoint.value == 0.5
+    # one fault costs 4 s + 10 steps x 0.1 s; the declared rate is 1 per hour, the run 1 hour
+    assert dense.recovery.value == pytest.approx(5.0)
+    assert dense.end_to_end.value == pytest.approx(2.0 + 2.0 + 0.5 + 5.0)
+    topk = build_ledger(run_dir).arm("topk-ef")
+    assert topk.checkpoint.value is None and topk.recovery.value is None

@@ -8,7 +8,6 @@ import itertools
 
 import torch
 
-from sparsecomm.compress import num_selected
 from sparsecomm.compress.packing import payload_nbytes
 
 _INDEX_BYTES = 4  # int32 indices come first in a payload (see sparsecomm.compress.packing)
@@ -36,24 +35,22 @@ def offset_of(names, numels, name: str) -> int | None:
 def payload_layout(payload: torch.Tensor, acc: torch.Tensor, indices: torch.Tensor, state=None):
     """(capacity k, value dtype) of a packed sparse payload.
 
-    With the hook's ``state`` both are exact (k from the density, the dtype from
-    ``state.value_dtype``). Without it the value dtype is assumed to be the bucket's and k
-    the smallest capacity >= the number of selected entries that gives the payload's size;
-    that is exact for the exact top-k selector (which always fills k slots) and raises
-    instead of guessing when the size does not fit.
+    The value dtype is ``state.value_dtype`` (None: the bucket's dtype), or the bucket's
+    dtype without a state. The capacity is the smallest k >= the number of selected
+    entries whose payload has this size. That is exact whenever the selector fills every
+    slot (exact top-k does: k = sum of the per-parameter k's) and for 4-byte values; a
+    sampled selector that leaves slots empty with 2-byte values could be ambiguous (two
+    capacities pad to the same size) and then the smaller one is taken. The event does
+    not carry k, so this is inferred rather than read (see the monitor package's notes).
     """
-    if state is not None:
-        value_dtype = state.value_dtype or acc.dtype
-        k = num_selected(acc.numel(), state.density)
-    else:
-        value_dtype = acc.dtype
-        k = indices.numel()
-        while payload_nbytes(k, value_dtype) < payload.numel():
-            k += 1
+    value_dtype = (getattr(state, "value_dtype", None) if state is not None else None) or acc.dtype
+    k = indices.numel()
+    while payload_nbytes(k, value_dtype) < payload.numel():
+        k += 1
     if payload_nbytes(k, value_dtype) != payload.numel():
         raise ValueError(
-            f"payload of {payload.numel()} bytes does not hold {k} ({value_dtype}) values; "
-            "pass the TopKState (state=...) so the layout is known exactly"
+            f"a payload of {payload.numel()} bytes does not hold {indices.numel()} or more "
+            f"{value_dtype} values; pass the TopKState (state=...) if the wire dtype differs from the bucket's"
         )
     return k, value_dtype
 

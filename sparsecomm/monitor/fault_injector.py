@@ -174,7 +174,8 @@ class BitFlipInjector(_Injector):
         rank: the rank to corrupt; None corrupts every rank.
         bit: bit number in the element (see the module docstring).
         index, name: which element (see above).
-        state: the TopKState, to read a payload's layout exactly (see FiniteGuard).
+        state: the TopKState, for the wire dtype of payload values (default: the
+            bucket's dtype).
 
     Usage::
 

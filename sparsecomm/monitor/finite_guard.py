@@ -37,8 +37,8 @@ class FiniteGuard:
     Stage ``gradient``: the local gradient. Stage ``packed``: the compensated bucket
     ``acc`` (gradient/ws + old residual: a NaN already in the residual shows up here),
     the new residual, and the values about to be sent (the dense buffer on the dense path,
-    the values for random-k, the packed values of a top-k payload, decoded with the layout
-    from ``state`` when given). Values narrowed to a smaller wire dtype cannot overflow to
+    the values for random-k, the packed values of a top-k payload, decoded with the wire
+    dtype from ``state`` when given). Values narrowed to a smaller wire dtype cannot overflow to
     Inf (the hook saturates them), and with error feedback any mismatch lands in the
     residual, which is checked too.
 
@@ -47,8 +47,9 @@ class FiniteGuard:
         state.add_observer(FiniteGuard(state=state))
 
     Args:
-        state: the hook's TopKState; lets the guard decode top-k payloads exactly. Without
-            it the guard checks ``acc[indices]`` (the values before the cast) instead.
+        state: the hook's TopKState; gives the wire dtype (``state.value_dtype``), so the
+            guard decodes the packed values themselves. Without it the guard checks
+            ``acc[indices]`` (the values before the cast to the wire dtype) instead.
         action: ``"raise"`` (default; aborts the bucket before it is sent) or ``"record"``
             (append to :attr:`alarms` and let the hook go on, for measurements).
 
