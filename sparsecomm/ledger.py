@@ -131,6 +131,7 @@ class ArmLedger:
     step_x_steps: Figure  # end_to_end item
     checkpoint: Figure  # end_to_end item
     recovery: Figure  # end_to_end item
+    residual_reset: bool = False  # some run restored without its error-feedback state
 
     @property
     def end_to_end(self) -> Figure:
@@ -189,6 +190,7 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         step_x_steps=step_cost_to_target(step, steps_to_target),
         checkpoint=checkpoint,
         recovery=_expected_recovery(ok, fault_rate_per_hour),
+        residual_reset=any(r.extra.get("residual_reset") for r in ok),
     )
 
 
@@ -245,6 +247,17 @@ def format_ledger(ledger: Ledger) -> str:
         ledger.target.describe(),
         f"experiment {config['name']}: task {config['task']}, {config['world_size']} ranks, {config['steps']} steps, "
         f"seeds {config['seeds']}; figures are medians over finished seeds, [boundary] after each",
+    ]
+    if config.get("checkpoint_every"):
+        lines.append(f"verified checkpoint every {config['checkpoint_every']} steps")
+    if config.get("fault"):
+        fault = config["fault"]
+        lines.append(f"injected fault in every run: {fault['kind']} on rank {fault['rank']} after step {fault['step']} "
+                     f"(torchrun --max-restarts {config['max_restarts']}); time_to_target includes its recovery")
+    reset = [a.arm for a in ledger.arms if a.residual_reset]
+    if reset:
+        lines.append(f"error-feedback state reset on restore (not bit-exact): {', '.join(reset)}")
+    lines += [
         "",
     ]
     header = ["arm", "runs ok/failed", "setup [e2e]", "step [step]", "sent/step [step]", "steps [s2t]",

@@ -116,6 +116,10 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             probe=_probe(task, config), config_hash=config.run_hash(arm, seed), keep=config.keep_checkpoints,
         )
         start_step, counters, rows, evals = _resume(checkpoints, out_dir, rank)
+        if start_step and arm_hook.state is not None and checkpoints.hook_state is None:
+            # A peer hook whose state we cannot checkpoint (PowerSGD's memories are keyed
+            # by bucket index) restarts its error feedback from nothing: say so.
+            counters["residual_reset"] = True
     counters.setdefault("first_touch_wall", time.time())
     counters.setdefault("checkpoint_seconds", 0.0)
     counters.setdefault("num_checkpoints", 0)

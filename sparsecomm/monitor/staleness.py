@@ -160,7 +160,7 @@ class StalenessMonitor:
     def report(self) -> dict:
         """Ages and drift so far, for this rank.
 
-        Keys: ``max_age``, ``mean_age``, ``oldest`` (``"name[element]"`` of the oldest
+        Ages are as of the last observed step (``step``). Keys: ``max_age``, ``mean_age``, ``oldest`` (``"name[element]"`` of the oldest
         entry, None when nothing waits), ``ratio``, ``held_fraction``, ``step`` (of the
         norms), ``limit``, ``exceeded`` (max_age > limit), ``unverified_reason`` (a
         sentence when exceeded, else None), ``steps_observed``, ``tracked_elements``,
