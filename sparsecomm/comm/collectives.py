@@ -23,4 +23,9 @@ def allgather_future(
 ) -> torch.futures.Future:
     """Gather every rank's equal-size ``payload`` into ``out`` (world_size x payload, in rank order)."""
     work = _all_gather_single(out, payload, group=group, async_op=True)
-    return work.get_future().then(lambda fut: out)
+
+    def gathered(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # re-raises a failed or timed-out collective instead of returning stale bytes
+        return out
+
+    return work.get_future().then(gathered)

@@ -1,0 +1,29 @@
+"""The transports' Futures report failed collectives instead of handing back stale buffers."""
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiprocess import run_on_ranks
+from sparsecomm.comm import allgather_future
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _one_rank_skips(rank, world_size):
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    out = torch.full((world_size * 4,), 7, dtype=torch.uint8)  # "stale" bytes from an earlier step
+    if rank == 1:
+        return "skipped"
+    try:
+        allgather_future(out, torch.zeros(4, dtype=torch.uint8), group).wait()
+    except RuntimeError as error:
+        return f"raised: {type(error).__name__}"
+    return "returned stale bytes"
+
+
+def test_a_timed_out_allgather_raises_instead_of_returning_the_old_buffer():
+    # Regression: the Future used to complete with `out` without reading the collective's
+    # result, so a timed-out all-gather silently reused the previous step's payloads.
+    assert run_on_ranks(_one_rank_skips) == ["raised: RuntimeError", "skipped"]
