@@ -132,6 +132,8 @@ class ArmLedger:
     checkpoint: Figure  # end_to_end item
     recovery: Figure  # end_to_end item
     residual_reset: bool = False  # some run restored without its error-feedback state
+    unverified: tuple[str, ...] = ()  # reasons runs were marked unverified (residual staleness)
+    rollbacks: int = 0  # corruptions detected and rolled back, all seeds
 
     @property
     def end_to_end(self) -> Figure:
@@ -191,6 +193,8 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         checkpoint=checkpoint,
         recovery=_expected_recovery(ok, fault_rate_per_hour),
         residual_reset=any(r.extra.get("residual_reset") for r in ok),
+        unverified=tuple(sorted({r.extra["unverified_reason"] for r in ok if r.extra.get("unverified_reason")})),
+        rollbacks=sum(r.extra.get("rollbacks") or 0 for r in ok),
     )
 
 
@@ -257,6 +261,11 @@ def format_ledger(ledger: Ledger) -> str:
     reset = [a.arm for a in ledger.arms if a.residual_reset]
     if reset:
         lines.append(f"error-feedback state reset on restore (not bit-exact): {', '.join(reset)}")
+    for a in ledger.arms:
+        if a.unverified:
+            lines.append(f"UNVERIFIED {a.arm}: {'; '.join(a.unverified)}")
+        if a.rollbacks:
+            lines.append(f"{a.arm}: {a.rollbacks} detected corruption(s) rolled back to the last verified checkpoint")
     lines += [
         "",
     ]

@@ -92,7 +92,8 @@ def test_cli_missing_directory_exits_2(tmp_path, capsys):
 
 
 def test_checkpoint_and_recovery_items_when_measured(tmp_path):
-    extra = {"dense": {"checkpoint_seconds": 0.5, "recovery_seconds": 4.0, "lost_steps": 10, "total_seconds": 3600.0}}
+    extra = {"dense": {"checkpoint_seconds": 0.5, "recovery_seconds": 4.0, "lost_steps": 10, "total_seconds": 3600.0},
+             "topk-ef": {"unverified_reason": "max residual age 1200 > staleness limit 1000"}}
     run_dir = write_run_dir(tmp_path / "exp", _curves(), step_seconds={"dense": 0.1}, target_loss=1.5,
                             summary_extra=extra)
     dense = build_ledger(run_dir).arm("dense")
@@ -102,3 +103,4 @@ def test_checkpoint_and_recovery_items_when_measured(tmp_path):
     assert dense.end_to_end.value == pytest.approx(2.0 + 2.0 + 0.5 + 5.0)
     topk = build_ledger(run_dir).arm("topk-ef")
     assert topk.checkpoint.value is None and topk.recovery.value is None
+    assert "UNVERIFIED topk-ef: max residual age 1200 > staleness limit 1000" in format_ledger(build_ledger(run_dir))

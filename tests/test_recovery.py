@@ -53,3 +53,19 @@ def test_fault_recovers_bit_for_bit(tmp_path, uninterrupted, kind):
 def test_checkpoint_time_is_recorded(uninterrupted):
     run, _ = uninterrupted
     assert run.extra["num_checkpoints"] == 4 and run.extra["checkpoint_seconds"] > 0
+
+
+def test_silent_bit_flip_is_detected_and_rolled_back_bit_for_bit(tmp_path, uninterrupted):
+    """E1 + E6: an exponent flip in one weight on rank 1 after step 50; the replica digest
+    (every 5 steps) catches it at step 55 on both ranks, both roll back to the step-40
+    checkpoint and recompute; the run ends exactly where the clean one does."""
+    reference, reference_losses = uninterrupted
+    config = BASE.with_overrides(name="bitflip", monitor_every=5, fault={"kind": "bitflip", "rank": 1, "step": 50})
+    runs = load_runs(run_experiment(config, tmp_path, progress=lambda line: None))
+    run = next(r for r in runs if r.arm == "topk-ef")
+    assert run.status == "ok", run.error
+    losses = [r["train_loss"] for r in load_steps(run.path) if r["kind"] == "train"]
+    assert losses == reference_losses and run.final_val_loss == reference.final_val_loss
+    assert run.extra["rollbacks"] == 1 and run.extra["lost_steps"] == 15  # detected at 55, back to 40
+    assert "replica_digest" in run.extra["last_corruption"]
+    assert run.extra["restarts"] == 0  # handled in process, no torchrun restart

@@ -14,7 +14,8 @@ from sparsecomm.policy import Policy
 ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef")
 TASK_NAMES = ("pydoc-gpt", "digits-mlp")
 OPTIMIZERS = ("adamw", "sgd")
-FAULT_KINDS = ("kill", "hang", "hook_error")
+FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
+CORRUPTION_ACTIONS = ("stop", "rollback")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,14 @@ class ExperimentConfig:
     fault: dict | None = None
     """Injected fault, e.g. {"kind": "kill", "rank": 1, "step": 120}; kinds: kill (the rank
     exits), hang (the rank sleeps past the collective timeout), hook_error (the comm hook
-    raises). Fires once, in the first attempt. Recovery time and lost work are measured."""
+    raises), bitflip (an exponent bit of one weight flips on that rank after the step:
+    silent corruption, for the monitors). Fires once, in the first attempt. Recovery time
+    and lost work are measured."""
+    monitor_every: int = 0
+    """Compare the replicas' parameter digests every this many steps (0: never)."""
+    on_corruption: str = "rollback"
+    """What a detected corruption does: "stop" the run, or "rollback" to the last verified
+    checkpoint and recompute (needs checkpoint_every)."""
     fault_rate_per_hour: float = 1.0
     """Declared fault rate: the ledger's expected recovery = measured cost per fault x rate x run hours."""
     policy: Policy = field(default_factory=Policy)
@@ -95,6 +103,12 @@ class ExperimentConfig:
         _check(_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1, "keep_checkpoints", "an integer >= 1",
                self.keep_checkpoints)
         _check(_is_int(self.max_restarts) and self.max_restarts >= 0, "max_restarts", "an integer >= 0", self.max_restarts)
+        _check(_is_int(self.monitor_every) and self.monitor_every >= 0, "monitor_every", "an integer >= 0",
+               self.monitor_every)
+        _check(self.on_corruption in CORRUPTION_ACTIONS, "on_corruption", f"one of {CORRUPTION_ACTIONS}", self.on_corruption)
+        if self.monitor_every and self.on_corruption == "rollback":
+            _check(self.checkpoint_every >= 1, "checkpoint_every",
+                   ">= 1 when monitor_every > 0 and on_corruption='rollback' (nothing to roll back to)", self.checkpoint_every)
         _check(_is_real(self.fault_rate_per_hour) and self.fault_rate_per_hour >= 0, "fault_rate_per_hour",
                "a finite number >= 0", self.fault_rate_per_hour)
         if self.fault is not None:
@@ -105,8 +119,12 @@ class ExperimentConfig:
                    f"an integer in [0, {self.world_size - 1}]", self.fault["rank"])
             _check(_is_int(self.fault["step"]) and 1 <= self.fault["step"] <= self.steps, "fault.step",
                    f"an integer in [1, {self.steps}]", self.fault["step"])
-            _check(self.max_restarts >= 1 and self.checkpoint_every >= 1, "fault",
-                   "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
+            if self.fault["kind"] == "bitflip":
+                _check(self.monitor_every >= 1 and self.checkpoint_every >= 1, "fault",
+                       "of kind bitflip used with monitor_every >= 1 and checkpoint_every >= 1", self.fault)
+            else:
+                _check(self.max_restarts >= 1 and self.checkpoint_every >= 1, "fault",
+                       "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
         _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.policy.Policy", self.policy)
 
     def to_dict(self) -> dict:

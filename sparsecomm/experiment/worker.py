@@ -23,6 +23,7 @@ from sparsecomm.experiment.arms import HookMeter, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager
 from sparsecomm.experiment.config import ExperimentConfig
 from sparsecomm.hooks import TopKState
+from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
 from sparsecomm.results import load_steps
 from sparsecomm.tasks import get_task
 
@@ -73,17 +74,25 @@ def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> 
     return loaded.step, counters, rows, evals
 
 
-def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path | None, meter: HookMeter) -> None:
+_FAULT_FIRED = []  # a rolled-back run recomputes the fault step: fire once per process
+
+
+def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path | None, meter: HookMeter,
+                  model: torch.nn.Module) -> None:
     """The configured fault, in the first attempt only (a restarted run must recover)."""
     fault = config.fault
-    if fault is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if fault is None or _FAULT_FIRED or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
     if fault["kind"] == "hook_error" and step == fault["step"] - 1:
         meter.fail_next_call(rank == fault["rank"])
+        return
     if step != fault["step"] or rank != fault["rank"]:
         return
+    _FAULT_FIRED.append(step)
     if out_dir is not None:
         (out_dir / "fault.json").write_text(json.dumps({**fault, "wall_time": time.time()}))
+    if fault["kind"] == "bitflip":
+        flip_bit(next(model.parameters()).data, 0, 30)  # an exponent bit: a silent, large change
     if fault["kind"] == "kill":
         os._exit(1)
     if fault["kind"] == "hang":
@@ -123,14 +132,25 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     counters.setdefault("first_touch_wall", time.time())
     counters.setdefault("checkpoint_seconds", 0.0)
     counters.setdefault("num_checkpoints", 0)
-    writer = open(out_dir / "steps.jsonl", "a" if start_step else "w") if rank == 0 and out_dir is not None else None
+    counters.setdefault("rollbacks", 0)
     first_touch_wall = counters["first_touch_wall"]
+    replicas = ReplicaDigestMonitor(model, every=config.monitor_every) if config.monitor_every else None
+    staleness = None
+    if isinstance(arm_hook.state, TopKState) and arm_hook.state.error_feedback:
+        staleness = StalenessMonitor.from_policy(config.policy)  # records; marks the run unverified
+        arm_hook.state.add_observer(staleness)
+
+    def open_log():
+        return open(out_dir / "steps.jsonl", "a" if rows or evals else "w") if rank == 0 and out_dir is not None else None
 
     def elapsed() -> float:  # wall clock across restarts: lost time counts
         return time.time() - first_touch_wall
 
+    writer = open_log()
+    step, recovering = start_step, bool(start_step)
     try:
-        for step in range(start_step + 1, config.steps + 1):
+        while step < config.steps:
+            step += 1
             started = time.perf_counter()
             ids = global_batch(config, task.num_train_samples, seed, step)
             inputs, targets = task.train_batch(ids[rank * config.batch_size : (rank + 1) * config.batch_size])
@@ -159,20 +179,39 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             }
             rows.append(row)
             _write(writer, row)
-            if step == start_step + 1 and start_step and out_dir is not None and (out_dir / "fault.json").exists():
+            if recovering and out_dir is not None and (out_dir / "fault.json").exists():
                 fault = json.loads((out_dir / "fault.json").read_text())
                 counters.setdefault("recovery_seconds", time.time() - fault["wall_time"])
-                counters.setdefault("lost_steps", fault["step"] - start_step)
+                counters.setdefault("lost_steps", fault["detected_step"] - (step - 1) if "detected_step" in fault
+                                    else fault["step"] - (step - 1))
+            recovering = False
             if step % config.eval_every == 0 or step == config.steps:
                 val_loss = task.val_loss(model)
                 evals.append([step, elapsed(), val_loss])
                 _write(writer, {"kind": "eval", "step": step, "val_loss": val_loss, "elapsed_seconds": evals[-1][1]})
+            if replicas is not None:
+                try:
+                    replicas.check(step)
+                except CorruptionDetected as error:
+                    if config.on_corruption == "stop":
+                        raise
+                    # Roll back to the last verified checkpoint and recompute from there.
+                    if out_dir is not None and (out_dir / "fault.json").exists():
+                        fault = json.loads((out_dir / "fault.json").read_text())
+                        (out_dir / "fault.json").write_text(json.dumps({**fault, "detected_step": step}))
+                    if writer is not None:
+                        writer.close()
+                    kept = {k: counters[k] for k in ("rollbacks", "checkpoint_seconds", "num_checkpoints")}
+                    step, counters, rows, evals = _resume(checkpoints, out_dir, rank)
+                    counters.update(kept, rollbacks=kept["rollbacks"] + 1, last_corruption=str(error)[:500])
+                    writer, recovering = open_log(), True
+                    continue
             if checkpoints is not None and step % config.checkpoint_every == 0:
                 save_started = time.perf_counter()
                 counters["num_checkpoints"] += 1
                 checkpoints.save(step, data_position={"step": step}, ledger=counters)
                 counters["checkpoint_seconds"] += time.perf_counter() - save_started
-            _inject_fault(config, rank, step, out_dir, meter)
+            _inject_fault(config, rank, step, out_dir, meter, model)
     finally:
         if writer is not None:
             writer.close()
@@ -202,6 +241,10 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "lost_steps": counters.get("lost_steps"),
         "residual_reset": counters.get("residual_reset", False),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "rollbacks": counters["rollbacks"],
+        "last_corruption": counters.get("last_corruption"),
+        "staleness": staleness.report() if staleness is not None else None,
+        "unverified_reason": staleness.report().get("unverified_reason") if staleness is not None else None,
         "evals": evals,
         "hook_stats": arm_hook.stats(arm_hook.state),
         "world_size": world_size,
