@@ -18,6 +18,7 @@ per checked step: one pass over the gradients and one all-reduce of three int64.
 """
 import torch
 
+from sparsecomm.hooks.validation import check_int
 from sparsecomm.monitor._consensus import compare_across_ranks
 from sparsecomm.monitor.replica_digest import tensors_digest
 
@@ -46,10 +47,8 @@ class GradientAgreementMonitor:
     """
 
     def __init__(self, module: torch.nn.Module, *, every: int = 1, group=None, reference_rank: int | None = None):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be an integer >= 1 (steps), got {every!r}")
         self.module = module
-        self.every = every
+        self.every = check_int("every", every, 1)
         self.group = group
         self.reference_rank = reference_rank
         self.checks = 0

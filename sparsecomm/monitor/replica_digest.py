@@ -37,6 +37,7 @@ bounded by 32 MiB whatever the model size.
 """
 import torch
 
+from sparsecomm.hooks.validation import check_int
 from sparsecomm.monitor._consensus import compare_across_ranks
 
 _CHUNK = 1 << 16  # words per chunk: bounds the cached weight vector to 512 KiB
@@ -179,10 +180,8 @@ class ReplicaDigestMonitor:
     """
 
     def __init__(self, module: torch.nn.Module, *, every: int = 10, group=None, reference_rank: int | None = None):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be an integer >= 1 (steps), got {every!r}")
         self.module = module
-        self.every = every
+        self.every = check_int("every", every, 1)
         self.group = group
         self.reference_rank = reference_rank
         self.last_verified_step: int | None = None
