@@ -408,7 +408,7 @@ def _layout_worker(rank, world_size, selector):
         for p in model.parameters():
             nn.init.normal_(p, std=0.1)
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-        sparsecomm.register_topk_hook(ddp, density=0.02, selector=selector)
+        sparsecomm.register_topk_hook(ddp, density=0.02, selector=selector, k_scope="parameter")
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         for x in _rank_data(rank, 6, (8, 64)):
             optimizer.zero_grad()
@@ -420,6 +420,7 @@ def _layout_worker(rank, world_size, selector):
 
 @pytest.mark.parametrize("selector", ["exact", "random"])
 def test_results_do_not_depend_on_bucket_cap(selector):
-    # k is chosen per parameter and random-k streams are keyed by parameter name, so many
-    # small buckets and one big bucket train to bitwise identical parameters.
+    # With k_scope="parameter" k is chosen inside each parameter, and random-k streams are
+    # keyed by parameter name, so many small buckets and one big bucket train to bitwise
+    # identical parameters.
     assert run_on_ranks(_layout_worker, selector) == [True, True]

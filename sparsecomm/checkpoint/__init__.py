@@ -1,4 +1,5 @@
 """Consistent, verified checkpoints of a DDP job with per-rank error-feedback state."""
+from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
 from sparsecomm.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -17,5 +18,6 @@ __all__ = [
     "LoadedCheckpoint",
     "NoCheckpoint",
     "committed_steps",
+    "rebuild_buckets",
     "step_directory",
 ]

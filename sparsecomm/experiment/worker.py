@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.experiment.arms import HookMeter, make_arm_hook
-from sparsecomm.checkpoint import CheckpointManager
+from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.experiment.config import ExperimentConfig
 from sparsecomm.hooks import TopKState
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
@@ -125,6 +125,11 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             probe=_probe(task, config), config_hash=config.run_hash(arm, seed), keep=config.keep_checkpoints,
         )
         start_step, counters, rows, evals = _resume(checkpoints, out_dir, rank)
+        if start_step and isinstance(arm_hook.state, TopKState):
+            # A new process: let DDP rebuild its buckets before the first real step.
+            ids = global_batch(config, task.num_train_samples, seed, 0)[: config.batch_size]
+            rebuild_buckets(ddp, arm_hook.state, lambda: (task.loss(ddp, *task.train_batch(ids)) * 0).backward())
+            meter.take_step()  # that pass sent nothing; do not count it
         if start_step and arm_hook.state is not None and checkpoints.hook_state is None:
             # A peer hook whose state we cannot checkpoint (PowerSGD's memories are keyed
             # by bucket index) restarts its error feedback from nothing: say so.

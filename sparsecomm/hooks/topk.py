@@ -33,6 +33,7 @@ from sparsecomm.hooks.validation import (
 )
 
 SELECTOR_CHOICES = ("exact", "sampled", "random")
+K_SCOPES = ("bucket", "parameter")
 STATE_DICT_FORMAT = 1
 # Int32 indices on the wire bound the size of one bucket.
 MAX_BUCKET_NUMEL = 2**31 - 1
@@ -90,6 +91,11 @@ class TopKState:
             selector's per-rank sample.
         allow_dense_fallback: False forces the sparse path even when it sends more
             bytes than dense (for tests and measurements).
+        k_scope: ``"bucket"`` picks the top k = ceil(density * numel) of each DDP bucket
+            (the largest entries wherever they are); ``"parameter"`` picks
+            ceil(density * numel) inside each parameter (layer-wise top-k), so the
+            selection does not depend on how DDP groups parameters into buckets
+            (``bucket_cap_mb``). Random-k always draws per parameter.
         verify_conservation: check ``sent + new_residual == grad/ws + old_residual``
             bit for bit on every sparse call and raise :class:`ConservationError`
             otherwise. Costs two extra passes and a temporary; meant for tests/audits.
@@ -107,6 +113,7 @@ class TopKState:
         # Switches.
         "allow_dense_fallback",
         "verify_conservation",
+        "k_scope",
         # The fields below are internal state.
         "process_group",
         "step",
@@ -118,6 +125,7 @@ class TopKState:
         "_buffers",  # bucket index -> (k, value dtype, payload, gathered): reused every step
         "_sample_generator",  # per-rank generator for the sampled selector
         "_stats",
+        "_bypass",  # True while rebuild_buckets() runs a pass that must change nothing
         "_observers",  # callables receiving HookEvents (monitors, fault injectors)
         "_pending",  # collectives issued whose result has not been delivered yet
         "_rank",  # this process's rank in the group, cached on first use
@@ -137,6 +145,7 @@ class TopKState:
         module: torch.nn.Module | None = None,
         allow_dense_fallback: bool = True,
         verify_conservation: bool = False,
+        k_scope: str = "bucket",
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -152,6 +161,7 @@ class TopKState:
         self.seed = check_int("seed", seed, 0)
         self.allow_dense_fallback = check_bool("allow_dense_fallback", allow_dense_fallback)
         self.verify_conservation = check_bool("verify_conservation", verify_conservation)
+        self.k_scope = check_choice("k_scope", k_scope, K_SCOPES)
         if self.error_feedback and self.warmup_steps < 2:
             raise ValueError(
                 f"warmup_steps must be >= 2 when error_feedback=True, got {self.warmup_steps}: "
@@ -175,6 +185,7 @@ class TopKState:
         self._sample_generator: torch.Generator | None = None
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._stats["residual_reset"] = False
+        self._bypass = False
         self._observers = []
         self._pending = 0
         self._rank = None
@@ -286,6 +297,7 @@ class TopKState:
             "selector": self.selector,
             "value_dtype": None if self.value_dtype is None else str(self.value_dtype),
             "seed": self.seed,
+            "k_scope": self.k_scope,
         }
 
     def state_dict(self) -> dict:
@@ -487,9 +499,16 @@ def _compensated(state, bucket, buffer, names, numels, world_size, use_residual)
     return velocity, residual
 
 
+def _selector(state, ks, numels):
+    selector = compress.SELECTORS[state.selector]
+    if state.k_scope == "parameter":
+        return compress.per_parameter(selector, ks, numels)
+    return selector
+
+
 def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype):
     """All-gather (index, value) payloads of the selected entries; scatter-add them."""
-    k = sum(ks)
+    k = sum(ks) if state.k_scope == "parameter" else compress.num_selected(buffer.numel(), state.density)
     started = time.perf_counter()
     velocity, residual = _compensated(
         state, bucket, buffer, names, numels, world_size, state.error_feedback
@@ -501,7 +520,7 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, va
     indices = ops.select_and_pack(
         acc,
         k,
-        compress.per_parameter(compress.SELECTORS[state.selector], ks, numels),
+        _selector(state, ks, numels),
         payload,
         value_dtype,
         residual_out=residual,
@@ -590,9 +609,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        (DDP rebuilds buckets after the first iteration; residuals start after that).
     2. Compensate: ``acc = grad / world_size + residual`` (dividing first avoids fp16
        overflow), with the velocity in between when momentum correction is on.
-    3. Select k = ceil(density * numel) entries of each parameter's slice of ``acc``
-       (exact top-k, sampled threshold, or random-k; per parameter so the result does not
-       depend on DDP's bucket layout) and pack int32 indices and values into one buffer.
+    3. Select k = ceil(density * numel) entries of ``acc`` (exact top-k, sampled
+       threshold, or random-k; per bucket or, with ``k_scope="parameter"``, inside each
+       parameter) and pack their int32 indices and values into one buffer.
     4. Keep ``acc - sent`` as the new residual (so ``sent + residual == acc`` exactly).
     5. All-gather the fixed-size payloads (one collective per bucket) and scatter-add
        them into the bucket buffer in place: the result is the average over ranks of
@@ -615,6 +634,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     if not isinstance(state, TopKState):
         raise TypeError(f"topk_hook: state must be a sparsecomm.TopKState, got {type(state).__name__}")
     buffer = bucket.buffer()
+    if state._bypass:
+        return _completed(buffer)  # see rebuild_buckets(): no communication, no state change
     if not buffer.is_floating_point():
         raise TypeError(f"topk_hook: bucket buffer must be floating point, got {buffer.dtype}")
     group = state._group()
@@ -627,7 +648,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         warmup = state.step < state.warmup_steps
         value_dtype = state.value_dtype or buffer.dtype
         ks = tuple(compress.num_selected(n, state.density) for n in numels)  # per parameter
-        k = sum(ks)
+        k = sum(ks) if state.k_scope == "parameter" or state.selector == "random" else compress.num_selected(numel, state.density)
         dense = warmup or (
             state.allow_dense_fallback and not _sparse_is_smaller(state, numel, k, buffer.dtype, value_dtype, world_size)
         )
