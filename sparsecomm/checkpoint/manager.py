@@ -34,6 +34,7 @@ file when this rank's file is missing, and resets error-feedback residuals with 
 """
 import hashlib
 import io
+import json
 import os
 import shutil
 import time
@@ -99,7 +100,7 @@ def _non_finite(obj, prefix: str = "") -> list[str]:
     return []
 
 
-def parameter_digest(module: torch.nn.Module) -> str:
+def parameter_sha256(module: torch.nn.Module) -> str:
     """SHA-256 over every parameter's bytes, in name order: equal iff replicas are equal."""
     digest = hashlib.sha256()
     for name, param in sorted(module.state_dict().items()):
@@ -225,7 +226,7 @@ class CheckpointManager:
                 "sha256": written,
                 "bytes": len(data),
                 "tensors": tensor_digests(payload),
-                "param_digest": parameter_digest(self.module),
+                "param_digest": parameter_sha256(self.module),
                 "non_finite": _non_finite({k: payload[k] for k in ("model", "optimizer", "hook")}),
                 "probe_loss": self.probe(self.module) if self.probe is not None else None,
             }
@@ -309,8 +310,6 @@ class CheckpointManager:
         return result
 
     def _load_local(self, step: int, rank: int, world_size: int, strict: bool) -> LoadedCheckpoint:
-        import json
-
         directory = step_directory(self.root, step)
         manifest_path = directory / MANIFEST
         if not manifest_path.is_file():
@@ -378,7 +377,7 @@ class CheckpointManager:
             raise CheckpointCorrupt(f"{path}: step counters disagree with step {step}: {wrong}")
 
     def _verify_semantics(self, directory: Path, manifest: dict, path: Path) -> None:
-        digest = parameter_digest(self.module)
+        digest = parameter_sha256(self.module)
         if digest != manifest["param_digest"]:
             raise CheckpointCorrupt(f"{path}: restored parameters' digest differs from the manifest's")
         if self.probe is not None and manifest["probe_loss"] is not None:

@@ -499,6 +499,18 @@ def _compensated(state, bucket, buffer, names, numels, world_size, use_residual)
     return velocity, residual
 
 
+def _selection_sizes(state, numels: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """(entries per parameter, payload capacity k) of a bucket.
+
+    Per parameter when the scope is "parameter" or the selector is random-k (which always
+    draws per parameter); otherwise k is taken over the whole bucket.
+    """
+    ks = tuple(compress.num_selected(n, state.density) for n in numels)
+    if state.k_scope == "parameter" or state.selector == "random":
+        return ks, sum(ks)
+    return ks, compress.num_selected(sum(numels), state.density)
+
+
 def _selector(state, ks, numels):
     selector = compress.SELECTORS[state.selector]
     if state.k_scope == "parameter":
@@ -506,9 +518,8 @@ def _selector(state, ks, numels):
     return selector
 
 
-def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype):
+def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype):
     """All-gather (index, value) payloads of the selected entries; scatter-add them."""
-    k = sum(ks) if state.k_scope == "parameter" else compress.num_selected(buffer.numel(), state.density)
     started = time.perf_counter()
     velocity, residual = _compensated(
         state, bucket, buffer, names, numels, world_size, state.error_feedback
@@ -553,9 +564,8 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, va
     return allgather_future(gathered, payload, group).then(unpack)
 
 
-def _sparse_random(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype):
+def _sparse_random(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype):
     """Allreduce the values at indices every rank drew from the same seeded stream."""
-    k = sum(ks)
     started = time.perf_counter()
     velocity, residual = _compensated(
         state, bucket, buffer, names, numels, world_size, state.error_feedback
@@ -647,8 +657,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     try:
         warmup = state.step < state.warmup_steps
         value_dtype = state.value_dtype or buffer.dtype
-        ks = tuple(compress.num_selected(n, state.density) for n in numels)  # per parameter
-        k = sum(ks) if state.k_scope == "parameter" or state.selector == "random" else compress.num_selected(numel, state.density)
+        ks, k = _selection_sizes(state, numels)
         dense = warmup or (
             state.allow_dense_fallback and not _sparse_is_smaller(state, numel, k, buffer.dtype, value_dtype, world_size)
         )
@@ -662,7 +671,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
                     f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb"
                 )
             reduce_sparse = _sparse_random if state.selector == "random" else _sparse_topk
-            fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, ks, value_dtype)
+            fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype)
     except BaseException:
         state._pending -= 1
         raise
