@@ -13,6 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _one_rank_skips(rank, world_size):
     group = dist.new_group(timeout=timedelta(seconds=2))
+    dist.barrier(group=group)  # both ranks finished connecting before rank 1 walks away
     out = torch.full((world_size * 4,), 7, dtype=torch.uint8)  # "stale" bytes from an earlier step
     if rank == 1:
         return "skipped"
