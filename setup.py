@@ -1,9 +1,78 @@
-"""Install sparsecomm.
+"""Install sparsecomm, building its native kernels (``sparsecomm._C``) when possible.
 
 Install torch first (``pip install torch==2.13.0`` on a CPU machine): a bare ``torch``
-requirement resolved from scratch pulls a multi-GB CUDA build.
+requirement resolved from scratch pulls a multi-GB CUDA build. Build without isolation so
+the extension compiles against the installed torch::
+
+    pip install --no-build-isolation -e ".[test]"
+
+Switches (environment): ``SPARSECOMM_BUILD_EXT=0`` skips the extension, ``=1`` makes a
+failed build an error (default: warn and install the pure-torch path); ``USE_CUDA=0|1``
+never/always adds the CUDA sources (default: when nvcc and a CUDA torch are present);
+``DEBUG=1`` builds with ``-O0 -g``; ``SPARSECOMM_NATIVE_ARCH=0`` omits ``-march=native``.
 """
+import glob
+import os
+
 from setuptools import find_packages, setup
+
+BUILD_EXT = os.environ.get("SPARSECOMM_BUILD_EXT", "")
+
+
+def _say(message: str) -> None:
+    print(f"sparsecomm setup: {message}", flush=True)
+
+
+def _native_extension() -> dict:
+    """setup() arguments that build sparsecomm._C, or {} when it is skipped/impossible."""
+    if BUILD_EXT == "0":
+        _say("SPARSECOMM_BUILD_EXT=0: not building native kernels (pure-torch reference only)")
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError as error:
+        if BUILD_EXT == "1":
+            raise
+        _say(f"WARNING: cannot build native kernels ({error}); install torch first and build with "
+             "--no-build-isolation. Installing the pure-torch reference path only.")
+        return {}
+
+    debug = os.environ.get("DEBUG", "0") == "1"
+    use_cuda = os.environ.get("USE_CUDA")
+    with_cuda = use_cuda == "1" or (use_cuda is None and torch.version.cuda is not None and CUDA_HOME is not None)
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    cxx += ["-fopenmp"]
+    if os.environ.get("SPARSECOMM_NATIVE_ARCH", "1") != "0":
+        cxx += ["-march=native"]  # AVX-512 where the build machine has it
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    extra = {"cxx": cxx}
+    extension_class = CppExtension
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        extra["nvcc"] = (["-O0", "-g"] if debug else ["-O3"]) + ["--expt-relaxed-constexpr", "-lineinfo"]
+        extension_class = CUDAExtension
+    _say(f"building sparsecomm._C ({'CPU + CUDA' if with_cuda else 'CPU'}: {len(sources)} sources)")
+
+    class BuildOrFallBack(BuildExtension):
+        """Build the extension; if that fails, say why and install without it (unless forced)."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as error:  # compiler missing, compile error, ...
+                if BUILD_EXT == "1":
+                    raise
+                _say(f"WARNING: native kernels failed to build ({type(error).__name__}: {error}). "
+                     "Installing the pure-torch reference path; sparsecomm warns once at run time. "
+                     "Set SPARSECOMM_BUILD_EXT=1 to make this an error.")
+
+    module = extension_class(
+        "sparsecomm._C", sources, extra_compile_args=extra, extra_link_args=["-fopenmp"],
+        include_dirs=[os.path.abspath("csrc/cpu")],
+    )
+    return {"ext_modules": [module], "cmdclass": {"build_ext": BuildOrFallBack}}
+
 
 setup(
     name="sparsecomm",
@@ -21,6 +90,11 @@ setup(
         "scipy",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={
+        # Triton runs its kernels on GPUs, and on CPU in interpreter mode (tests).
+        "test": ["pytest", "pytest-timeout", "triton; platform_system == 'Linux'"],
+        "triton": ["triton; platform_system == 'Linux'"],
+    },
     entry_points={"console_scripts": ["sparsecomm=sparsecomm.cli:main"]},
+    **_native_extension(),
 )

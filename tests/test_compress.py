@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sparsecomm import compress, ops
+from sparsecomm.ops import reference
 from sparsecomm.compress import (
     SELECTORS,
     compensate,
@@ -446,7 +447,8 @@ def test_select_and_pack_sends_nan():
 def test_dispatch_uses_reference_without_registered_kernel():
     # No kernel is ever registered for this made-up device type.
     assert ops.implementation("select_and_pack", "no_such_device") is compress.select_and_pack
-    assert ops.implementation("unpack_add", "no_such_device") is compress.unpack_add
+    assert ops.implementation("ef_topk_pack", "no_such_device") is reference.ef_topk_pack
+    assert ops.implementation("unpack_add", "no_such_device") is reference.unpack_add
 
 
 def test_dispatch_rejects_unknown_op():

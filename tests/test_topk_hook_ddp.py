@@ -147,15 +147,15 @@ def test_conservation_rebuild_and_per_rank_residuals(selector, wrapper, value_dt
         assert torch.equal(a, b)
 
 
-def _broken_kernel(acc, k, selector, payload, value_dtype, residual_out=None, generator=None):
-    """select_and_pack that forgets to keep what it did not send (drops gradient mass)."""
-    indices = sparsecomm.compress.select_and_pack(acc, k, selector, payload, value_dtype, residual_out, generator)
-    residual_out.zero_()
-    return indices
+def _broken_kernel(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset=0):
+    """ef_topk_pack that forgets to keep what it did not send (drops gradient mass)."""
+    sparsecomm.ops.reference.ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_out,
+                                          index_offset)
+    residual.zero_()
 
 
 def _conservation_violation_worker(rank, world_size):
-    sparsecomm.ops.register_kernel("select_and_pack", "cpu", _broken_kernel)
+    sparsecomm.ops.register_kernel("ef_topk_pack", "cpu", _broken_kernel)
     ddp = DDP(_mlp())
     sparsecomm.register_topk_hook(ddp, density=0.1, verify_conservation=True)
     for step, x in enumerate(_rank_data(rank, 4, (8, 32))):

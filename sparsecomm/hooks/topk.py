@@ -518,30 +518,66 @@ def _selector(state, ks, numels):
     return selector
 
 
+def _exact_topk_pack(state, buffer, residual, world_size, compensated, ks, numels, k, payload, value_dtype):
+    """Fused error feedback + exact top-k + pack through the kernel dispatch point.
+
+    ``compensated``: ``buffer`` already holds ``acc`` (the residual is then only written);
+    otherwise the kernel computes ``grad / world_size + residual`` itself in the same pass,
+    leaving ``buffer`` as it is (it is overwritten by the unpack anyway).
+    Returns the payload's int32 index view (bucket-relative indices of the sent entries).
+    """
+    divisor, add_residual = (1.0, False) if compensated else (float(world_size), residual is not None)
+    index_view, value_view = ops.payload_views(payload, k, value_dtype)
+    index_view, value_view = index_view[0], value_view[0]
+    if state.k_scope == "bucket":
+        ops.ef_topk_pack(buffer, residual, divisor, add_residual, k, index_view, value_view, 0)
+    else:  # one selection per parameter slice, into consecutive parts of the payload
+        offset = position = 0
+        for k_part, numel in zip(ks, numels):
+            part = slice(offset, offset + numel)
+            ops.ef_topk_pack(buffer[part], None if residual is None else residual[part], divisor, add_residual,
+                             k_part, index_view[position : position + k_part],
+                             value_view[position : position + k_part], offset)
+            offset, position = offset + numel, position + k_part
+    payload[index_view.numel() * 4 + value_view.numel() * value_view.element_size() :].zero_()  # alignment pad
+    return index_view
+
+
 def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype):
     """All-gather (index, value) payloads of the selected entries; scatter-add them."""
     started = time.perf_counter()
-    velocity, residual = _compensated(
-        state, bucket, buffer, names, numels, world_size, state.error_feedback
-    )
+    payload, gathered = state._wire_buffers(bucket.index(), k, value_dtype, world_size, buffer.device)
+    # The fused kernel reads grad and residual once and never materialises acc; observers,
+    # the conservation audit and momentum need acc in the bucket, so they compensate first.
+    fused = state.selector == "exact" and state.momentum == 0 and not state._observers and not state.verify_conservation
+    if fused:
+        velocity = None
+        residual = (state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
+                    if state.error_feedback else None)
+    else:
+        velocity, residual = _compensated(
+            state, bucket, buffer, names, numels, world_size, state.error_feedback
+        )
     acc = buffer
     acc_before = acc.clone() if state.verify_conservation else None
-    payload, gathered = state._wire_buffers(bucket.index(), k, value_dtype, world_size, buffer.device)
-    # The residual is rewritten from acc, so read the old one only through acc.
-    indices = ops.select_and_pack(
-        acc,
-        k,
-        _selector(state, ks, numels),
-        payload,
-        value_dtype,
-        residual_out=residual,
-        generator=state._generator(buffer.device) if state.selector == "sampled" else None,
-    )
+    if state.selector == "exact":
+        indices = _exact_topk_pack(state, buffer, residual, world_size, not fused, ks, numels, k, payload, value_dtype)
+    else:
+        # The residual is rewritten from acc, so read the old one only through acc.
+        indices = ops.select_and_pack(
+            acc,
+            k,
+            _selector(state, ks, numels),
+            payload,
+            value_dtype,
+            residual_out=residual,
+            generator=state._generator(buffer.device),
+        )
     if velocity is not None:
         velocity[indices] = 0  # momentum factor masking (DGC): sent velocity starts over
     state._emit("packed", bucket, names, numels, False, acc=acc, residual=residual, indices=indices, payload=payload)
     if acc_before is not None:
-        sent = ops.unpack_add(payload, torch.empty_like(acc), k, value_dtype)
+        sent = ops.unpack_payloads(payload, torch.empty_like(acc), k, value_dtype)
         _check_conservation(acc_before, residual, sent, bucket.index(), state.step)
     elapsed = time.perf_counter() - started
     nbytes = payload.numel()
@@ -557,7 +593,7 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k,
 
     def unpack(fut: torch.futures.Future) -> torch.Tensor:
         unpack_started = time.perf_counter()
-        ops.unpack_add(fut.value(), buffer, k, value_dtype)  # in place: no second bucket-size tensor
+        ops.unpack_payloads(fut.value(), buffer, k, value_dtype)  # in place: no second bucket-size tensor
         state._count(seconds_unpack=time.perf_counter() - unpack_started)
         return buffer
 

@@ -1,43 +1,113 @@
 """The dispatch point between the hook and the kernels.
 
 The hook calls the functions here, never a kernel directly. Each op has a pure-torch
-reference (in :mod:`sparsecomm.compress`); native implementations (C++/OpenMP, CUDA,
-Triton) register themselves per device type with :func:`register_kernel` and take over for
-tensors on that device. The reference stays the oracle in tests and the fallback when no
-native kernel is available.
+reference (:mod:`sparsecomm.ops.reference`, and :func:`sparsecomm.compress.select_and_pack`
+for the generic selectors); native implementations take over per device type:
+
+* CPU: the C++/OpenMP extension (``sparsecomm._C``);
+* CUDA: the CUDA extension, or Triton kernels when the extension has no CUDA kernels
+  (or ``SPARSECOMM_KERNELS=triton``);
+* anything else, or ``SPARSECOMM_KERNELS=reference``: the reference.
+
+Kernels registered with :func:`register_kernel` win over all of these (tests use this to
+inject faults). When the extension is missing, the first lookup warns once, naming why.
+The reference stays the oracle in tests.
 """
 from typing import Callable
 
 import torch
 
 from sparsecomm import compress
+from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.ops import native, reference
 
 # op name -> reference implementation
 _REFERENCE: dict[str, Callable] = {
     "select_and_pack": compress.select_and_pack,
-    "unpack_add": compress.unpack_add,
+    **{op: getattr(reference, op) for op in native.OPS},
 }
-# (op name, device type) -> native implementation
+# (op name, device type) -> implementation registered by the user or a test
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
 
 def register_kernel(op: str, device_type: str, fn: Callable) -> None:
-    """Use ``fn`` instead of the reference for ``op`` on tensors of ``device_type``."""
+    """Use ``fn`` instead of the built-in choice for ``op`` on tensors of ``device_type``."""
     if op not in _REFERENCE:
         raise ValueError(f"register_kernel: op must be one of {sorted(_REFERENCE)}, got {op!r}")
     _KERNELS[(op, device_type)] = fn
 
 
+def unregister_kernel(op: str, device_type: str) -> None:
+    """Undo :func:`register_kernel` (no error if nothing was registered)."""
+    _KERNELS.pop((op, device_type), None)
+
+
+def _builtin(op: str, device_type: str) -> Callable:
+    choice = native.requested_kernels()
+    if op not in native.OPS or choice == "reference" or device_type not in ("cpu", "cuda"):
+        return _REFERENCE[op]
+    if device_type == "cuda" and choice != "native":
+        from sparsecomm.ops import triton as triton_ops
+
+        usable, _ = triton_ops.available()
+        if usable and (choice == "triton" or not (native.load()[0] and native.has_kernel(op, "CUDA"))):
+            return getattr(triton_ops, op)
+    loaded, reason = native.load()
+    dispatch_key = "CPU" if device_type == "cpu" else "CUDA"
+    if loaded and native.has_kernel(op, dispatch_key):
+        return getattr(native, op)
+    if choice == "native":
+        raise RuntimeError(f"SPARSECOMM_KERNELS=native but there is no native {op} for {device_type}: "
+                           f"{reason or 'the extension was built without it'}")
+    native.warn_unavailable(reason or f"the extension was built without {dispatch_key} kernels")
+    return _REFERENCE[op]
+
+
 def implementation(op: str, device_type: str) -> Callable:
     """The function that runs ``op`` for tensors on ``device_type``."""
-    return _KERNELS.get((op, device_type), _REFERENCE[op])
+    if op not in _REFERENCE:
+        raise ValueError(f"implementation: op must be one of {sorted(_REFERENCE)}, got {op!r}")
+    return _KERNELS.get((op, device_type)) or _builtin(op, device_type)
 
 
 def select_and_pack(acc: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Dispatching :func:`sparsecomm.compress.select_and_pack`."""
+    """Dispatching :func:`sparsecomm.compress.select_and_pack` (generic selectors)."""
     return implementation("select_and_pack", acc.device.type)(acc, *args, **kwargs)
 
 
-def unpack_add(gathered: torch.Tensor, out: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Dispatching :func:`sparsecomm.compress.unpack_add`."""
-    return implementation("unpack_add", out.device.type)(gathered, out, *args, **kwargs)
+def ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset=0) -> None:
+    """Dispatching :func:`sparsecomm.ops.reference.ef_topk_pack`."""
+    implementation("ef_topk_pack", grad.device.type)(grad, residual, divisor, add_residual, k, indices_out,
+                                                     values_out, index_offset)
+
+
+def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset=0):
+    """Dispatching :func:`sparsecomm.ops.reference.ef_threshold_pack`."""
+    return implementation("ef_threshold_pack", grad.device.type)(grad, residual, divisor, add_residual, threshold,
+                                                                 indices_out, values_out, index_offset)
+
+
+def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
+    """Dispatching :func:`sparsecomm.ops.reference.topk_threshold`."""
+    return implementation("topk_threshold", x.device.type)(x, k, max_relative_error)
+
+
+def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, zero_out: bool = True) -> None:
+    """Dispatching :func:`sparsecomm.ops.reference.unpack_add`."""
+    implementation("unpack_add", out.device.type)(indices, values, out, zero_out)
+
+
+def payload_views(payload: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 indices, values) views of one payload, or ``[world_size, k]`` views of a gathered buffer."""
+    rows = payload.view(-1, payload_nbytes(k, value_dtype))
+    index_bytes = 4 * k
+    indices = rows[:, :index_bytes].view(torch.int32)
+    values = rows[:, index_bytes : index_bytes + k * value_dtype.itemsize].view(value_dtype)
+    return indices, values
+
+
+def unpack_payloads(gathered: torch.Tensor, out: torch.Tensor, k: int, value_dtype: torch.dtype) -> torch.Tensor:
+    """Overwrite ``out`` with the sum of the all-gathered payloads (rank order)."""
+    indices, values = payload_views(gathered, k, value_dtype)
+    unpack_add(indices, values, out, True)
+    return out

@@ -1,0 +1,279 @@
+// Fused error feedback + exact top-k + packing on CPU, in two passes over the bucket.
+//
+//   pass 1  acc = grad / divisor + residual, written to the residual (or recomputed later
+//           when there is none); a per-chunk histogram of the first key digit (12 bits).
+//           -> the boundary bin holding the k-th largest magnitude, and for every chunk
+//              how many of its entries lie above that bin: their payload offsets.
+//   pass 2  entries above the boundary bin go straight to the payload (residual zeroed);
+//           boundary-bin entries are collected as candidates (index + value).
+//   refine  two more digit histograms over the candidates only find the exact k-th key;
+//           ties at that key go to the lowest indices; those entries are emitted.
+//
+// Memory traffic: read grad + residual, write residual, read residual: one pass more than
+// the read-read-write floor every error-feedback implementation pays. Scratch space
+// (histograms, candidates) lives in a per-thread workspace that only ever grows, so the
+// steady state allocates nothing.
+#include "magnitude_key.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <type_traits>
+#include <chrono>
+#include <cstdio>
+static double nowt(){return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();}
+
+namespace sparsecomm {
+namespace {
+
+struct Workspace {
+  std::vector<uint32_t> histograms;  // chunk x 2 x 4096 (two interleaved copies, see pass 1)
+  std::vector<int32_t> candidate_index;
+  std::vector<float> candidate_value;
+};
+
+Workspace& workspace() {
+  static thread_local Workspace ws;
+  return ws;
+}
+
+constexpr int64_t kBlock = 512;  // pass 1 works block-wise: compute (vectorised), then count
+
+// Pass 1 over one chunk: acc written to the residual (when there is one) and its first
+// key digit counted. Two histogram copies alternate so that runs of equal digits do not
+// serialise on one counter (store-to-load forwarding), which made pass 1 2x slower.
+template <typename T>
+void compensate_and_count(const T* g, T* r, float divisor, bool add_residual, int64_t begin, int64_t end,
+                          uint32_t* histogram) {
+  uint32_t digits[kBlock];
+  for (int64_t block = begin; block < end; block += kBlock) {
+    const int64_t m = std::min(kBlock, end - block);
+    const T* gb = g + block;
+    T* rb = r ? r + block : nullptr;
+    if (add_residual) {
+      for (int64_t j = 0; j < m; ++j) {
+        const T a = compensate<T>(gb[j], divisor, rb + j);
+        rb[j] = a;
+        digits[j] = magnitude_key(to_float(a)) >> kDigitShift[0];
+      }
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        const T a = compensate<T>(gb[j], divisor, nullptr);
+        if (rb) rb[j] = a;
+        digits[j] = magnitude_key(to_float(a)) >> kDigitShift[0];
+      }
+    }
+    int64_t j = 0;
+    for (; j + 1 < m; j += 2) {
+      ++histogram[digits[j]];
+      ++histogram[kDigitBins[0] + digits[j + 1]];
+    }
+    if (j < m) ++histogram[digits[j]];
+  }
+}
+
+// Calls visit(i) for every i in [begin, end) whose acc has a key >= bar, in index order.
+// acc comes from the residual when pass 1 wrote it there, else it is recomputed from grad.
+// At 1% density most 16-element groups hold no such entry: test 16 keys at once.
+template <typename T, typename Visit>
+void for_each_at_or_above(const T* g, const T* r, float divisor, uint32_t bar, int64_t begin, int64_t end,
+                          Visit visit) {
+  int64_t i = begin;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i bar16 = _mm512_set1_epi32(static_cast<int32_t>(bar));
+    const __m512 divisor16 = _mm512_set1_ps(divisor);
+    for (; i + 16 <= end; i += 16) {
+      const __m512 acc = r ? _mm512_loadu_ps(r + i) : _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);
+      const __m512i keys = _mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask);
+      for (__mmask16 hits = _mm512_cmpge_epu32_mask(keys, bar16); hits; hits &= hits - 1) {
+        visit(i + __builtin_ctz(hits));
+      }
+    }
+  }
+#endif
+  constexpr int64_t kGroup = 16;
+  for (; i < end; i += kGroup) {
+    const int64_t group_end = std::min(i + kGroup, end);
+    uint32_t largest = 0;
+    for (int64_t j = i; j < group_end; ++j) {
+      const T a = r ? r[j] : compensate<T>(g[j], divisor, nullptr);
+      largest = std::max(largest, magnitude_key(to_float(a)));
+    }
+    if (largest < bar) continue;
+    for (int64_t j = i; j < group_end; ++j) {
+      const T a = r ? r[j] : compensate<T>(g[j], divisor, nullptr);
+      if (magnitude_key(to_float(a)) >= bar) visit(j);
+    }
+  }
+}
+
+template <typename T, typename V>
+void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& residual_opt, float divisor,
+                       bool add_residual, int64_t k, const at::Tensor& indices_out, const at::Tensor& values_out,
+                       int64_t index_offset) {
+  const int64_t n = grad.numel();
+  const T* g = grad.const_data_ptr<T>();
+  T* r = residual_opt.has_value() ? residual_opt->mutable_data_ptr<T>() : nullptr;
+  int32_t* out_index = indices_out.mutable_data_ptr<int32_t>();
+  V* out_value = values_out.mutable_data_ptr<V>();
+  const int32_t offset = static_cast<int32_t>(index_offset);
+  const Chunks chunks(n);
+  Workspace& ws = workspace();
+  const uint32_t bins = kDigitBins[0];
+  ws.histograms.assign(chunks.count * 2 * bins, 0);
+
+  double t0=nowt();
+  // Pass 1: compensate (+ write), histogram of the first digit per chunk.
+  for_each_chunk(chunks, [&](int64_t c) {
+    compensate_and_count<T>(g, r, divisor, add_residual, chunks.begin(c), chunks.end(c),
+                            ws.histograms.data() + c * 2 * bins);
+  });
+  double t1=nowt();
+  std::vector<int64_t> per_chunk(chunks.count * bins, 0), total(bins, 0);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const uint32_t* pair = ws.histograms.data() + c * 2 * bins;
+    for (uint32_t b = 0; b < bins; ++b) {
+      per_chunk[c * bins + b] = int64_t{pair[b]} + pair[bins + b];
+      total[b] += per_chunk[c * bins + b];
+    }
+  }
+  int64_t above = 0;
+  const uint32_t boundary = boundary_bin(total.data(), bins, k, &above);
+  const int64_t candidates = total[boundary];
+
+  // Payload offsets of each chunk's sure entries, candidate offsets likewise.
+  std::vector<int64_t> sure_offset(chunks.count + 1, 0), candidate_offset(chunks.count + 1, 0);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const int64_t* histogram = per_chunk.data() + c * bins;
+    int64_t sure = 0;
+    for (uint32_t b = boundary + 1; b < bins; ++b) sure += histogram[b];
+    sure_offset[c + 1] = sure_offset[c] + sure;
+    candidate_offset[c + 1] = candidate_offset[c] + histogram[boundary];
+  }
+  TORCH_INTERNAL_ASSERT(sure_offset[chunks.count] == above && candidate_offset[chunks.count] == candidates);
+  if (static_cast<int64_t>(ws.candidate_index.size()) < candidates) {
+    ws.candidate_index.resize(candidates);
+    ws.candidate_value.resize(candidates);
+  }
+  int32_t* candidate_index = ws.candidate_index.data();
+  float* candidate_value = ws.candidate_value.data();
+  const uint32_t boundary_key = boundary << kDigitShift[0];  // smallest key in the boundary bin
+
+  double t2=nowt();
+  // Pass 2: emit the sure entries, collect the candidates.
+  for_each_chunk(chunks, [&](int64_t c) {
+    int64_t sure = sure_offset[c], candidate = candidate_offset[c];
+    int64_t begin = chunks.begin(c);
+    const int64_t end = chunks.end(c);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
+      // fp32 in, fp32 out (the common case): 16 entries per step, branch-free within a
+      // step; sent entries leave acc - acc in the residual (0, or NaN for +-Inf/NaN).
+      const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+      const __m512i candidate_bar = _mm512_set1_epi32(static_cast<int32_t>(boundary_key));
+      const __m512i sure_bar = _mm512_set1_epi32(static_cast<int32_t>(boundary_key + (1u << kDigitShift[0])));
+      const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 divisor16 = _mm512_set1_ps(divisor);
+      for (; begin + 16 <= end; begin += 16) {
+        const __m512 acc = r ? _mm512_loadu_ps(r + begin) : _mm512_div_ps(_mm512_loadu_ps(g + begin), divisor16);
+        const __m512i keys = _mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask);
+        const __mmask16 hits = _mm512_cmpge_epu32_mask(keys, candidate_bar);
+        if (!hits) continue;
+        // boundary == 4095 makes sure_bar wrap to 0x80000000: above every key, as wanted.
+        const __mmask16 sent = _mm512_mask_cmpge_epu32_mask(hits, keys, sure_bar);
+        const __mmask16 held = hits & ~sent;
+        const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(begin)));
+        if (sent) {
+          _mm512_mask_compressstoreu_epi32(out_index + sure, sent, _mm512_add_epi32(index, _mm512_set1_epi32(offset)));
+          _mm512_mask_compressstoreu_ps(out_value + sure, sent, acc);
+          if (r) _mm512_mask_storeu_ps(r + begin, sent, _mm512_sub_ps(acc, acc));
+          sure += __builtin_popcount(sent);
+        }
+        if (held) {
+          _mm512_mask_compressstoreu_epi32(candidate_index + candidate, held, index);
+          _mm512_mask_compressstoreu_ps(candidate_value + candidate, held, acc);
+          candidate += __builtin_popcount(held);
+        }
+      }
+    }
+#endif
+    for_each_at_or_above<T>(g, r, divisor, boundary_key, begin, end, [&](int64_t i) {
+      const float a = to_float(r ? r[i] : compensate<T>(g[i], divisor, nullptr));
+      if ((magnitude_key(a) >> kDigitShift[0]) > boundary) {
+        const V w = to_wire<V>(a);
+        out_index[sure] = static_cast<int32_t>(i) + offset;
+        out_value[sure] = w;
+        ++sure;
+        if (r) r[i] = sent_remainder<T, V>(a, w);
+      } else {
+        candidate_index[candidate] = static_cast<int32_t>(i);
+        candidate_value[candidate] = a;
+        ++candidate;
+      }
+    });
+    TORCH_INTERNAL_ASSERT(sure == sure_offset[c + 1] && candidate == candidate_offset[c + 1]);
+  });
+
+  double t3=nowt();
+  // Refine: the exact k-th key among the candidates (digits 2 and 3), then emit.
+  int64_t need = k - above;  // 1 <= need <= candidates
+  uint32_t prefix = boundary_key, prefix_mask = ~((1u << kDigitShift[0]) - 1);
+  for (int level = 1; level < 3 && need < candidates; ++level) {
+    std::vector<int64_t> histogram(kDigitBins[level], 0);
+    for (int64_t j = 0; j < candidates; ++j) {
+      const uint32_t key = magnitude_key(candidate_value[j]);
+      if ((key & prefix_mask) == prefix) ++histogram[digit(key, level)];
+    }
+    int64_t higher = 0;
+    const uint32_t bin = boundary_bin(histogram.data(), kDigitBins[level], need, &higher);
+    need -= higher;
+    prefix |= bin << kDigitShift[level];
+    prefix_mask |= (kDigitBins[level] - 1) << kDigitShift[level];
+  }
+  // prefix is now the k-th key (or its bin, if every candidate is taken); `need` entries
+  // with exactly that prefix are taken, lowest indices first (candidates are in index order).
+  int64_t position = above;
+  constexpr int64_t kPrefetchDistance = 32;  // residual writes here are scattered: overlap the misses
+  for (int64_t j = 0; j < candidates && position < k; ++j) {
+    if (r && j + kPrefetchDistance < candidates) __builtin_prefetch(r + candidate_index[j + kPrefetchDistance], 1);
+    const float a = candidate_value[j];
+    const uint32_t key = magnitude_key(a);
+    const bool take = (key & prefix_mask) > prefix || ((key & prefix_mask) == prefix && need-- > 0);
+    if (!take) continue;
+    const V w = to_wire<V>(a);
+    const int64_t i = candidate_index[j];
+    out_index[position] = static_cast<int32_t>(i) + offset;
+    out_value[position] = w;
+    ++position;
+    if (r) r[i] = sent_remainder<T, V>(a, w);
+  }
+  double t4=nowt(); if(getenv("SC_PROF")) fprintf(stderr,"p1 %.1f mid %.1f p2 %.1f refine %.1f cand %ld above %ld\n",(t1-t0)*1e3,(t2-t1)*1e3,(t3-t2)*1e3,(t4-t3)*1e3,(long)candidates,(long)above);
+  TORCH_INTERNAL_ASSERT(position == k, "ef_topk_pack: emitted ", position, " of k=", k);
+}
+
+void ef_topk_pack_cpu(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, double divisor,
+                      bool add_residual, int64_t k, const at::Tensor& indices_out, const at::Tensor& values_out,
+                      int64_t index_offset) {
+  check_pack_arguments("ef_topk_pack", grad, residual, add_residual, indices_out, values_out);
+  TORCH_CHECK(k >= 1 && k <= grad.numel(), "ef_topk_pack: k must be in [1, ", grad.numel(), "], got ", k);
+  TORCH_CHECK(indices_out.numel() >= k, "ef_topk_pack: indices_out holds ", indices_out.numel(), " < k=", k);
+  TORCH_CHECK(index_offset >= 0 && index_offset + grad.numel() <= std::numeric_limits<int32_t>::max(),
+              "ef_topk_pack: index_offset + n must fit in int32, got ", index_offset);
+  TORCH_CHECK(divisor > 0, "ef_topk_pack: divisor must be > 0, got ", divisor);
+  SPARSECOMM_DISPATCH_FLOATING(grad.scalar_type(), "ef_topk_pack", T, [&] {
+    SPARSECOMM_DISPATCH_FLOATING(values_out.scalar_type(), "ef_topk_pack", V, [&] {
+      ef_topk_pack_impl<T, V>(grad, residual, static_cast<float>(divisor), add_residual, k, indices_out,
+                              values_out, index_offset);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
+  m.impl("ef_topk_pack", &ef_topk_pack_cpu);
+}
+
+}  // namespace sparsecomm

@@ -1,0 +1,73 @@
+// A threshold for "about k entries" with a bounded count error, on CPU.
+//
+// Radix select over the magnitude key, one read-only pass per digit (12 + 12 + 7 bits),
+// stopping as soon as a bin edge gives a count within max_relative_error * k. On smooth
+// data the first pass usually suffices at 1% density only for loose bounds; the second
+// pass narrows the boundary to 1/2^24 of the key range, so a 5% bound takes two passes.
+// Only equal magnitudes straddling the k-th entry can defeat the bound.
+#include "magnitude_key.h"
+
+namespace sparsecomm {
+namespace {
+
+template <typename T>
+std::pair<uint32_t, int64_t> topk_threshold_impl(const at::Tensor& x, int64_t k, double max_relative_error) {
+  const int64_t n = x.numel();
+  const T* data = x.const_data_ptr<T>();
+  const Chunks chunks(n);
+  const double tolerance = max_relative_error * static_cast<double>(k);
+  int64_t above = 0;  // entries whose key is above the current prefix's range
+  uint32_t prefix = 0, prefix_mask = 0;
+  std::pair<uint32_t, int64_t> best{0, n};  // threshold key 0 selects everything
+  for (int level = 0; level < 3; ++level) {
+    const uint32_t bins = kDigitBins[level];
+    std::vector<int64_t> per_chunk(chunks.count * bins, 0);
+    for_each_chunk(chunks, [&](int64_t c) {
+      int64_t* histogram = per_chunk.data() + c * bins;
+      const int64_t end = chunks.end(c);
+      for (int64_t i = chunks.begin(c); i < end; ++i) {
+        const uint32_t key = magnitude_key(to_float(data[i]));
+        if ((key & prefix_mask) == prefix) ++histogram[digit(key, level)];
+      }
+    });
+    std::vector<int64_t> histogram(bins, 0);
+    for (int64_t c = 0; c < chunks.count; ++c)
+      for (uint32_t b = 0; b < bins; ++b) histogram[b] += per_chunk[c * bins + b];
+    int64_t higher = 0;
+    const uint32_t bin = boundary_bin(histogram.data(), bins, k - above, &higher);
+    const uint32_t low_edge = prefix | (bin << kDigitShift[level]);
+    // Two candidate thresholds: the boundary bin's lower edge (count >= k) and its upper
+    // edge (count < k, unless the bin is the top one, whose upper edge is no key).
+    const int64_t with_bin = above + higher + histogram[bin];
+    if (std::llabs(with_bin - k) < std::llabs(best.second - k)) best = {low_edge, with_bin};
+    const uint64_t high_edge = static_cast<uint64_t>(low_edge) + (1ull << kDigitShift[level]);
+    if (high_edge <= 0x7FFFFFFFull && std::llabs(above + higher - k) < std::llabs(best.second - k)) {
+      best = {static_cast<uint32_t>(high_edge), above + higher};
+    }
+    if (std::llabs(best.second - k) <= tolerance) break;
+    above += higher;
+    prefix = low_edge;
+    prefix_mask |= (bins - 1) << kDigitShift[level];
+  }
+  return best;
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_threshold_cpu(const at::Tensor& x, int64_t k, double max_relative_error) {
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "topk_threshold: x must be a contiguous 1-D tensor");
+  TORCH_CHECK(k >= 1 && k <= x.numel(), "topk_threshold: k must be in [1, ", x.numel(), "], got ", k);
+  TORCH_CHECK(max_relative_error >= 0, "topk_threshold: max_relative_error must be >= 0, got ", max_relative_error);
+  std::pair<uint32_t, int64_t> best;
+  SPARSECOMM_DISPATCH_FLOATING(x.scalar_type(), "topk_threshold", T, [&] {
+    best = topk_threshold_impl<T>(x, k, max_relative_error);
+  });
+  return {at::scalar_tensor(key_as_float(best.first), x.options().dtype(at::kFloat)),
+          at::scalar_tensor(best.second, x.options().dtype(at::kLong))};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
+  m.impl("topk_threshold", &topk_threshold_cpu);
+}
+
+}  // namespace sparsecomm

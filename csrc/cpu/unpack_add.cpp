@@ -1,0 +1,78 @@
+// Scatter-add of world_size payloads into the dense bucket on CPU.
+//
+// Thread t owns the output range [n*t/T, n*(t+1)/T): it zeroes that range and applies,
+// rank by rank, every payload entry that falls into it. No two threads write the same
+// element, so no atomics are needed, and each element receives its adds in rank order:
+// bitwise the result of out.zero_() and one index_add_ per rank. Every thread scans all
+// indices (a few MB, sequential) but only touches its own part of the bucket.
+#include "magnitude_key.h"
+
+namespace sparsecomm {
+namespace {
+
+constexpr int64_t kPrefetchDistance = 16;
+
+template <typename T, typename V>
+int64_t unpack_add_impl(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out, bool zero_out) {
+  const int64_t n = out.numel(), rows = indices.size(0), k = indices.size(1);
+  const int32_t* index_base = indices.const_data_ptr<int32_t>();
+  const V* value_base = values.const_data_ptr<V>();
+  const int64_t index_stride = indices.stride(0), value_stride = values.stride(0);
+  T* dst = out.mutable_data_ptr<T>();
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> out_of_range(ranges, 0);
+
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t lo = n * t / ranges, hi = n * (t + 1) / ranges;
+      if (zero_out) std::fill(dst + lo, dst + hi, static_cast<T>(0.0f));
+      for (int64_t row = 0; row < rows; ++row) {
+        const int32_t* idx = index_base + row * index_stride;
+        const V* val = value_base + row * value_stride;
+        for (int64_t j = 0; j < k; ++j) {
+          if (j + kPrefetchDistance < k) {
+            const int64_t ahead = idx[j + kPrefetchDistance];
+            if (ahead >= lo && ahead < hi) __builtin_prefetch(dst + ahead, 1);
+          }
+          const int64_t i = idx[j];
+          if (i >= lo && i < hi) {
+            dst[i] = static_cast<T>(to_float(dst[i]) + to_float(static_cast<T>(to_float(val[j]))));
+          } else if (t == 0 && (i < 0 || i >= n)) {
+            ++out_of_range[0];
+          }
+        }
+      }
+    }
+  });
+  return out_of_range[0];
+}
+
+void unpack_add_cpu(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out, bool zero_out) {
+  TORCH_CHECK(indices.dim() == 2 && values.dim() == 2 && indices.sizes() == values.sizes(),
+              "unpack_add: indices and values must both be [world_size, k], got ", indices.sizes(), " and ",
+              values.sizes());
+  TORCH_CHECK(indices.scalar_type() == at::kInt, "unpack_add: indices must be int32, got ", indices.scalar_type());
+  TORCH_CHECK(indices.size(1) <= 1 || (indices.stride(1) == 1 && values.stride(1) == 1),
+              "unpack_add: each row of indices and values must be contiguous");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "unpack_add: out must be a contiguous 1-D tensor");
+  TORCH_CHECK(indices.device() == out.device() && values.device() == out.device(),
+              "unpack_add: indices, values and out must be on one device");
+  int64_t out_of_range = 0;
+  SPARSECOMM_DISPATCH_FLOATING(out.scalar_type(), "unpack_add", T, [&] {
+    SPARSECOMM_DISPATCH_FLOATING(values.scalar_type(), "unpack_add", V, [&] {
+      out_of_range = unpack_add_impl<T, V>(indices, values, out, zero_out);
+    });
+  });
+  // Checked while scanning (a payload comes from another rank: a corrupt one must not
+  // write outside the bucket); such entries were skipped.
+  TORCH_CHECK(out_of_range == 0, "unpack_add: ", out_of_range, " indices outside [0, ", out.numel(),
+              "): corrupt payload");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
+  m.impl("unpack_add", &unpack_add_cpu);
+}
+
+}  // namespace sparsecomm

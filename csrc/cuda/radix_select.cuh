@@ -1,0 +1,461 @@
+// Shared pieces of the CUDA kernels (csrc/cuda/*.cu): the error-feedback arithmetic and
+// magnitude keys of csrc/README.md, dtype dispatch, argument checks, and the block-level
+// building blocks of the radix selection: histogram "last block" selection, a tile ranker
+// that gives every selected entry its payload slot in index order, and a decoupled
+// look-back (single-pass prefix over tiles) so that no op ever synchronises with the host.
+//
+// Conventions shared by all kernels
+// * kThreads = 256 threads per block; a *tile* is kItems = 16 entries per thread in a
+//   striped layout: entry j of thread t of tile `tile` is  tile * kTile + j * kThreads + t,
+//   so every load instruction of a warp reads consecutive addresses (coalesced) and the
+//   index order inside a tile is (j, warp, lane).
+// * Counts are uint32: every op checks n <= 2^31 - 1 on the host.
+// * Only relaxed atomics cross blocks; kernels communicate through global memory between
+//   launches on the same stream (kernel boundaries order everything else).
+//
+// Headers: only c10/cuda and ATen core headers are included on purpose. ATen/cuda/CUDAContext.h
+// pulls in cuBLAS/cuSPARSE headers, which a bare nvcc toolkit (or a CPU torch + nvcc, as in
+// tests/test_cuda_sources_compile.py) does not have; nothing here needs them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace sparsecomm_cuda {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kItems = 16;
+constexpr int kTile = kThreads * kItems;  // 4096 entries
+constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+
+// ---------------------------------------------------------------------------------------
+// Host: dtype dispatch, argument checks, launch geometry
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) for T = float, c10::BFloat16 or c10::Half (the dtypes of the
+// contract); any other dtype is a caller error.
+template <typename F>
+inline void dispatch_float_dtype(at::ScalarType dtype, const char* op, const char* arg, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      f(TypeTag<float>{});
+      break;
+    case at::kBFloat16:
+      f(TypeTag<c10::BFloat16>{});
+      break;
+    case at::kHalf:
+      f(TypeTag<c10::Half>{});
+      break;
+    default:
+      TORCH_CHECK(false, op, ": ", arg, " must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+inline bool is_supported_float(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+inline void check_vector(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& like) {
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), op, ": ", arg, " must be a contiguous 1-D tensor, got shape ",
+              t.sizes());
+  TORCH_CHECK(t.device() == like.device(), op, ": ", arg, " is on ", t.device(), ", expected ", like.device());
+}
+
+// [first byte, last byte + 1) of the elements a tensor can address (non-negative strides).
+inline std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (t.numel() == 0) return {begin, begin};
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+inline void check_no_overlap(const char* op, const char* a_name, const at::Tensor& a, const char* b_name,
+                             const at::Tensor& b) {
+  const auto ea = byte_extent(a);
+  const auto eb = byte_extent(b);
+  const bool overlap = ea.first < ea.second && eb.first < eb.second && ea.first < eb.second && eb.first < ea.second;
+  TORCH_CHECK(!overlap, op, ": ", a_name, " and ", b_name, " overlap in memory (aliasing is not allowed)");
+}
+
+// Multiprocessor count of the current device, cached (cudaDeviceGetAttribute does not
+// synchronise, the cache just avoids the driver call on every op).
+inline int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  const int device = c10::cuda::current_device();
+  if (device >= 0 && device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (count <= 0) count = 1;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(count, std::memory_order_relaxed);
+  return count;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// Grid of a persistent kernel over `work_tiles` tiles: at most 8 resident blocks of 256
+// threads per SM (2048 threads). Always >= 1 block. Any grid size is *correct* (the
+// look-back hands tiles out by ticket, the histograms stride), this one is just enough to
+// fill the GPU.
+inline int persistent_grid(int64_t work_tiles) {
+  const int64_t cap = static_cast<int64_t>(multiprocessor_count()) * 8;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(work_tiles, cap)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Device: the arithmetic of the contract (csrc/README.md)
+// ---------------------------------------------------------------------------------------
+
+// Conversions go through the c10 types, i.e. exactly the code torch's own CUDA casts run
+// (__float2half / __float2bfloat16: round to nearest even).
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// Magnitude key: bits(float32(|x|)). Monotone for finite values, +-Inf above every finite
+// value, NaN above Inf.
+__device__ __forceinline__ uint32_t magnitude_key(float x) {
+  return __float_as_uint(x) & 0x7FFFFFFFu;
+}
+
+// acc = T(float(grad) * (1 / float(divisor))), then T(float(acc) + float(residual)).
+//
+// Why a reciprocal: csrc/README.md defines acc "as grad.div_(divisor)". On CUDA, torch's
+// div_ by a (CPU) scalar computes a * (1 / b) in opmath float (ATen/native/cuda/
+// BinaryDivTrueKernel.cu, "optimization for floating-point types"), which differs from a
+// true division in the last bit for some values (e.g. divisor 3). `inv_divisor` is the
+// host-computed float 1.0f / float(divisor), so these kernels are bitwise the in-place hook
+// path and the reference (sparsecomm/ops/reference.py) run on the same CUDA tensors. (On
+// CPU, torch's div_ is a true division and the CPU kernels divide.)
+// __fmul_rn / __fadd_rn: never contracted into an FMA (with T = float, nvcc would otherwise
+// fuse g * inv + r into one rounding).
+template <typename T>
+__device__ __forceinline__ T compensate(T grad, float inv_divisor) {
+  return from_float<T>(__fmul_rn(to_float(grad), inv_divisor));
+}
+template <typename T>
+__device__ __forceinline__ T compensate(T grad, T residual, float inv_divisor) {
+  const T acc = compensate(grad, inv_divisor);
+  return from_float<T>(__fadd_rn(to_float(acc), to_float(residual)));
+}
+
+template <typename V>
+struct WireLimit;
+template <>
+struct WireLimit<float> {
+  static constexpr float value = 3.40282346638528859812e+38f;
+};
+template <>
+struct WireLimit<c10::BFloat16> {
+  static constexpr float value = 3.38953138925153547590e+38f;  // 0x7F7F0000
+};
+template <>
+struct WireLimit<c10::Half> {
+  static constexpr float value = 65504.0f;
+};
+
+// wire(a) = V(a), except that finite values beyond V's range saturate at +-max(V) (only
+// when V is narrower than T: fp32 -> fp16/bf16, bf16 -> fp16). The clamp is done in float,
+// where max(V) is exact (note: clamping in bf16 would round 65504 up to 65536 -> fp16 Inf).
+// V == T returns acc itself, bit for bit (NaN payload included), like torch's no-op .to().
+template <typename T, typename V>
+__device__ __forceinline__ V to_wire(T acc) {
+  if constexpr (std::is_same_v<T, V>) {
+    return acc;
+  } else {
+    float a = to_float(acc);
+    if constexpr (WireLimit<V>::value < WireLimit<T>::value) {
+      const float limit = WireLimit<V>::value;
+      const uint32_t magnitude = __float_as_uint(a) & 0x7FFFFFFFu;
+      // finite (below the Inf pattern) and beyond V's range; NaN and +-Inf pass unchanged
+      if (magnitude < 0x7F800000u && fabsf(a) > limit) a = copysignf(limit, a);
+    }
+    return from_float<V>(a);
+  }
+}
+
+// Residual of a sent entry: T(float(acc) - float(T(wire))), so that sent + residual == acc.
+template <typename T, typename V>
+__device__ __forceinline__ T sent_remainder(T acc, V wire) {
+  T back;
+  if constexpr (std::is_same_v<T, V>) {
+    back = wire;
+  } else {
+    back = from_float<T>(to_float(wire));
+  }
+  return from_float<T>(__fsub_rn(to_float(acc), to_float(back)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Device: block-level building blocks (all assume blockDim.x == kThreads)
+// ---------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t lane_id() {
+  return threadIdx.x & 31u;
+}
+__device__ __forceinline__ uint32_t warp_id() {
+  return threadIdx.x >> 5;
+}
+__device__ __forceinline__ uint32_t lanemask_lt() {
+  return (1u << lane_id()) - 1u;
+}
+
+__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t y = __shfl_up_sync(kFullMask, v, d);
+    if (lane_id() >= static_cast<uint32_t>(d)) v += y;
+  }
+  return v;
+}
+
+// Inclusive scan over the block (thread order). All threads must call it.
+// `warp_sums`: shared, kWarps entries.
+__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* warp_sums) {
+  const uint32_t inclusive = warp_inclusive_scan(v);
+  if (lane_id() == 31) warp_sums[warp_id()] = inclusive;
+  __syncthreads();
+  uint32_t offset = 0;
+  for (uint32_t w = 0; w < warp_id(); ++w) offset += warp_sums[w];
+  __syncthreads();  // warp_sums may be reused right after
+  return inclusive + offset;
+}
+
+// Adds a block's shared histogram into the global one (only non-empty bins).
+__device__ __forceinline__ void flush_histogram(const uint32_t* shared_hist, uint32_t* global_hist, int bins) {
+  __syncthreads();
+  for (int b = threadIdx.x; b < bins; b += kThreads) {
+    const uint32_t c = shared_hist[b];
+    if (c != 0) atomicAdd(global_hist + b, c);
+  }
+}
+
+// "Last block done" (the CUDA threadFenceReduction pattern): returns true, in every thread
+// of exactly one block, once all gridDim.x blocks have called it; that block then sees all
+// other blocks' global atomics/stores. Every block of the grid must call it exactly once.
+__device__ __forceinline__ bool last_block_done(uint32_t* ticket, uint32_t* shared_flag) {
+  __threadfence();  // this thread's global writes/atomics are visible before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) *shared_flag = (atomicAdd(ticket, 1u) == gridDim.x - 1) ? 1u : 0u;
+  __syncthreads();
+  const bool last = *shared_flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+struct BinChoice {
+  uint32_t bin;    // boundary bin: holds the need-th largest entry
+  uint32_t above;  // entries in higher bins (of this histogram)
+  uint32_t count;  // entries in the boundary bin
+};
+
+struct FindBinShared {
+  uint32_t warp_sums[kWarps];
+  BinChoice choice;
+};
+
+// The bin b with  above(b) < need <= above(b) + hist[b],  above(b) = sum of bins > b, read
+// from a global histogram that other blocks filled with atomics (so read through L2:
+// __ldcg). All threads call it; all get the result. Requires 1 <= need <= sum(hist); if
+// that invariant is broken, choice.bin == UINT32_MAX (callers assert).
+// Thread t owns the bins [nbins - (t+1)*per, nbins - t*per): thread order = descending bins,
+// so an inclusive scan over threads is a count "from the top".
+__device__ __forceinline__ BinChoice block_find_bin(const uint32_t* hist, int nbins, uint32_t need,
+                                                    FindBinShared* sh) {
+  const int per = (nbins + kThreads - 1) / kThreads;
+  const int hi = nbins - static_cast<int>(threadIdx.x) * per;
+  const int lo = hi - per > 0 ? hi - per : 0;
+  uint32_t sum = 0;
+  for (int b = lo; b < hi; ++b) sum += __ldcg(hist + b);
+  if (threadIdx.x == 0) sh->choice = BinChoice{UINT32_MAX, 0, 0};
+  const uint32_t inclusive = block_inclusive_scan(sum, sh->warp_sums);  // has __syncthreads
+  const uint32_t exclusive = inclusive - sum;
+  if (exclusive < need && need <= inclusive) {  // exactly one thread (sum > 0 there)
+    uint32_t seen = exclusive;
+    for (int b = hi - 1; b >= lo; --b) {
+      const uint32_t c = __ldcg(hist + b);
+      if (seen + c >= need) {
+        sh->choice = BinChoice{static_cast<uint32_t>(b), seen, c};
+        break;
+      }
+      seen += c;
+    }
+  }
+  __syncthreads();
+  const BinChoice choice = sh->choice;
+  __syncthreads();
+  return choice;
+}
+
+// ---------------------------------------------------------------------------------------
+// Decoupled look-back: exclusive prefix of per-tile counts in one pass, in tile order.
+// ---------------------------------------------------------------------------------------
+//
+// status[tile] (zeroed before the launch) is one 64-bit word: 2 flag bits (0 = nothing yet,
+// kAggregate = the tile's own count, kPrefix = the inclusive prefix up to this tile) and a
+// 62-bit value holding two packed 31-bit counts (pack2). One word per tile => flag and
+// value are read and written together, so relaxed atomics suffice. Counts never exceed
+// n <= 2^31 - 1, so the packed sums never carry from one field into the other.
+//
+// Forward progress: tiles are handed out by an atomic ticket (not blockIdx), so the tile
+// a block waits for was taken earlier by a block that is already running; waits only go
+// to lower tiles, hence no deadlock whatever the scheduling or grid size.
+
+constexpr uint64_t kLookbackAggregate = 1ull << 62;
+constexpr uint64_t kLookbackPrefix = 2ull << 62;
+constexpr uint64_t kLookbackValue = (1ull << 62) - 1;
+
+__device__ __forceinline__ uint64_t pack2(uint32_t a, uint32_t b) {
+  return static_cast<uint64_t>(a) | (static_cast<uint64_t>(b) << 31);
+}
+__device__ __forceinline__ uint32_t unpack_first(uint64_t v) {
+  return static_cast<uint32_t>(v & 0x7FFFFFFFull);
+}
+__device__ __forceinline__ uint32_t unpack_second(uint64_t v) {
+  return static_cast<uint32_t>((v >> 31) & 0x7FFFFFFFull);
+}
+
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Called by one thread per tile. Returns the packed sum of the aggregates of tiles
+// 0 .. tile-1 and publishes this tile's inclusive prefix.
+__device__ __forceinline__ uint64_t lookback_exclusive(uint64_t* status, uint32_t tile, uint64_t aggregate) {
+  if (tile == 0) {
+    store_relaxed(status, kLookbackPrefix | aggregate);
+    return 0;
+  }
+  store_relaxed(status + tile, kLookbackAggregate | aggregate);
+  uint64_t exclusive = 0;
+  int64_t j = static_cast<int64_t>(tile) - 1;
+  for (;;) {
+    const uint64_t s = load_relaxed(status + j);
+    const uint64_t flag = s & ~kLookbackValue;
+    if (flag == 0) {  // tile j is still being processed
+      __nanosleep(32);
+      continue;
+    }
+    exclusive += s & kLookbackValue;
+    if (flag == kLookbackPrefix) break;
+    --j;  // j >= 0: tile 0 always publishes a prefix
+  }
+  store_relaxed(status + tile, kLookbackPrefix | (exclusive + aggregate));
+  return exclusive;
+}
+
+// ---------------------------------------------------------------------------------------
+// Tile ranking: payload slots in index order for up to two categories of selected entries.
+// ---------------------------------------------------------------------------------------
+//
+// Each thread holds a bit mask per category (bit j = its entry j is selected). rank() gives
+// the tile's exclusive prefix (look-back) and per (category, j, warp) offsets; slot() then
+// gives every selected entry its global position:
+//   base[c] + offsets[c][j][warp] + popc(ballot_j & lanemask_lt)
+// which is the number of selected entries (category c) with a lower index in the domain.
+template <int NCAT>
+struct TileRankShared {
+  uint32_t offsets[NCAT][kItems][kWarps];  // per row j and warp: exclusive offset in the tile
+  uint32_t aggregate[2];
+  uint32_t base[2];       // exclusive prefix of the tile (from the look-back)
+  uint32_t inclusive[2];  // base + aggregate
+  uint32_t tile;          // current tile (ticket broadcast)
+};
+
+template <int NCAT>
+__device__ __forceinline__ void tile_rank(const uint32_t (&mask)[NCAT], uint32_t tile, uint64_t* status,
+                                          TileRankShared<NCAT>* sh) {
+  static_assert(NCAT == 1 || NCAT == 2, "one or two categories");
+  const uint32_t warp = warp_id();
+#pragma unroll
+  for (int c = 0; c < NCAT; ++c) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const uint32_t ballot = __ballot_sync(kFullMask, (mask[c] >> j) & 1u);
+      if (lane_id() == 0) sh->offsets[c][j][warp] = __popc(ballot);
+    }
+  }
+  __syncthreads();
+  // Warp c scans the kItems * kWarps = 128 counts of category c, in (j, warp) order.
+  if (warp < static_cast<uint32_t>(NCAT)) {
+    constexpr int kPerLane = kItems * kWarps / 32;  // 4
+    uint32_t* counts = &sh->offsets[warp][0][0];
+    uint32_t local[kPerLane];
+    uint32_t sum = 0;
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      local[q] = counts[lane_id() * kPerLane + q];
+      sum += local[q];
+    }
+    const uint32_t inclusive = warp_inclusive_scan(sum);
+    uint32_t running = inclusive - sum;
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      counts[lane_id() * kPerLane + q] = running;
+      running += local[q];
+    }
+    if (lane_id() == 31) sh->aggregate[warp] = inclusive;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t a0 = sh->aggregate[0];
+    const uint32_t a1 = NCAT == 2 ? sh->aggregate[1] : 0u;
+    const uint64_t exclusive = lookback_exclusive(status, tile, pack2(a0, a1));
+    sh->base[0] = unpack_first(exclusive);
+    sh->base[1] = unpack_second(exclusive);
+    sh->inclusive[0] = sh->base[0] + a0;
+    sh->inclusive[1] = sh->base[1] + a1;
+  }
+  __syncthreads();
+}
+
+// Global slot of this thread's entry j of category c (valid only if selected).
+template <int NCAT>
+__device__ __forceinline__ uint32_t tile_slot(const TileRankShared<NCAT>* sh, int c, int j, uint32_t ballot) {
+  return sh->base[c] + sh->offsets[c][j][warp_id()] + __popc(ballot & lanemask_lt());
+}
+
+// Takes the next tile of a look-back pass (thread 0), broadcast to the block.
+template <int NCAT>
+__device__ __forceinline__ uint32_t next_tile(uint32_t* counter, TileRankShared<NCAT>* sh) {
+  __syncthreads();  // everybody is done with the previous tile's shared state
+  if (threadIdx.x == 0) sh->tile = atomicAdd(counter, 1u);
+  __syncthreads();
+  return sh->tile;
+}
+
+}  // namespace sparsecomm_cuda

@@ -1,0 +1,27 @@
+// The one operator schema of sparsecomm. CPU implementations register in csrc/cpu/*.cpp,
+// CUDA ones in csrc/cuda/*.cu. The semantics every backend implements (and the pure-torch
+// twins in sparsecomm/ops/reference.py) are written down in csrc/README.md.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import sparsecomm._C` loads this library, which runs the registrations below; the
+// module itself is empty (the ops live under torch.ops.sparsecomm).
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(sparsecomm, m) {
+  // Fused error feedback + exact top-k selection + packing (one payload per bucket).
+  m.def("ef_topk_pack(Tensor grad, Tensor(a!)? residual, float divisor, bool add_residual, int k, "
+        "Tensor(b!) indices_out, Tensor(c!) values_out, int index_offset) -> ()");
+  // The same with a given threshold: one pass; returns how many entries were sent.
+  m.def("ef_threshold_pack(Tensor grad, Tensor(a!)? residual, float divisor, bool add_residual, "
+        "float threshold, Tensor(b!) indices_out, Tensor(c!) values_out, int index_offset) -> Tensor");
+  // A threshold whose count is within max_relative_error of k (radix histogram).
+  m.def("topk_threshold(Tensor x, int k, float max_relative_error) -> (Tensor, Tensor)");
+  // Scatter-add of world_size payloads into the dense bucket.
+  m.def("unpack_add(Tensor indices, Tensor values, Tensor(a!) out, bool zero_out) -> ()");
+}

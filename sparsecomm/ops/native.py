@@ -1,0 +1,107 @@
+"""Loading the native kernels (``sparsecomm._C``) and saying so when they are missing.
+
+The extension registers its operators under ``torch.ops.sparsecomm`` (schema in
+``csrc/sparsecomm_ops.cpp``, semantics in ``csrc/README.md``). This module imports it
+once, registers fake kernels (for ``torch.compile`` and ``opcheck``), and reports which
+device types have native kernels. If it cannot be imported, the first use of a kernel
+warns once with the reason and the pure-torch reference runs instead: never silently.
+"""
+import functools
+import os
+import warnings
+
+import torch
+
+OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
+KERNELS_ENV = "SPARSECOMM_KERNELS"
+KERNEL_CHOICES = ("auto", "native", "triton", "reference")
+
+
+class NativeKernelsUnavailableWarning(UserWarning):
+    """The C++/CUDA extension could not be loaded; the slow reference path runs."""
+
+
+def requested_kernels() -> str:
+    """``SPARSECOMM_KERNELS``: auto (default), native, triton or reference."""
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    return choice
+
+
+@functools.cache
+def load() -> tuple[bool, str]:
+    """Import the extension once: (loaded, reason if not)."""
+    try:
+        import sparsecomm._C  # noqa: F401  (registers torch.ops.sparsecomm.*)
+    except ImportError as error:
+        return False, (f"sparsecomm._C could not be imported ({error}); build it with "
+                       "`pip install --no-build-isolation -e .` (see csrc/README.md)")
+    _register_fakes()
+    return True, ""
+
+
+@functools.cache
+def warn_unavailable(reason: str) -> None:
+    """Warn once per distinct reason."""
+    warnings.warn(
+        f"sparsecomm: native kernels unavailable: {reason}. Using the pure-torch reference path "
+        f"(slow on CPU: torch.topk). Set {KERNELS_ENV}=reference to choose it explicitly.",
+        NativeKernelsUnavailableWarning,
+        stacklevel=3,
+    )
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether the loaded extension implements ``op`` for ``dispatch_key`` (CPU, CUDA)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsecomm::{op}", dispatch_key)
+
+
+def _register_fakes() -> None:
+    """Shape-only kernels, so the ops trace under torch.compile and pass opcheck."""
+    @torch.library.register_fake("sparsecomm::ef_topk_pack")
+    def _(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset):
+        return None
+
+    @torch.library.register_fake("sparsecomm::ef_threshold_pack")
+    def _(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset):
+        return grad.new_empty((), dtype=torch.int64)
+
+    @torch.library.register_fake("sparsecomm::topk_threshold")
+    def _(x, k, max_relative_error):
+        return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
+
+    @torch.library.register_fake("sparsecomm::unpack_add")
+    def _(indices, values, out, zero_out):
+        return None
+
+
+def _ops():
+    loaded, reason = load()
+    if not loaded:
+        raise RuntimeError(reason)
+    return torch.ops.sparsecomm
+
+
+# Typed wrappers with the reference's signatures (sparsecomm/ops/reference.py).
+
+def ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset=0) -> None:
+    """Fused error feedback + exact top-k + packing (two passes over the bucket)."""
+    _ops().ef_topk_pack(grad, residual, float(divisor), add_residual, k, indices_out, values_out,
+                                      index_offset)
+
+
+def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset=0):
+    """Fused error feedback + selection by threshold + packing (one pass); returns the count."""
+    return _ops().ef_threshold_pack(grad, residual, float(divisor), add_residual, float(threshold),
+                                                  indices_out, values_out, index_offset)
+
+
+def topk_threshold(x, k, max_relative_error=0.05):
+    """(threshold, count) with |count - k| <= max_relative_error * k where the data allows."""
+    return _ops().topk_threshold(x, k, float(max_relative_error))
+
+
+def unpack_add(indices, values, out, zero_out=True) -> None:
+    """Scatter-add the payload rows into ``out`` in row order."""
+    _ops().unpack_add(indices, values, out, zero_out)

@@ -1,0 +1,118 @@
+"""Pure-torch twins of the native kernels: the oracle in tests and the fallback path.
+
+Each function implements the operator contract in ``csrc/README.md`` exactly (same
+selected set, same bits), using only torch ops, so native and Triton kernels are tested
+against these. They are slow on CPU (``torch.topk`` over one 1-D tensor does not
+parallelise) and allocate temporaries; the native kernels do neither.
+"""
+import torch
+
+from sparsecomm.compress.error_feedback import to_wire_dtype
+
+_KEY_MASK = 0x7FFFFFFF
+
+
+def magnitude_key(x: torch.Tensor) -> torch.Tensor:
+    """int32 key ordering entries by magnitude: +-Inf above finite, NaN above Inf."""
+    return x.float().view(torch.int32) & _KEY_MASK
+
+
+def compensated(grad: torch.Tensor, residual: torch.Tensor | None, divisor: float, add_residual: bool) -> torch.Tensor:
+    """``grad / divisor (+ residual)`` in grad's dtype, rounded exactly as the in-place hook path."""
+    acc = grad.div(divisor)
+    if add_residual:
+        acc.add_(residual)
+    return acc
+
+
+def topk_by_key(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (int64, ascending) of the k largest keys; equal keys: lower index first."""
+    if k >= key.numel():
+        return torch.arange(key.numel(), device=key.device)
+    kth = torch.topk(key, k, sorted=False).values.min()
+    above = torch.nonzero(key > kth).flatten()
+    ties = torch.nonzero(key == kth).flatten()[: k - above.numel()]
+    return torch.sort(torch.cat([above, ties])).values
+
+
+def _emit(acc, residual, selected, indices_out, values_out, index_offset):
+    """Write the selected entries and the residual update (``sent + residual == acc``)."""
+    m = selected.numel()
+    values = to_wire_dtype(acc[selected], values_out.dtype)
+    indices_out[:m] = (selected + index_offset).to(torch.int32)
+    values_out[:m] = values
+    indices_out[m:] = 0
+    values_out[m:] = 0
+    if residual is not None:
+        residual.copy_(acc)
+        residual[selected] = acc[selected] - values.to(acc.dtype)
+
+
+def _check_vectors(name, tensors, grad):
+    for arg, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"{name}: {arg} must be a contiguous 1-D tensor, got shape {tuple(tensor.shape)}")
+        if tensor.device != grad.device:
+            raise ValueError(f"{name}: {arg} is on {tensor.device}, grad on {grad.device}")
+    residual = tensors.get("residual")
+    if residual is not None and (residual.numel() != grad.numel() or residual.dtype != grad.dtype):
+        raise ValueError(f"{name}: residual must match grad ({grad.numel()} x {grad.dtype}), "
+                         f"got {residual.numel()} x {residual.dtype}")
+    if residual is not None and residual.data_ptr() == grad.data_ptr():
+        raise ValueError(f"{name}: residual may not alias grad")
+
+
+def ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset=0) -> None:
+    """Exact top-k of the compensated gradient, packed; residual updated (see csrc/README.md)."""
+    _check_vectors("ef_topk_pack", {"grad": grad, "residual": residual, "indices_out": indices_out,
+                                    "values_out": values_out}, grad)
+    if not 1 <= k <= grad.numel():
+        raise ValueError(f"ef_topk_pack: k must be in [1, {grad.numel()}], got {k}")
+    if indices_out.numel() < k or values_out.numel() < k:
+        raise ValueError(f"ef_topk_pack: indices_out/values_out must hold k={k} entries")
+    acc = compensated(grad, residual, divisor, add_residual)
+    selected = topk_by_key(magnitude_key(acc), k)
+    _emit(acc, residual, selected, indices_out[:k], values_out[:k], index_offset)
+
+
+def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset=0):
+    """Entries with key >= key(threshold), lowest indices first, up to the capacity."""
+    _check_vectors("ef_threshold_pack", {"grad": grad, "residual": residual, "indices_out": indices_out,
+                                         "values_out": values_out}, grad)
+    acc = compensated(grad, residual, divisor, add_residual)
+    bar = magnitude_key(torch.tensor([threshold], dtype=torch.float32)).item()
+    selected = torch.nonzero(magnitude_key(acc) >= bar).flatten()[: indices_out.numel()]
+    _emit(acc, residual, selected, indices_out, values_out[: indices_out.numel()], index_offset)
+    return torch.tensor(selected.numel(), dtype=torch.int64, device=grad.device)
+
+
+def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
+    """A threshold whose count of entries at or above it is within the error bound of k.
+
+    The reference is exact: the k-th largest magnitude (count exceeds k only by ties);
+    if the ties break the bound, the next key above is taken when it is closer to k.
+    """
+    if not 1 <= k <= x.numel():
+        raise ValueError(f"topk_threshold: k must be in [1, {x.numel()}], got {k}")
+    key = magnitude_key(x.flatten())
+    kth = torch.topk(key, k, sorted=False).values.min()
+    count = int((key >= kth).sum())
+    if count - k > max_relative_error * k:
+        above = int((key > kth).sum())
+        if k - above < count - k:
+            kth, count = key[key > kth].min(), above
+    threshold = kth.to(torch.int32).reshape(1).view(torch.float32).reshape(())
+    return threshold.to(x.device), torch.tensor(count, dtype=torch.int64, device=x.device)
+
+
+def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, zero_out: bool = True) -> None:
+    """Scatter-add every row of (indices, values) into ``out``, in row (rank) order."""
+    if indices.dim() != 2 or indices.shape != values.shape:
+        raise ValueError(f"unpack_add: indices and values must be [world_size, k], got "
+                         f"{tuple(indices.shape)} and {tuple(values.shape)}")
+    if zero_out:
+        out.zero_()
+    for row_indices, row_values in zip(indices, values):
+        out.index_add_(0, row_indices.long(), row_values.to(out.dtype))

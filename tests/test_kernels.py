@@ -1,0 +1,276 @@
+"""Native CPU kernels (sparsecomm._C) against their pure-torch reference twins.
+
+The reference (sparsecomm/ops/reference.py) is the oracle: the selected set, the wire
+values and the updated residual must match bit for bit (payload order is unspecified,
+so payloads are compared sorted by index). The fallback path (no extension) is tested by
+making the loader fail.
+"""
+import warnings
+
+import pytest
+import torch
+
+from sparsecomm import ops
+from sparsecomm.ops import dispatch, native, reference
+
+LOADED, WHY_NOT = native.load()
+needs_native = pytest.mark.skipif(not LOADED, reason=f"native extension not built: {WHY_NOT}")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (1, 7, 1000, 2**16 + 3)
+
+
+def _inputs(n, dtype, seed, *, ties=False, non_finite=False):
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=generator)
+    residual = torch.randn(n, generator=generator) * 0.1
+    if ties:  # few distinct magnitudes, both signs: many equal keys around the k-th
+        grad = torch.randint(-3, 4, (n,), generator=generator).float()
+        residual = torch.zeros(n)
+    if non_finite and n >= 7:
+        grad[[1, n // 2, n - 2]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    return grad.to(dtype), residual.to(dtype)
+
+
+def _run_pack(impl, grad, residual, divisor, add_residual, k, value_dtype, offset):
+    residual = None if residual is None else residual.clone()
+    indices = torch.full((k,), -1, dtype=torch.int32)
+    values = torch.empty(k, dtype=value_dtype)
+    impl(grad, residual, divisor, add_residual, k, indices, values, offset)
+    order = torch.argsort(indices.long())
+    return indices[order], values[order], residual
+
+
+def _assert_same(expected, actual):
+    for name, e, a in zip(("indices", "values", "residual"), expected, actual):
+        if e is None:
+            assert a is None
+            continue
+        if e.dtype == torch.int32:
+            assert torch.equal(e, a), name
+            continue
+        # NaN at the same places (their payload bits are not specified); all else bitwise,
+        # so -0.0 != 0.0.
+        nan = torch.isnan(e)
+        assert torch.equal(nan, torch.isnan(a)), name
+        assert torch.equal(e[~nan].view(torch.uint8), a[~nan].view(torch.uint8)), name
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value_dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_ef_topk_pack_matches_reference(dtype, value_dtype, n):
+    grad, residual = _inputs(n, dtype, seed=n)
+    for k in sorted({1, max(1, n // 100), n}):
+        for divisor, add_residual, with_residual in ((3.0, True, True), (2.0, False, True), (1.0, False, False)):
+            args = (grad, residual if with_residual else None, divisor, add_residual, k, value_dtype, 5)
+            _assert_same(_run_pack(reference.ef_topk_pack, *args), _run_pack(native.ef_topk_pack, *args))
+
+
+@needs_native
+@pytest.mark.parametrize("n", (1000, 2**24 + 1))
+def test_ef_topk_pack_large_and_ties_and_non_finite(n):
+    for ties, non_finite in ((False, True), (True, False)):
+        grad, residual = _inputs(n, torch.float32, seed=1, ties=ties, non_finite=non_finite)
+        for k in (1, max(1, n // 100)):
+            args = (grad, residual, 2.0, True, k, torch.float32, 0)
+            expected = _run_pack(reference.ef_topk_pack, *args)
+            _assert_same(expected, _run_pack(native.ef_topk_pack, *args))
+            if non_finite and k >= 3:  # NaN and +-Inf are sent first, never kept back
+                assert {1, n // 2, n - 2} <= set(expected[0].tolist())
+
+
+@needs_native
+def test_ef_topk_pack_conserves_and_breaks_ties_by_lower_index():
+    grad = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0, 2.0])
+    residual = torch.zeros(6)
+    indices, values, new_residual = _run_pack(native.ef_topk_pack, grad, residual, 1.0, True, 3, torch.float16, 0)
+    assert indices.tolist() == [1, 2, 4]  # four entries of magnitude 2: the lowest three indices
+    sent = torch.zeros(6)
+    sent[indices.long()] = values.float()
+    assert torch.equal(sent + new_residual, grad)
+
+
+@needs_native
+def test_results_do_not_depend_on_the_thread_count():
+    grad, residual = _inputs(3_000_001, torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            residual_copy = residual.clone()
+            indices = torch.empty(30_000, dtype=torch.int32)
+            values = torch.empty(30_000)
+            native.ef_topk_pack(grad, residual_copy, 2.0, True, 30_000, indices, values, 0)
+            results.append((indices, values, residual_copy))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:  # same bytes, same order
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ef_threshold_pack_matches_reference_with_and_without_overflow(dtype):
+    grad, residual = _inputs(10_007, dtype, seed=3, non_finite=True)
+    for threshold, capacity in ((1.5, 4000), (1.5, 100), (0.0, 10_007), (float("inf"), 10)):
+        outputs = []
+        for impl in (reference.ef_threshold_pack, native.ef_threshold_pack):
+            r = residual.clone()
+            indices = torch.empty(capacity, dtype=torch.int32)
+            values = torch.empty(capacity, dtype=torch.bfloat16)
+            count = impl(grad, r, 3.0, True, threshold, indices, values, 7)
+            outputs.append((int(count), indices, values, r))
+        (count_ref, *ref), (count, *got) = outputs
+        assert count == count_ref
+        _assert_same(ref, got)  # lowest indices first, so the order is defined here
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_threshold_count_is_within_five_percent_and_exact(dtype):
+    x, _ = _inputs(200_003, dtype, seed=4)
+    key = reference.magnitude_key(x)
+    for k in (50, 2000, 20_000, 200_003):
+        threshold, count = native.topk_threshold(x, k, 0.05)
+        assert abs(int(count) - k) <= 0.05 * k, (k, int(count))
+        assert int(count) == int((key >= reference.magnitude_key(threshold.reshape(1))).sum())
+
+
+@needs_native
+def test_topk_threshold_reports_the_closest_count_when_ties_defeat_the_bound():
+    x = torch.cat([torch.full((100,), 5.0), torch.ones(900)])
+    threshold, count = native.topk_threshold(x, 150, 0.05)  # only 100 or 1000 are reachable
+    assert int(count) == 100 and 1.0 < float(threshold) <= 5.0
+
+
+@needs_native
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("value_dtype", (torch.float32, torch.float16))
+def test_unpack_add_matches_index_add_in_rank_order(out_dtype, value_dtype):
+    k, n, world_size = 300, 1000, 3
+    from sparsecomm.compress.packing import payload_nbytes
+
+    gathered = torch.zeros(world_size * payload_nbytes(k, value_dtype), dtype=torch.uint8)
+    indices, values = ops.payload_views(gathered, k, value_dtype)  # strided rows
+    generator = torch.Generator().manual_seed(5)
+    for rank in range(world_size):  # overlapping index sets across ranks
+        indices[rank] = torch.randperm(n, generator=generator)[:k].int()
+        values[rank] = (torch.randn(k, generator=generator) * 100).to(value_dtype)
+    expected, actual = torch.full((n,), 7.0, dtype=out_dtype), torch.full((n,), 7.0, dtype=out_dtype)
+    reference.unpack_add(indices, values, expected, True)
+    native.unpack_add(indices, values, actual, True)
+    assert torch.equal(expected.view(torch.uint8), actual.view(torch.uint8))
+    reference.unpack_add(indices, values, expected, False)  # accumulate onto existing values
+    native.unpack_add(indices, values, actual, False)
+    assert torch.equal(expected.view(torch.uint8), actual.view(torch.uint8))
+
+
+@needs_native
+def test_unpack_add_rejects_indices_outside_the_bucket():
+    indices = torch.tensor([[0, 5, 10]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="1 indices outside \\[0, 10\\)"):
+        native.unpack_add(indices, torch.ones(1, 3), torch.zeros(10), True)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: native.ef_topk_pack(torch.ones(5), None, 1.0, False, 6, torch.empty(6, dtype=torch.int32),
+                                     torch.empty(6), 0), "k must be in \\[1, 5\\], got 6"),
+        (lambda: native.ef_topk_pack(torch.ones(5), None, 1.0, False, 2, torch.empty(2), torch.empty(2), 0),
+         "indices_out must be a contiguous 1-D int32 tensor"),
+        (lambda: native.ef_topk_pack(torch.ones(5), None, 1.0, True, 2, torch.empty(2, dtype=torch.int32),
+                                     torch.empty(2), 0), "add_residual=True needs a residual"),
+        (lambda: native.ef_topk_pack(torch.ones(5, dtype=torch.float64), None, 1.0, False, 2,
+                                     torch.empty(2, dtype=torch.int32), torch.empty(2), 0),
+         "dtype must be float32, bfloat16 or float16"),
+        (lambda: native.ef_topk_pack(torch.ones(5), torch.ones(4), 1.0, True, 2, torch.empty(2, dtype=torch.int32),
+                                     torch.empty(2), 0), "residual must be a contiguous 1-D tensor matching grad"),
+        (lambda: native.topk_threshold(torch.ones(5), 0, 0.05), "k must be in \\[1, 5\\], got 0"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_accepted_range(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@needs_native
+def test_residual_aliasing_grad_is_rejected():
+    grad = torch.ones(5)
+    with pytest.raises(RuntimeError, match="residual may not alias grad"):
+        native.ef_topk_pack(grad, grad, 1.0, True, 2, torch.empty(2, dtype=torch.int32), torch.empty(2), 0)
+
+
+@needs_native
+def test_opcheck():
+    from torch.library import opcheck
+
+    grad, residual = _inputs(1000, torch.float32, seed=6)
+    opcheck(torch.ops.sparsecomm.ef_topk_pack.default,
+            (grad, residual.clone(), 2.0, True, 10, torch.empty(10, dtype=torch.int32), torch.empty(10), 0))
+    opcheck(torch.ops.sparsecomm.ef_threshold_pack.default,
+            (grad, residual.clone(), 2.0, True, 1.0, torch.empty(400, dtype=torch.int32), torch.empty(400), 0))
+    opcheck(torch.ops.sparsecomm.topk_threshold.default, (grad, 10, 0.05))
+    opcheck(torch.ops.sparsecomm.unpack_add.default,
+            (torch.randint(0, 1000, (2, 10), dtype=torch.int32).unique(dim=1)[:, :5].contiguous(),
+             torch.ones(2, 5), torch.zeros(1000), True))
+
+
+# ----- dispatch and the fallback path ------------------------------------------------------
+
+
+@needs_native
+def test_dispatch_picks_the_native_kernel_on_cpu(monkeypatch):
+    monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    assert ops.implementation("ef_topk_pack", "cpu") is native.ef_topk_pack
+    assert ops.implementation("unpack_add", "cpu") is native.unpack_add
+
+
+def test_missing_extension_warns_once_with_the_reason_and_uses_the_reference(monkeypatch):
+    monkeypatch.delenv(native.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(native, "load", lambda: (False, "sparsecomm._C could not be imported (test)"))
+    native.warn_unavailable.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ops.implementation("ef_topk_pack", "cpu") is reference.ef_topk_pack
+        assert ops.implementation("unpack_add", "cpu") is reference.unpack_add
+    native.warn_unavailable.cache_clear()
+    relevant = [w for w in caught if issubclass(w.category, native.NativeKernelsUnavailableWarning)]
+    assert len(relevant) == 1
+    assert "could not be imported (test)" in str(relevant[0].message)
+
+
+def test_reference_can_be_forced_without_a_warning(monkeypatch):
+    monkeypatch.setenv(native.KERNELS_ENV, "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.implementation("ef_topk_pack", "cpu") is reference.ef_topk_pack
+
+
+def test_requiring_native_kernels_fails_clearly_when_missing(monkeypatch):
+    monkeypatch.setenv(native.KERNELS_ENV, "native")
+    monkeypatch.setattr(native, "load", lambda: (False, "sparsecomm._C could not be imported (test)"))
+    with pytest.raises(RuntimeError, match="SPARSECOMM_KERNELS=native.*could not be imported"):
+        ops.implementation("ef_topk_pack", "cpu")
+
+
+def test_unknown_kernel_choice_is_rejected(monkeypatch):
+    monkeypatch.setenv(native.KERNELS_ENV, "fastest")
+    with pytest.raises(ValueError, match="SPARSECOMM_KERNELS must be one of"):
+        ops.implementation("ef_topk_pack", "cpu")
+
+
+def test_registered_kernel_wins_and_can_be_removed():
+    def marker(*args):
+        return None
+
+    dispatch.register_kernel("unpack_add", "cpu", marker)
+    try:
+        assert ops.implementation("unpack_add", "cpu") is marker
+    finally:
+        dispatch.unregister_kernel("unpack_add", "cpu")
+    assert ops.implementation("unpack_add", "cpu") is not marker

@@ -1,0 +1,538 @@
+"""Triton kernels (:mod:`sparsecomm.ops.triton`) against the pure-torch oracle.
+
+Every op is compared with :mod:`sparsecomm.ops.reference` on CPU tensors under the Triton
+interpreter and, when a GPU is present, on CUDA tensors with compiled kernels. Comparisons
+are bitwise (NaN-aware: any NaN matches any NaN) unless a comment says otherwise.
+
+Interpreter mode: Triton 3.9 reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. when
+the kernel modules are imported, not when they are launched. Setting the variable at the top
+of this file is not robust (another test, or torch, may already have imported the package),
+so :func:`_fresh_backend` imports a private copy of ``sparsecomm.ops.triton`` with the
+variable set (CPU) or cleared (CUDA) and then restores ``sys.modules``, the environment and
+``sparsecomm.ops.triton`` exactly as they were; the copy's kernels keep their mode. It checks
+the mode it got, so a Triton that changed this behaviour fails loudly instead of silently
+testing the wrong thing.
+
+The CUDA oracle runs on CPU copies of the inputs: torch's CUDA ``tensor.div(scalar)``
+multiplies by the reciprocal, while the contract (and torch on CPU) divides.
+
+The interpreter is slow, so sizes are small (1, 7, 1000, 4099) and a few tests force tiny
+blocks and a capped program count to exercise multi-program prefixes and tile loops.
+"""
+import contextlib
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+import sparsecomm.ops  # noqa: E402
+from sparsecomm.ops import reference  # noqa: E402
+
+_PKG = "sparsecomm.ops.triton"
+_MISSING = object()
+SIZES_AND_KS = [(1, 1), (7, 1), (7, 7), (1000, 1), (1000, 10), (4099, 41), (4099, 4099)]
+# (grad dtype, wire dtype): each grad dtype with its own dtype and a different one.
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16), (torch.float16, torch.bfloat16),
+]
+# (residual present, add_residual)
+EF_MODES = [(True, True), (True, False), (False, False)]
+FLOAT_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _fresh_backend(interpret: bool):
+    """A private import of sparsecomm.ops.triton whose kernels are interpreted (or compiled)."""
+    import triton
+
+    saved_modules = {name: sys.modules.pop(name) for name in list(sys.modules)
+                     if name == _PKG or name.startswith(_PKG + ".")}
+    saved_attr = sparsecomm.ops.__dict__.get("triton", _MISSING)
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    knobs = getattr(triton, "knobs", None)
+    saved_knob = knobs.runtime.__dict__.pop("interpret", _MISSING) if knobs is not None else _MISSING
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        module = importlib.import_module(_PKG)
+    finally:
+        for name in [name for name in sys.modules if name == _PKG or name.startswith(_PKG + ".")]:
+            del sys.modules[name]
+        sys.modules.update(saved_modules)
+        if saved_attr is _MISSING:
+            sparsecomm.ops.__dict__.pop("triton", None)
+        else:
+            sparsecomm.ops.triton = saved_attr
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+        if saved_knob is not _MISSING:
+            knobs.runtime.__dict__["interpret"] = saved_knob
+    usable, reason = module.available("cpu" if interpret else "cuda")
+    if not usable:
+        pytest.skip(f"Triton backend unusable: {reason}")
+    assert module.interpreting() == interpret, "Triton did not honour TRITON_INTERPRET at import time"
+    return module
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def backend(request):
+    """(ops module, device): interpreter on CPU tensors, compiled kernels on CUDA."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return _fresh_backend(interpret=request.param == "cpu"), torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def cpu_backend():
+    return _fresh_backend(interpret=True)
+
+
+def _radix(ops):
+    """The backend copy's own radix module (geometry knobs live there)."""
+    return ops.ef_topk_pack.__globals__["radix"]
+
+
+@contextlib.contextmanager
+def _small_programs(ops, block=64, max_programs=3):
+    """Many programs with several tiles each, on small inputs."""
+    with _radix(ops).geometry_override(block=block, max_programs=max_programs):
+        yield
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _assert_same(actual, expected, what=""):
+    """Bitwise equality, NaN-aware; compares on the CPU."""
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+        (what, actual.dtype, expected.dtype, actual.shape, expected.shape)
+    if actual.is_floating_point():
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ"
+        bits = FLOAT_BITS[actual.dtype]
+        a, e = actual.view(bits)[~nan_a], expected.view(bits)[~nan_e]
+        if not torch.equal(a, e):
+            bad = (a != e).nonzero().flatten()[:5]
+            raise AssertionError(f"{what}: {int((a != e).sum())} entries differ, e.g. "
+                                 f"{actual[~nan_a][bad].tolist()} vs {expected[~nan_e][bad].tolist()}")
+    else:
+        assert torch.equal(actual, expected), f"{what}: differ"
+
+
+def _by_index(indices, values):
+    order = torch.sort(indices.cpu().long()).indices
+    return indices.cpu()[order], values.cpu()[order]
+
+
+def _grad(n, dtype, seed, kind="randn"):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        x = torch.randn(n, generator=gen)
+    elif kind == "ties":  # few distinct magnitudes: ties at every rank
+        x = torch.randint(0, 4, (n,), generator=gen).float() * torch.randn(n, generator=gen).sign()
+    elif kind == "equal":
+        x = torch.full((n,), 0.75)
+    elif kind == "nonfinite":
+        x = torch.randn(n, generator=gen)
+        for pos, value in zip(torch.randperm(n, generator=gen)[:9].tolist(),
+                              [float("nan"), float("inf"), -float("inf")] * 3):
+            x[pos] = value
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+def _run_topk(ops, device, grad, residual, divisor, add_residual, k, wire_dtype, offset=0):
+    """(triton outputs, reference outputs): indices, values, residual (None if no residual)."""
+    out = []
+    for impl, dev in ((ops.ef_topk_pack, device), (reference.ef_topk_pack, torch.device("cpu"))):
+        res = None if residual is None else residual.clone().to(dev)
+        idx = torch.full((k,), -1, dtype=torch.int32, device=dev)
+        val = torch.full((k,), 7.0, dtype=wire_dtype, device=dev)
+        g = grad.to(dev)
+        impl(g, res, divisor, add_residual, k, idx, val, offset)
+        _assert_same(g, grad.to(dev), "grad must not be modified")
+        out.append((idx, val, res))
+    return out
+
+
+def _check_topk(ops, device, grad, residual, divisor, add_residual, k, wire_dtype, offset=0):
+    (idx, val, res), (ridx, rval, rres) = _run_topk(ops, device, grad, residual, divisor, add_residual, k,
+                                                     wire_dtype, offset)
+    idx, val = _by_index(idx, val)
+    ridx, rval = _by_index(ridx, rval)
+    _assert_same(idx, ridx, "indices")
+    _assert_same(val, rval, "values")
+    if residual is not None:
+        _assert_same(res, rres, "residual")
+        # Conservation: sent + residual == acc (finite entries; Inf - Inf is NaN by design).
+        acc = reference.compensated(grad, residual, divisor, add_residual)
+        sent = torch.zeros_like(acc)
+        sent[idx.long() - offset] = val.to(acc.dtype)
+        total = (sent.float() + res.cpu().float()).to(acc.dtype)
+        finite = torch.isfinite(acc)
+        _assert_same(total[finite], acc[finite], "sent + residual == acc")
+    return idx, val
+
+
+# --------------------------------------------------------------------------- ef_topk_pack
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("n,k", SIZES_AND_KS)
+def test_ef_topk_pack_matches_reference(backend, grad_dtype, wire_dtype, n, k):
+    ops, device = backend
+    grad = _grad(n, grad_dtype, seed=n + k)
+    residual = (0.5 * _grad(n, torch.float32, seed=n + k + 1)).to(grad_dtype)
+    for has_residual, add_residual in EF_MODES:
+        _check_topk(ops, device, grad, residual if has_residual else None, 3, add_residual, k, wire_dtype,
+                    offset=11)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("kind", ["ties", "equal"])
+def test_ef_topk_pack_ties_lowest_indices(backend, grad_dtype, kind):
+    ops, device = backend
+    n = 1000
+    grad = _grad(n, grad_dtype, seed=5, kind=kind)
+    residual = torch.zeros(n, dtype=grad_dtype)
+    for k in (1, 10, 37, 500, 999, n):
+        idx, _ = _check_topk(ops, device, grad, residual, 1, True, k, grad_dtype)
+        if kind == "equal":
+            assert idx.tolist() == list(range(k))
+
+
+def test_ef_topk_pack_ties_at_kth_across_programs(backend):
+    """Ties exactly at the k-th key spread over many programs and tiles: lowest indices win."""
+    ops, device = backend
+    n = 4099
+    grad = _grad(n, torch.float32, seed=9)
+    big = grad.abs().max().item() + 1
+    tie_positions = [3, 64, 65, 700, 1500, 2048, 4000, 4098]
+    for pos in tie_positions:  # 8 ties; the 5 entries above them are unique
+        grad[pos] = -big if pos % 2 else big
+    for i, pos in enumerate([10, 20, 3000, 3001, 4097]):
+        grad[pos] = big * (2 + i)
+    with _small_programs(ops):
+        for k in (5 + 1, 5 + 3, 5 + 8, 5 + 9):
+            idx, _ = _check_topk(ops, device, grad, grad.clone().zero_(), 1, True, k, torch.float32)
+            chosen = sorted(set(idx.tolist()) & set(tie_positions))
+            assert chosen == tie_positions[:min(k - 5, 8)]
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float16, torch.float32)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_ef_topk_pack_nan_inf_selected_first(backend, grad_dtype, wire_dtype):
+    ops, device = backend
+    n = 1000
+    grad = _grad(n, grad_dtype, seed=3, kind="nonfinite")
+    residual = torch.zeros(n, dtype=grad_dtype)
+    nonfinite = set((~torch.isfinite(grad)).nonzero().flatten().tolist())
+    for k in (1, 3, 9, 10, 100):
+        idx, _ = _check_topk(ops, device, grad, residual, 3, True, k, wire_dtype)
+        assert len(nonfinite & set(idx.tolist())) == min(k, len(nonfinite))
+
+
+def test_ef_topk_pack_many_programs(backend):
+    """Same results with tiny blocks: 3 programs x several tiles (cross-program offsets)."""
+    ops, device = backend
+    with _small_programs(ops):
+        for (grad_dtype, wire_dtype), (n, k) in [(DTYPE_PAIRS[1], (1000, 10)), (DTYPE_PAIRS[3], (4099, 41)),
+                                                 (DTYPE_PAIRS[5], (4099, 4099)), (DTYPE_PAIRS[0], (7, 3))]:
+            grad = _grad(n, grad_dtype, seed=k)
+            residual = (0.5 * _grad(n, torch.float32, seed=k + 1)).to(grad_dtype)
+            for has_residual, add_residual in EF_MODES:
+                _check_topk(ops, device, grad, residual if has_residual else None, 3, add_residual, k, wire_dtype)
+
+
+def _fixed_to_wire_dtype(values, value_dtype):
+    """The contract's wire cast: finite values beyond V's range saturate at +-max(V) exactly.
+
+    ``sparsecomm.compress.error_feedback.to_wire_dtype`` clamps in the source dtype; for
+    bf16 -> fp16 the bound 65504 rounds to 65536 in bf16, so bf16 values >= 65536 become
+    Inf on the wire. Clamping in float32 gives the contract's result.
+    """
+    if value_dtype == values.dtype or torch.finfo(value_dtype).max >= torch.finfo(values.dtype).max:
+        return values.to(value_dtype)
+    limit = torch.finfo(value_dtype).max
+    wide = values.float()
+    return torch.where(torch.isinf(wide), wide, wide.clamp(-limit, limit)).to(value_dtype)
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float16)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_ef_topk_pack_saturates_on_narrow_wire(backend, grad_dtype, wire_dtype, monkeypatch):
+    ops, device = backend
+    monkeypatch.setattr(reference, "to_wire_dtype", _fixed_to_wire_dtype)
+    big = [65504.0, 65519.0, 65520.0, 70000.0, 1e6, 3.3e38, float("inf"), -float("inf"), float("nan")]
+    if grad_dtype == torch.float32:
+        big += [3.3895e38, 3.3896e38, 3.4e38, -3.4e38]
+    grad = torch.cat([torch.tensor(big), -torch.tensor(big), torch.randn(50)]).to(grad_dtype)
+    residual = torch.zeros_like(grad)
+    k = 2 * len(big)
+    _, val = _check_topk(ops, device, grad, residual, 1, True, k, wire_dtype)
+    limit = torch.finfo(wire_dtype).max
+    finite = torch.isfinite(val.float())
+    assert bool((val.float()[finite].abs() <= limit).all())
+    assert int(torch.isinf(val.float()).sum()) == 4 and int(torch.isnan(val.float()).sum()) == 2
+
+
+def test_ef_topk_pack_rejects_bad_arguments(cpu_backend):
+    ops = cpu_backend
+    grad = torch.randn(10)
+    idx, val = torch.empty(10, dtype=torch.int32), torch.empty(10)
+    with pytest.raises(ValueError):
+        ops.ef_topk_pack(grad, None, 1, False, 0, idx, val)
+    with pytest.raises(ValueError):
+        ops.ef_topk_pack(grad, None, 1, False, 11, idx, val)
+    with pytest.raises(ValueError):
+        ops.ef_topk_pack(grad, grad, 1, True, 3, idx, val)  # residual aliases grad
+    with pytest.raises(ValueError):
+        ops.ef_topk_pack(grad.double(), None, 1, False, 3, idx, val)
+    with pytest.raises(ValueError):
+        ops.ef_topk_pack(grad, None, 1, False, 3, idx.long(), val)
+    with pytest.raises(ValueError):
+        ops.ef_topk_pack(grad, None, 1, False, 3, idx[:2], val)
+
+
+# --------------------------------------------------------------------------- ef_threshold_pack
+
+def _check_threshold(ops, device, grad, residual, divisor, add_residual, threshold, cap, wire_dtype, offset=0,
+                     values_extra=0):
+    results = []
+    for impl, dev in ((ops.ef_threshold_pack, device), (reference.ef_threshold_pack, torch.device("cpu"))):
+        res = None if residual is None else residual.clone().to(dev)
+        idx = torch.full((cap,), -1, dtype=torch.int32, device=dev)
+        val = torch.full((cap + values_extra,), 7.0, dtype=wire_dtype, device=dev)
+        thr = threshold.to(dev) if isinstance(threshold, torch.Tensor) else threshold
+        count = impl(grad.to(dev), res, divisor, add_residual, thr, idx, val, offset)
+        assert count.dtype == torch.int64 and count.dim() == 0 and count.device == dev
+        results.append((int(count), idx.cpu(), val.cpu(), res))
+    (count, idx, val, res), (rcount, ridx, rval, rres) = results
+    assert count == rcount
+    _assert_same(torch.stack(_by_index(idx[:count], val[:count].float())),
+                 torch.stack(_by_index(ridx[:count], rval[:count].float())), "payload")
+    _assert_same(idx[count:], ridx[count:], "index padding")
+    _assert_same(val, rval, "values (set and padding)") if count == 0 else \
+        _assert_same(val[count:], rval[count:], "value padding")
+    if residual is not None:
+        _assert_same(res, rres, "residual")
+    return count
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS[:4] + DTYPE_PAIRS[5:6],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+def test_ef_threshold_pack_matches_reference(backend, grad_dtype, wire_dtype, n):
+    ops, device = backend
+    grad = _grad(n, grad_dtype, seed=n, kind="nonfinite" if n == 1000 else "randn")
+    residual = (0.5 * _grad(n, torch.float32, seed=n + 1)).to(grad_dtype)
+    for has_residual, add_residual in EF_MODES:
+        res = residual if has_residual else None
+        for threshold in (0.4, torch.tensor(-0.4), 0.0, float("inf")):
+            expected = int(reference.magnitude_key(reference.compensated(grad, res, 3, add_residual)).ge(
+                reference.magnitude_key(torch.tensor([float(threshold)]))).sum())
+            for cap in {0, max(expected // 2, 1), expected, expected + 5}:
+                _check_threshold(ops, device, grad, res, 3, add_residual, threshold, cap, wire_dtype,
+                                 offset=3, values_extra=2)
+
+
+def test_ef_threshold_pack_overflow_across_programs(backend):
+    """Capacity smaller than the selection: the lowest indices are sent, the rest stay in the residual."""
+    ops, device = backend
+    n = 4099
+    grad = _grad(n, torch.float32, seed=21)
+    residual = torch.zeros(n)
+    above = int((grad.abs() >= 1.0).sum())
+    with _small_programs(ops):
+        for cap in (1, above // 3, above - 1, above, above + 100):
+            count = _check_threshold(ops, device, grad, residual, 1, True, 1.0, cap, torch.bfloat16)
+            assert count == min(cap, above)
+
+
+# --------------------------------------------------------------------------- topk_threshold
+
+def _check_topk_threshold(ops, device, x, k, err=0.05):
+    threshold, count = ops.topk_threshold(x.to(device), k, err)
+    assert threshold.dtype == torch.float32 and threshold.dim() == 0 and threshold.device == device
+    assert count.dtype == torch.int64 and count.dim() == 0 and count.device == device
+    key = reference.magnitude_key(x)
+    true_count = int((key >= reference.magnitude_key(threshold.cpu().reshape(1))).sum())
+    assert int(count) == true_count, "reported count must be the true count for the threshold"
+    ref_count = _closest_count(key, k, err)
+    slack = err * k
+    if abs(ref_count - k) <= slack:
+        assert abs(int(count) - k) <= slack, (int(count), k)
+    else:  # ties straddle the k-th: the closest achievable count (the reference's rule)
+        assert int(count) == ref_count
+    return int(count)
+
+
+def _closest_count(key, k, err):
+    """The count ``reference.topk_threshold`` aims at, without its ``key[key > kth].min()``.
+
+    (The reference raises on an empty ``key > kth``, e.g. all-equal input with a small k;
+    the count it means is then 0.)
+    """
+    kth = torch.topk(key, k).values.min()
+    count, above = int((key >= kth).sum()), int((key > kth).sum())
+    if count - k > err * k and k - above < count - k:
+        return above
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+def test_topk_threshold_bound_and_exact_count(backend, dtype, n):
+    ops, device = backend
+    for kind in ("randn", "ties", "nonfinite") if n >= 1000 else ("randn",):
+        x = _grad(n, dtype, seed=n, kind=kind)
+        for k in sorted({1, max(1, n // 100), max(1, n // 10), n // 2 or 1, n}):
+            _check_topk_threshold(ops, device, x, k)
+            if kind == "randn" and dtype == torch.float32:
+                assert _check_topk_threshold(ops, device, x, k, err=0.0) == k
+
+
+def test_topk_threshold_all_equal_and_many_programs(backend):
+    ops, device = backend
+    x = _grad(1000, torch.float32, seed=0, kind="equal")
+    for k in (1, 400, 500, 600, 1000):  # achievable counts: 0 and 1000; a tie keeps 1000
+        assert _check_topk_threshold(ops, device, x, k) == (0 if k < 500 else 1000)
+    with _small_programs(ops):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _grad(4099, dtype, seed=4, kind="randn")
+            for k in (1, 41, 410, 4099):
+                _check_topk_threshold(ops, device, x, k)
+
+
+def test_topk_threshold_output_feeds_ef_threshold_pack(backend):
+    """The 0-d threshold tensor goes straight into ef_threshold_pack (no host round trip)."""
+    ops, device = backend
+    grad = _grad(4099, torch.float32, seed=2)
+    threshold, count = ops.topk_threshold(grad.to(device) / 3, 41)
+    cap = 64
+    idx = torch.empty(cap, dtype=torch.int32, device=device)
+    val = torch.empty(cap, dtype=torch.float32, device=device)
+    sent = ops.ef_threshold_pack(grad.to(device), torch.zeros(4099, device=device), 3, True, threshold, idx, val)
+    assert int(sent) == min(int(count), cap)
+
+
+# --------------------------------------------------------------------------- unpack_add
+
+def _gathered(rows, k, n, value_dtype, seed, pad_row=None):
+    """[rows, k] strided views into one byte buffer laid out like gathered payloads."""
+    gen = torch.Generator().manual_seed(seed)
+    row_bytes = -(-k * (4 + value_dtype.itemsize) // 8) * 8 + 8  # extra slack: rows are strided
+    buffer = torch.zeros(rows, row_bytes, dtype=torch.uint8)
+    indices = buffer[:, : 4 * k].view(torch.int32)
+    values = buffer[:, 4 * k: 4 * k + k * value_dtype.itemsize].view(value_dtype)
+    for r in range(rows):
+        indices[r] = torch.randperm(n, generator=gen)[:k].int()
+        values[r] = torch.randn(k, generator=gen).to(value_dtype)
+    values[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(value_dtype)
+    if pad_row is not None:  # a padded payload: (index 0, value +0.0) repeated, plus a real index 0
+        indices[pad_row, k // 2:] = 0
+        values[pad_row, k // 2:] = 0
+        indices[pad_row, 0] = 0
+        values[pad_row, 0] = -0.0
+    assert not indices.is_contiguous() and indices.stride(1) == 1
+    return indices, values
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("rows", [2, 3])
+def test_unpack_add_bitwise(backend, out_dtype, value_dtype, rows):
+    ops, device = backend
+    n, k = 1000, 300
+    indices, values = _gathered(rows, k, n, value_dtype, seed=rows, pad_row=rows - 1)
+    start = torch.randn(n).to(out_dtype)
+    start[0] = -0.0   # index 0 receives a real -0.0 and padding +0.0
+    start[indices[0, 5]] = -0.0
+    for zero_out in (True, False):
+        out = start.clone().to(device)
+        ops.unpack_add(indices.to(device), values.to(device), out, zero_out)
+        expected = start.clone()
+        reference.unpack_add(indices, values, expected, zero_out)
+        _assert_same(out, expected, f"unpack_add zero_out={zero_out}")
+
+
+def test_unpack_add_strided_device_views(backend):
+    """Row views of one gathered device buffer (the all-gather output) are read in place."""
+    ops, device = backend
+    indices, values = _gathered(3, 50, 200, torch.bfloat16, seed=7)
+    buffer = indices.untyped_storage()
+    gathered = torch.empty(0, dtype=torch.uint8).set_(buffer).to(device)
+    row_bytes = indices.stride(0) * 4
+    rows = gathered.view(3, row_bytes)
+    dev_indices = rows[:, : 4 * 50].view(torch.int32)
+    dev_values = rows[:, 4 * 50: 4 * 50 + 100].view(torch.bfloat16)
+    out = torch.empty(200, dtype=torch.float32, device=device)
+    ops.unpack_add(dev_indices, dev_values, out)
+    expected = torch.empty(200)
+    reference.unpack_add(indices, values, expected)
+    _assert_same(out, expected)
+
+
+# --------------------------------------------------------------------------- no host synchronisation
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync debug mode)")
+def test_no_host_synchronisation_on_cuda():
+    ops = _fresh_backend(interpret=False)
+    device = torch.device("cuda")
+    n, k = 100_000, 1000
+    grad = torch.randn(n, device=device)
+    residual = torch.zeros(n, device=device)
+    idx = torch.empty(k, dtype=torch.int32, device=device)
+    val = torch.empty(k, dtype=torch.bfloat16, device=device)
+    # Warm up (compilation and the first launches may synchronise).
+    ops.ef_topk_pack(grad, residual, 3, True, k, idx, val)
+    threshold, _ = ops.topk_threshold(grad, k)
+    ops.ef_threshold_pack(grad, residual, 3, True, threshold, idx, val)
+    ops.unpack_add(idx.view(1, k), val.view(1, k), grad.clone())
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.ef_topk_pack(grad, residual, 3, True, k, idx, val)
+        threshold, _ = ops.topk_threshold(grad, k)
+        ops.ef_threshold_pack(grad, residual, 3, True, threshold, idx, val)
+        ops.ef_threshold_pack(grad, residual, 3, True, 0.5, idx, val)
+        ops.unpack_add(torch.stack([idx, idx]), torch.stack([val, val]), grad.clone(), True)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+
+
+def test_import_without_triton_is_harmless(monkeypatch):
+    """Without triton, importing works, available() says why, and calling raises ImportError."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules)
+             if name == _PKG or name.startswith(_PKG + ".")}
+    saved_attr = sparsecomm.ops.__dict__.get("triton", _MISSING)
+    try:
+        module = importlib.import_module(_PKG)
+        usable, reason = module.available()
+        assert not usable and "triton" in reason
+        with pytest.raises(ImportError, match="triton"):
+            module.ef_topk_pack(torch.zeros(3), None, 1, False, 1, torch.empty(1, dtype=torch.int32),
+                                torch.empty(1))
+    finally:
+        for name in [name for name in sys.modules if name == _PKG or name.startswith(_PKG + ".")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        if saved_attr is _MISSING:
+            sparsecomm.ops.__dict__.pop("triton", None)
+        else:
+            sparsecomm.ops.triton = saved_attr
