@@ -13,5 +13,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "setup: installing ${SPARSECOMM_TORCH:-torch==2.13.0}"
   .venv/bin/pip install --quiet "${SPARSECOMM_TORCH:-torch==2.13.0}"
 fi
-echo "setup: installing sparsecomm (editable) and its test dependencies"
-.venv/bin/pip install --quiet --editable ".[test]"
+# The native kernels compile against the installed torch, so no build isolation (an
+# isolated build would fetch its own torch); ninja parallelises the compile.
+.venv/bin/pip install --quiet --upgrade setuptools wheel ninja
+echo "setup: installing sparsecomm (editable, building its native kernels) and its test dependencies"
+.venv/bin/pip install --quiet --no-build-isolation --editable ".[test]"
+.venv/bin/python -c "from sparsecomm.ops import native; ok, why = native.load(); print('setup: native kernels', 'built' if ok else f'NOT available: {why}')"

@@ -82,6 +82,20 @@ def test_ef_topk_pack_large_and_ties_and_non_finite(n):
 
 
 @needs_native
+@pytest.mark.parametrize("with_residual", (True, False))
+def test_sampled_bound_that_fails_falls_back_to_the_exact_passes(with_residual):
+    # Buckets of >= 2^20 entries first guess a key bound from 65,536 strided samples
+    # (positions j * n // 65536). Put large values exactly there: the guess claims far more
+    # large entries than exist (fewer than k reach the bound), so the kernel must fall back.
+    n, samples = 2**23 + 5, 2**16
+    grad, residual = _inputs(n, torch.float32, seed=7)
+    grad[torch.arange(samples) * n // samples] = 100.0
+    k = n // 100  # > samples: the large values alone cannot fill the payload
+    args = (grad, residual if with_residual else None, 2.0, with_residual, k, torch.float32, 0)
+    _assert_same(_run_pack(reference.ef_topk_pack, *args), _run_pack(native.ef_topk_pack, *args))
+
+
+@needs_native
 def test_ef_topk_pack_conserves_and_breaks_ties_by_lower_index():
     grad = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0, 2.0])
     residual = torch.zeros(6)

@@ -424,3 +424,40 @@ def test_results_do_not_depend_on_bucket_cap(selector):
     # keyed by parameter name, so many small buckets and one big bucket train to bitwise
     # identical parameters.
     assert run_on_ranks(_layout_worker, selector) == [True, True]
+
+
+# ----- native kernels and the pure-torch reference train identically ----------------------
+
+
+def _training_worker(rank, world_size, k_scope, observed):
+    ddp = DDP(_mlp())
+    state = sparsecomm.register_topk_hook(ddp, density=0.05, k_scope=k_scope)
+    if observed:  # an observer makes the hook compensate in the bucket first (unfused path)
+        state.add_observer(lambda event: None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x in _rank_data(rank, 6, (8, 32)):
+        optimizer.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+    return _params(ddp.module), state.state_dict(), sparsecomm.ops.implementation("ef_topk_pack", "cpu").__module__
+
+
+@pytest.mark.parametrize("k_scope, observed", [("bucket", False), ("parameter", True)],
+                         ids=["bucket-fused", "parameter-compensated-first"])
+def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, observed):
+    from sparsecomm.ops import native
+
+    if not native.load()[0]:
+        pytest.skip(f"native extension not built: {native.load()[1]}")
+    results = {}
+    for kernels in ("native", "reference"):
+        monkeypatch.setenv("SPARSECOMM_KERNELS", kernels)  # inherited by the spawned ranks
+        results[kernels] = run_on_ranks(_training_worker, k_scope, observed)
+    for (native_params, native_state, native_impl), (ref_params, ref_state, ref_impl) in zip(
+        results["native"], results["reference"]
+    ):
+        assert (native_impl, ref_impl) == ("sparsecomm.ops.native", "sparsecomm.ops.reference")
+        assert all(torch.equal(a, b) for a, b in zip(native_params, ref_params))
+        assert native_state.keys() == ref_state.keys()
+        assert all(torch.equal(native_state[key], ref_state[key]) for key in native_state
+                   if isinstance(native_state[key], torch.Tensor))

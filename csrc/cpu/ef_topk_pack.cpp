@@ -1,27 +1,27 @@
-// Fused error feedback + exact top-k + packing on CPU, in two passes over the bucket.
+// Fused error feedback + exact top-k + packing on CPU.
 //
+// Two strategies, the same result (the selected set is unique: ties go to lower indices):
+//
+// * sampled (large buckets, density below ~4%): sampled_candidates.h, one streaming
+//   pass plus work on ~3k candidates; falls back to the two passes when its bound fails.
+// * two passes (always exact, any size and density):
 //   pass 1  acc = grad / divisor + residual, written to the residual (or recomputed later
 //           when there is none); a per-chunk histogram of the first key digit (12 bits).
 //           -> the boundary bin holding the k-th largest magnitude, and for every chunk
 //              how many of its entries lie above that bin: their payload offsets.
 //   pass 2  entries above the boundary bin go straight to the payload (residual zeroed);
 //           boundary-bin entries are collected as candidates (index + value).
-//   refine  two more digit histograms over the candidates only find the exact k-th key;
-//           ties at that key go to the lowest indices; those entries are emitted.
+//   refine  candidate_select.h finds the exact k-th key among the candidates and emits.
+//   Memory traffic: one read of the residual more than the read-read-write floor.
 //
-// Memory traffic: read grad + residual, write residual, read residual: one pass more than
-// the read-read-write floor every error-feedback implementation pays. Scratch space
-// (histograms, candidates) lives in a per-thread workspace that only ever grows, so the
-// steady state allocates nothing.
-#include "magnitude_key.h"
+// Scratch space (histograms, candidates, slabs) lives in per-thread workspaces that only
+// ever grow, so the steady state allocates no bucket-sized memory.
+#include "sampled_candidates.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <type_traits>
-#include <chrono>
-#include <cstdio>
-static double nowt(){return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();}
 
 namespace sparsecomm {
 namespace {
@@ -110,27 +110,18 @@ void for_each_at_or_above(const T* g, const T* r, float divisor, uint32_t bar, i
 }
 
 template <typename T, typename V>
-void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& residual_opt, float divisor,
-                       bool add_residual, int64_t k, const at::Tensor& indices_out, const at::Tensor& values_out,
-                       int64_t index_offset) {
-  const int64_t n = grad.numel();
-  const T* g = grad.const_data_ptr<T>();
-  T* r = residual_opt.has_value() ? residual_opt->mutable_data_ptr<T>() : nullptr;
-  int32_t* out_index = indices_out.mutable_data_ptr<int32_t>();
-  V* out_value = values_out.mutable_data_ptr<V>();
-  const int32_t offset = static_cast<int32_t>(index_offset);
+void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int64_t n, int64_t k, int32_t* out_index,
+                        V* out_value, int32_t offset) {
   const Chunks chunks(n);
   Workspace& ws = workspace();
   const uint32_t bins = kDigitBins[0];
   ws.histograms.assign(chunks.count * 2 * bins, 0);
 
-  double t0=nowt();
   // Pass 1: compensate (+ write), histogram of the first digit per chunk.
   for_each_chunk(chunks, [&](int64_t c) {
     compensate_and_count<T>(g, r, divisor, add_residual, chunks.begin(c), chunks.end(c),
                             ws.histograms.data() + c * 2 * bins);
   });
-  double t1=nowt();
   std::vector<int64_t> per_chunk(chunks.count * bins, 0), total(bins, 0);
   for (int64_t c = 0; c < chunks.count; ++c) {
     const uint32_t* pair = ws.histograms.data() + c * 2 * bins;
@@ -161,7 +152,6 @@ void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& 
   float* candidate_value = ws.candidate_value.data();
   const uint32_t boundary_key = boundary << kDigitShift[0];  // smallest key in the boundary bin
 
-  double t2=nowt();
   // Pass 2: emit the sure entries, collect the candidates.
   for_each_chunk(chunks, [&](int64_t c) {
     int64_t sure = sure_offset[c], candidate = candidate_offset[c];
@@ -216,41 +206,33 @@ void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& 
     TORCH_INTERNAL_ASSERT(sure == sure_offset[c + 1] && candidate == candidate_offset[c + 1]);
   });
 
-  double t3=nowt();
-  // Refine: the exact k-th key among the candidates (digits 2 and 3), then emit.
-  int64_t need = k - above;  // 1 <= need <= candidates
-  uint32_t prefix = boundary_key, prefix_mask = ~((1u << kDigitShift[0]) - 1);
-  for (int level = 1; level < 3 && need < candidates; ++level) {
-    std::vector<int64_t> histogram(kDigitBins[level], 0);
-    for (int64_t j = 0; j < candidates; ++j) {
-      const uint32_t key = magnitude_key(candidate_value[j]);
-      if ((key & prefix_mask) == prefix) ++histogram[digit(key, level)];
-    }
-    int64_t higher = 0;
-    const uint32_t bin = boundary_bin(histogram.data(), kDigitBins[level], need, &higher);
-    need -= higher;
-    prefix |= bin << kDigitShift[level];
-    prefix_mask |= (kDigitBins[level] - 1) << kDigitShift[level];
+  // The exact k-th key among the boundary-bin candidates, ties to lower indices.
+  const std::vector<CandidateList> lists{{candidate_index, candidate_value, candidates}};
+  const uint32_t first_digit_mask = (kDigitBins[0] - 1) << kDigitShift[0];
+  const Selection selection = select_candidates(lists, k - above, 1, boundary_key, first_digit_mask);
+  const int64_t end = emit_selected<T, V>(lists[0], selection, 0, r, out_index, out_value, above, offset);
+  TORCH_INTERNAL_ASSERT(end == k, "ef_topk_pack: emitted ", end, " of k=", k);
+}
+
+template <typename T, typename V>
+void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& residual_opt, float divisor,
+                       bool add_residual, int64_t k, const at::Tensor& indices_out, const at::Tensor& values_out,
+                       int64_t index_offset) {
+  const int64_t n = grad.numel();
+  const T* g = grad.const_data_ptr<T>();
+  T* r = residual_opt.has_value() ? residual_opt->mutable_data_ptr<T>() : nullptr;
+  int32_t* out_index = indices_out.mutable_data_ptr<int32_t>();
+  V* out_value = values_out.mutable_data_ptr<V>();
+  const int32_t offset = static_cast<int32_t>(index_offset);
+  const Sampled sampled = sampled_topk_pack<T, V>(g, r, divisor, add_residual, n, k, out_index, out_value, offset);
+  if (sampled == Sampled::done) return;
+  // A failed bound left acc in the residual: continue from there (x / 1 is exact, so acc
+  // is unchanged). Without a residual, or if the strategy was not tried, start over.
+  if (sampled == Sampled::bound_failed && r != nullptr) {
+    two_pass_topk_pack<T, V>(r, r, 1.0f, false, n, k, out_index, out_value, offset);
+  } else {
+    two_pass_topk_pack<T, V>(g, r, divisor, add_residual, n, k, out_index, out_value, offset);
   }
-  // prefix is now the k-th key (or its bin, if every candidate is taken); `need` entries
-  // with exactly that prefix are taken, lowest indices first (candidates are in index order).
-  int64_t position = above;
-  constexpr int64_t kPrefetchDistance = 32;  // residual writes here are scattered: overlap the misses
-  for (int64_t j = 0; j < candidates && position < k; ++j) {
-    if (r && j + kPrefetchDistance < candidates) __builtin_prefetch(r + candidate_index[j + kPrefetchDistance], 1);
-    const float a = candidate_value[j];
-    const uint32_t key = magnitude_key(a);
-    const bool take = (key & prefix_mask) > prefix || ((key & prefix_mask) == prefix && need-- > 0);
-    if (!take) continue;
-    const V w = to_wire<V>(a);
-    const int64_t i = candidate_index[j];
-    out_index[position] = static_cast<int32_t>(i) + offset;
-    out_value[position] = w;
-    ++position;
-    if (r) r[i] = sent_remainder<T, V>(a, w);
-  }
-  double t4=nowt(); if(getenv("SC_PROF")) fprintf(stderr,"p1 %.1f mid %.1f p2 %.1f refine %.1f cand %ld above %ld\n",(t1-t0)*1e3,(t2-t1)*1e3,(t3-t2)*1e3,(t4-t3)*1e3,(long)candidates,(long)above);
-  TORCH_INTERNAL_ASSERT(position == k, "ef_topk_pack: emitted ", position, " of k=", k);
 }
 
 void ef_topk_pack_cpu(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, double divisor,

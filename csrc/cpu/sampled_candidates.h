@@ -1,0 +1,158 @@
+// The one-pass strategy of ef_topk_pack for large buckets at low density.
+//
+// A strided sample of acc (65,536 entries) gives a key bound L that about 3k entries
+// reach (3x margin + 50 sample hits). One streaming pass then computes acc, writes it to
+// the residual, and appends every entry with key >= L to its range's slab. Exact top-k
+// among the slabs (candidate_select.h) follows; only those k residual entries are
+// written again. Memory traffic: read grad + residual, write residual, plus ~3% of the
+// bucket in slabs: the read-read-write floor, about.
+//
+// The bound is a guess, so the pass verifies it: if fewer than k entries reach L (the
+// sample over-estimated) or a slab overflows (it under-estimated), the caller falls back
+// to the two-pass histogram strategy, which is always exact. With random data either
+// failure needs the sample to be off by ~3x in ~2000 hits; adversarial layouts (large
+// values only at sampled positions) only cost speed.
+#pragma once
+
+#include "candidate_select.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <type_traits>
+
+namespace sparsecomm {
+
+constexpr int64_t kSampledMinElements = 1 << 20;  // below this the two passes are cheap anyway
+constexpr int64_t kSamples = 1 << 16;
+
+struct Slabs {
+  std::vector<int32_t> index;
+  std::vector<float> value;
+};
+
+inline Slabs& sampled_slabs() {
+  static thread_local Slabs slabs;  // grows to the largest bucket seen, then reused
+  return slabs;
+}
+
+// Key bound L and the expected number of entries reaching it; false if the density is
+// too high for a bound to pay off.
+template <typename T>
+bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int64_t n, int64_t k, uint32_t* bound,
+                  int64_t* expected) {
+  const int64_t hits = static_cast<int64_t>(3.0 * static_cast<double>(k) * kSamples / static_cast<double>(n)) + 50;
+  if (n < kSampledMinElements || hits >= kSamples / 8) return false;
+  std::vector<uint32_t> keys(kSamples);
+  at::parallel_for(0, kSamples, 1024, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t i = j * n / kSamples;
+      keys[j] = magnitude_key(to_float(compensate<T>(g[i], divisor, add_residual ? r + i : nullptr)));
+    }
+  });
+  std::nth_element(keys.begin(), keys.begin() + (hits - 1), keys.end(), std::greater<uint32_t>());
+  *bound = keys[hits - 1];
+  *expected = hits * n / kSamples;
+  return true;
+}
+
+// The streaming pass over [begin, end): acc into the residual, entries with key >= bound
+// into the slab (index, acc). Returns how many entries reached the bound (possibly more
+// than `capacity`, of which only the first `capacity` were stored).
+template <typename T>
+int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t begin,
+                           int64_t end, int32_t* slab_index, float* slab_value, int64_t capacity) {
+  int64_t count = 0;
+  int64_t i = begin;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i bound16 = _mm512_set1_epi32(static_cast<int32_t>(bound));
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 divisor16 = _mm512_set1_ps(divisor);
+    for (; i + 16 <= end; i += 16) {
+      __m512 acc = _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);  // same roundings as compensate()
+      if (add_residual) acc = _mm512_add_ps(acc, _mm512_loadu_ps(r + i));
+      if (r) _mm512_storeu_ps(r + i, acc);
+      const __mmask16 hits =
+          _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), bound16);
+      if (!hits) continue;
+      const int64_t found = __builtin_popcount(hits);
+      if (count + found <= capacity) {
+        _mm512_mask_compressstoreu_epi32(slab_index + count, hits,
+                                         _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i))));
+        _mm512_mask_compressstoreu_ps(slab_value + count, hits, acc);
+      }
+      count += found;
+    }
+  }
+#endif
+  for (; i < end; ++i) {
+    const T a = compensate<T>(g[i], divisor, add_residual ? r + i : nullptr);
+    if (r) r[i] = a;
+    const float af = to_float(a);
+    if (magnitude_key(af) >= bound) {
+      if (count < capacity) {
+        slab_index[count] = static_cast<int32_t>(i);
+        slab_value[count] = af;
+      }
+      ++count;
+    }
+  }
+  return count;
+}
+
+enum class Sampled {
+  done,          // payload and residual written
+  not_tried,     // bucket too small or density too high: nothing was touched
+  bound_failed,  // the pass ran (acc is in the residual, if any) but the bound did not hold
+};
+
+// The whole strategy.
+template <typename T, typename V>
+Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, int64_t n, int64_t k, int32_t* out_index,
+                       V* out_value, int32_t index_offset) {
+  uint32_t bound = 0;
+  int64_t expected = 0;
+  if (!sample_bound<T>(g, r, divisor, add_residual, n, k, &bound, &expected)) return Sampled::not_tried;
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
+  // Each range may hold all candidates (gradients of one layer can dominate a bucket).
+  const int64_t capacity = expected + expected / 4 + 4096;
+  Slabs& slabs = sampled_slabs();
+  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
+    slabs.index.resize(ranges * capacity);
+    slabs.value.resize(ranges * capacity);
+  }
+  std::vector<int64_t> found(ranges, 0);
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      found[t] = collect_candidates<T>(g, r, divisor, add_residual, bound, n * t / ranges, n * (t + 1) / ranges,
+                                       slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
+                                       capacity);
+    }
+  });
+  int64_t total = 0;
+  bool overflow = false;
+  for (int64_t f : found) {
+    total += f;
+    overflow |= f > capacity;
+  }
+  if (overflow || total < k) return Sampled::bound_failed;
+
+  std::vector<CandidateList> lists;
+  for (int64_t t = 0; t < ranges; ++t) {
+    lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity, found[t]});
+  }
+  const Selection selection = select_candidates(lists, k, 0, 0, 0);
+  std::vector<int64_t> position(ranges + 1, 0);
+  for (int64_t t = 0; t < ranges; ++t) position[t + 1] = position[t] + selection.taken(t);
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t end = emit_selected<T, V>(lists[t], selection, t, r, out_index, out_value, position[t], index_offset);
+      TORCH_INTERNAL_ASSERT(end == position[t + 1]);
+    }
+  });
+  return Sampled::done;
+}
+
+}  // namespace sparsecomm
