@@ -28,6 +28,7 @@ namespace {
 
 struct Workspace {
   std::vector<uint32_t> histograms;  // chunk x 2 x 4096 (two interleaved copies, see pass 1)
+  std::vector<int64_t> per_chunk;    // chunk x 4096, the two copies summed
   std::vector<int32_t> candidate_index;
   std::vector<float> candidate_value;
 };
@@ -122,7 +123,9 @@ void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int6
     compensate_and_count<T>(g, r, divisor, add_residual, chunks.begin(c), chunks.end(c),
                             ws.histograms.data() + c * 2 * bins);
   });
-  std::vector<int64_t> per_chunk(chunks.count * bins, 0), total(bins, 0);
+  std::vector<int64_t>& per_chunk = ws.per_chunk;
+  per_chunk.resize(chunks.count * bins);
+  std::vector<int64_t> total(bins, 0);
   for (int64_t c = 0; c < chunks.count; ++c) {
     const uint32_t* pair = ws.histograms.data() + c * 2 * bins;
     for (uint32_t b = 0; b < bins; ++b) {

@@ -27,6 +27,7 @@ constexpr int64_t kSampledMinElements = 1 << 20;  // below this the two passes a
 constexpr int64_t kSamples = 1 << 16;
 
 struct Slabs {
+  std::vector<uint32_t> sample_keys;
   std::vector<int32_t> index;
   std::vector<float> value;
 };
@@ -43,7 +44,8 @@ bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int6
                   int64_t* expected) {
   const int64_t hits = static_cast<int64_t>(3.0 * static_cast<double>(k) * kSamples / static_cast<double>(n)) + 50;
   if (n < kSampledMinElements || hits >= kSamples / 8) return false;
-  std::vector<uint32_t> keys(kSamples);
+  std::vector<uint32_t>& keys = sampled_slabs().sample_keys;
+  keys.resize(kSamples);
   at::parallel_for(0, kSamples, 1024, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t i = j * n / kSamples;
