@@ -288,3 +288,22 @@ def test_registered_kernel_wins_and_can_be_removed():
     finally:
         dispatch.unregister_kernel("unpack_add", "cpu")
     assert ops.implementation("unpack_add", "cpu") is not marker
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_values_beyond_fp16_saturate_on_the_wire_and_the_excess_stays(dtype):
+    grad = torch.tensor([7e4, -1e5, 1.0, float("inf")], dtype=dtype)
+    for impl in (reference.ef_topk_pack, native.ef_topk_pack):
+        residual = torch.zeros(4, dtype=dtype)
+        indices, values, residual = _run_pack(impl, grad, residual, 1.0, True, 3, torch.float16, 0)
+        assert indices.tolist() == [0, 1, 3]
+        assert values.tolist() == [65504.0, -65504.0, float("inf")]  # saturated, not Inf; Inf stays Inf
+        # Conservation in grad's dtype, where the receiver adds T(65504): acc - T(wire).
+        sent = dtype_round(65504.0, dtype)
+        assert residual[0] == dtype_round(grad[0].item() - sent, dtype)
+        assert residual[1] == dtype_round(grad[1].item() + sent, dtype)
+
+
+def dtype_round(x: float, dtype) -> float:
+    return torch.tensor(x, dtype=torch.float64).to(dtype).item()

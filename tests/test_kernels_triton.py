@@ -5,13 +5,15 @@ interpreter and, when a GPU is present, on CUDA tensors with compiled kernels. C
 are bitwise (NaN-aware: any NaN matches any NaN) unless a comment says otherwise.
 
 Interpreter mode: Triton 3.9 reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. when
-the kernel modules are imported, not when they are launched. Setting the variable at the top
-of this file is not robust (another test, or torch, may already have imported the package),
-so :func:`_fresh_backend` imports a private copy of ``sparsecomm.ops.triton`` with the
-variable set (CPU) or cleared (CUDA) and then restores ``sys.modules``, the environment and
+a module defining kernels is imported, not when they are launched (triton.language's own jit
+functions, tl.sum, tl.zeros, ..., are fixed when *triton* is first imported; the kernels use
+none of them, so only the import of sparsecomm.ops.triton matters). Setting the variable at
+the top of this file is not robust (another test may already have imported the package), so
+:func:`_fresh_backend` imports a private copy of ``sparsecomm.ops.triton`` with the variable
+set (CPU) or cleared (CUDA) and then restores ``sys.modules``, the environment and
 ``sparsecomm.ops.triton`` exactly as they were; the copy's kernels keep their mode. It checks
 the mode it got, so a Triton that changed this behaviour fails loudly instead of silently
-testing the wrong thing.
+testing the wrong thing. No subprocess is needed.
 
 The CUDA oracle runs on CPU copies of the inputs: torch's CUDA ``tensor.div(scalar)``
 multiplies by the reciprocal, while the contract (and torch on CPU) divides.
@@ -33,6 +35,8 @@ import sparsecomm.ops  # noqa: E402
 from sparsecomm.ops import reference  # noqa: E402
 
 _PKG = "sparsecomm.ops.triton"
+# The interpreter evaluates Inf - Inf (the residual of a sent Inf) in numpy, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 _MISSING = object()
 SIZES_AND_KS = [(1, 1), (7, 1), (7, 7), (1000, 1), (1000, 10), (4099, 41), (4099, 4099)]
 # (grad dtype, wire dtype): each grad dtype with its own dtype and a different one.
@@ -73,19 +77,18 @@ def _fresh_backend(interpret: bool):
             os.environ["TRITON_INTERPRET"] = saved_env
         if saved_knob is not _MISSING:
             knobs.runtime.__dict__["interpret"] = saved_knob
-    usable, reason = module.available("cpu" if interpret else "cuda")
-    if not usable:
-        pytest.skip(f"Triton backend unusable: {reason}")
     assert module.interpreting() == interpret, "Triton did not honour TRITON_INTERPRET at import time"
     return module
 
 
-@pytest.fixture(scope="module", params=["cpu", "cuda"])
+@pytest.fixture(scope="module", params=["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def backend(request):
-    """(ops module, device): interpreter on CPU tensors, compiled kernels on CUDA."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return _fresh_backend(interpret=request.param == "cpu"), torch.device(request.param)
+    """(ops module, device): interpreter on CPU tensors, compiled kernels on CUDA (if present)."""
+    ops = _fresh_backend(interpret=request.param == "cpu")
+    usable, reason = ops.available(request.param)
+    if not usable:
+        pytest.skip(f"Triton backend unusable: {reason}")
+    return ops, torch.device(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +243,19 @@ def test_ef_topk_pack_nan_inf_selected_first(backend, grad_dtype, wire_dtype):
         assert len(nonfinite & set(idx.tolist())) == min(k, len(nonfinite))
 
 
+@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                   (torch.float16, torch.float16), (torch.float16, torch.bfloat16)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_ef_topk_pack_subnormals(backend, grad_dtype, wire_dtype):
+    """Tiny values: acc, wire values and residuals in the subnormal range round like torch."""
+    ops, device = backend
+    tiny = torch.finfo(grad_dtype).tiny
+    grad = (_grad(1000, torch.float32, seed=8) * tiny * 4).to(grad_dtype)
+    residual = (_grad(1000, torch.float32, seed=9) * tiny).to(grad_dtype)
+    for k in (1, 100, 1000):
+        _check_topk(ops, device, grad, residual, 3, True, k, wire_dtype)
+
+
 def test_ef_topk_pack_many_programs(backend):
     """Same results with tiny blocks: 3 programs x several tiles (cross-program offsets)."""
     ops, device = backend
@@ -283,6 +299,8 @@ def test_ef_topk_pack_saturates_on_narrow_wire(backend, grad_dtype, wire_dtype, 
     finite = torch.isfinite(val.float())
     assert bool((val.float()[finite].abs() <= limit).all())
     assert int(torch.isinf(val.float()).sum()) == 4 and int(torch.isnan(val.float()).sum()) == 2
+    if wire_dtype == torch.float16:  # every finite entry here is >= 65504 in magnitude
+        assert bool((val.float()[finite].abs() == limit).all())
 
 
 def test_ef_topk_pack_rejects_bad_arguments(cpu_backend):
@@ -321,8 +339,7 @@ def _check_threshold(ops, device, grad, residual, divisor, add_residual, thresho
     _assert_same(torch.stack(_by_index(idx[:count], val[:count].float())),
                  torch.stack(_by_index(ridx[:count], rval[:count].float())), "payload")
     _assert_same(idx[count:], ridx[count:], "index padding")
-    _assert_same(val, rval, "values (set and padding)") if count == 0 else \
-        _assert_same(val[count:], rval[count:], "value padding")
+    _assert_same(val[count:], rval[count:], "value padding (and slots beyond the capacity)")
     if residual is not None:
         _assert_same(res, rres, "residual")
     return count
@@ -337,7 +354,8 @@ def test_ef_threshold_pack_matches_reference(backend, grad_dtype, wire_dtype, n)
     residual = (0.5 * _grad(n, torch.float32, seed=n + 1)).to(grad_dtype)
     for has_residual, add_residual in EF_MODES:
         res = residual if has_residual else None
-        for threshold in (0.4, torch.tensor(-0.4), 0.0, float("inf")):
+        # Numbers (key on the host) and 0-d tensors on grad's device (key read by the kernels).
+        for threshold in (0.4, torch.tensor(-0.4), 0.0, float("inf"), torch.tensor(0.25, dtype=torch.bfloat16)):
             expected = int(reference.magnitude_key(reference.compensated(grad, res, 3, add_residual)).ge(
                 reference.magnitude_key(torch.tensor([float(threshold)]))).sum())
             for cap in {0, max(expected // 2, 1), expected, expected + 5}:
@@ -418,7 +436,8 @@ def test_topk_threshold_output_feeds_ef_threshold_pack(backend):
     """The 0-d threshold tensor goes straight into ef_threshold_pack (no host round trip)."""
     ops, device = backend
     grad = _grad(4099, torch.float32, seed=2)
-    threshold, count = ops.topk_threshold(grad.to(device) / 3, 41)
+    acc = grad / 3  # on the CPU: true division, as the kernels compute it
+    threshold, count = ops.topk_threshold(acc.to(device), 41)
     cap = 64
     idx = torch.empty(cap, dtype=torch.int32, device=device)
     val = torch.empty(cap, dtype=torch.float32, device=device)
@@ -428,22 +447,28 @@ def test_topk_threshold_output_feeds_ef_threshold_pack(backend):
 
 # --------------------------------------------------------------------------- unpack_add
 
-def _gathered(rows, k, n, value_dtype, seed, pad_row=None):
-    """[rows, k] strided views into one byte buffer laid out like gathered payloads."""
+def _gathered(rows, k, n, value_dtype, seed, pad_row=None, real_zero=False):
+    """[rows, k] strided views into one byte buffer laid out like gathered payloads.
+
+    Index 0 appears only where placed here: in ``pad_row`` as padding (index 0, value +0.0)
+    repeated, and with ``real_zero`` also as one real entry of that row (value 1.5), which a
+    racy or last-store-wins update would lose.
+    """
     gen = torch.Generator().manual_seed(seed)
     row_bytes = -(-k * (4 + value_dtype.itemsize) // 8) * 8 + 8  # extra slack: rows are strided
     buffer = torch.zeros(rows, row_bytes, dtype=torch.uint8)
     indices = buffer[:, : 4 * k].view(torch.int32)
     values = buffer[:, 4 * k: 4 * k + k * value_dtype.itemsize].view(value_dtype)
     for r in range(rows):
-        indices[r] = torch.randperm(n, generator=gen)[:k].int()
+        indices[r] = 1 + torch.randperm(n - 1, generator=gen)[:k].int()
         values[r] = torch.randn(k, generator=gen).to(value_dtype)
-    values[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(value_dtype)
-    if pad_row is not None:  # a padded payload: (index 0, value +0.0) repeated, plus a real index 0
+    values[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0]).to(value_dtype)
+    if pad_row is not None:
         indices[pad_row, k // 2:] = 0
         values[pad_row, k // 2:] = 0
-        indices[pad_row, 0] = 0
-        values[pad_row, 0] = -0.0
+        if real_zero:
+            indices[pad_row, 1] = 0
+            values[pad_row, 1] = 1.5
     assert not indices.is_contiguous() and indices.stride(1) == 1
     return indices, values
 
@@ -456,16 +481,21 @@ def _gathered(rows, k, n, value_dtype, seed, pad_row=None):
 def test_unpack_add_bitwise(backend, out_dtype, value_dtype, rows):
     ops, device = backend
     n, k = 1000, 300
-    indices, values = _gathered(rows, k, n, value_dtype, seed=rows, pad_row=rows - 1)
-    start = torch.randn(n).to(out_dtype)
-    start[0] = -0.0   # index 0 receives a real -0.0 and padding +0.0
-    start[indices[0, 5]] = -0.0
-    for zero_out in (True, False):
-        out = start.clone().to(device)
-        ops.unpack_add(indices.to(device), values.to(device), out, zero_out)
-        expected = start.clone()
-        reference.unpack_add(indices, values, expected, zero_out)
-        _assert_same(out, expected, f"unpack_add zero_out={zero_out}")
+    for real_zero in (False, True):
+        indices, values = _gathered(rows, k, n, value_dtype, seed=rows, pad_row=rows - 1, real_zero=real_zero)
+        start = torch.randn(n).to(out_dtype)
+        # -0.0 where only padding lands (becomes +0.0), where a real -0.0 lands (stays -0.0),
+        # where a real +0.0 lands (becomes +0.0) and where a nonzero value lands.
+        start[0] = -0.0
+        start[indices[0, 2:6].long()] = -0.0
+        for zero_out in (True, False):
+            out = start.clone().to(device)
+            ops.unpack_add(indices.to(device), values.to(device), out, zero_out)
+            expected = start.clone()
+            reference.unpack_add(indices, values, expected, zero_out)
+            _assert_same(out, expected, f"unpack_add zero_out={zero_out} real_zero={real_zero}")
+            if not zero_out and not real_zero:
+                assert expected[0].item() == 0 and not torch.signbit(expected[0])
 
 
 def test_unpack_add_strided_device_views(backend):
@@ -483,6 +513,76 @@ def test_unpack_add_strided_device_views(backend):
     expected = torch.empty(200)
     reference.unpack_add(indices, values, expected)
     _assert_same(out, expected)
+
+
+# --------------------------------------------------------------------------- GPU compilation without a GPU
+
+def _sm90_specs(ops):
+    """(kernel, signature types, constexprs, num_warps): one variant per kernel, bf16 grad and
+    fp16 wire (saturation, integer bf16 rounding), the others with fp32 / fp16."""
+    radix = _radix(ops)
+    topk = ops.ef_topk_pack.__globals__
+    thr = ops.ef_threshold_pack.__globals__
+    unpack = ops.unpack_add.__globals__
+    tt = ops.topk_threshold.__globals__
+    i32, f32 = "i32", "fp32"
+    ef = dict(n=i32, divisor=f32, tiles=i32)
+    return [
+        (radix.hist1_kernel, dict(g_ptr="*bf16", r_ptr="*bf16", hist_ptr="*i32", **ef),
+         dict(FROM_SRC=False, ADD_RESIDUAL=True, WRITE_RESIDUAL=True, BLOCK=4096), 8),
+        (radix.hist_refine_kernel, dict(g_ptr="*fp16", src_ptr="*fp16", state_ptr="*i32", hist_ptr="*i32",
+                                        blockhist_ptr="*i32", blockgt_ptr="*i32", **ef),
+         dict(LEVEL=2, FROM_SRC=False, SKIP_IF_DONE=True, PER_BLOCK=False, BLOCK=4096), 8),
+        (radix.hist_refine_kernel, dict(g_ptr="*bf16", src_ptr="*bf16", state_ptr="*i32", hist_ptr="*i32",
+                                        blockhist_ptr="*i32", blockgt_ptr="*i32", **ef),
+         dict(LEVEL=3, FROM_SRC=True, SKIP_IF_DONE=False, PER_BLOCK=True, BLOCK=4096), 8),
+        *[(radix.select_kernel, dict(hist_ptr="*i32", state_ptr="*i32", k=i32, slack=i32),
+           dict(LEVEL=level, THRESHOLD_MODE=mode), 8) for level in (1, 2, 3) for mode in (False, True)],
+        (topk["_block_counts_kernel"], dict(state_ptr="*i32", blockhist_ptr="*i32", blockgt_ptr="*i32",
+                                            counts_ptr="*i32", nprog=i32), {}, 1),
+        (topk["_emit_kernel"], dict(g_ptr="*bf16", src_ptr="*bf16", state_ptr="*i32", counts_ptr="*i32",
+                                    incl_ptr="*i32", idx_out_ptr="*i32", val_out_ptr="*fp16", n=i32, k=i32,
+                                    divisor=f32, index_offset=i32, tiles=i32, nprog=i32),
+         dict(FROM_SRC=True, WRITE_RESIDUAL=True, LIMIT=65504.0, BLOCK=4096), 8),
+        (thr["_count_kernel"], dict(g_ptr="*fp32", r_ptr="*fp32", thr_ptr="*fp32", counts_ptr="*i32", n=i32,
+                                    divisor=f32, bar_key=i32, tiles=i32),
+         dict(HAS_RESIDUAL=True, ADD_RESIDUAL=True, THR_FROM_PTR=True, BLOCK=4096), 8),
+        (thr["_pad_kernel"], dict(incl_ptr="*i32", idx_out_ptr="*i32", val_out_ptr="*bf16", count_out_ptr="*i64",
+                                  cap=i32, nprog=i32), dict(BLOCK=1024), 4),
+        (thr["_emit_kernel"], dict(g_ptr="*fp32", src_ptr="*fp32", thr_ptr="*fp32", counts_ptr="*i32",
+                                   incl_ptr="*i32", idx_out_ptr="*i32", val_out_ptr="*bf16", n=i32, cap=i32,
+                                   divisor=f32, bar_key=i32, index_offset=i32, tiles=i32),
+         dict(FROM_SRC=False, WRITE_RESIDUAL=False, THR_FROM_PTR=False, LIMIT=3.3895313892515355e38,
+              BLOCK=4096), 8),
+        (tt["_outputs_kernel"], dict(state_ptr="*i32", thr_out_ptr="*fp32", count_out_ptr="*i64"), {}, 1),
+        (unpack["_add_row_kernel"], dict(idx_ptr="*i32", val_ptr="*bf16", out_ptr="*fp16", k=i32, n=i32),
+         dict(BLOCK=1024), 4),
+        (unpack["_plus_zero_kernel"], dict(idx_ptr="*i32", val_ptr="*fp32", out_ptr="*bf16", k=i32, n=i32,
+                                           idx_row_stride=i32, val_row_stride=i32), dict(BLOCK=1024), 4),
+    ]
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Every kernel goes through Triton's whole CUDA pipeline (TTIR, TTGIR, LLVM, PTX, ptxas
+    cubin) for sm_90, so a GPU-only compile error shows up on CPU-only machines too."""
+    import triton
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as error:  # pragma: no cover - a Triton without the NVIDIA backend
+        pytest.skip(f"Triton's NVIDIA backend is unavailable: {error}")
+    ops = _fresh_backend(interpret=False)
+    target = GPUTarget("cuda", 90, 32)
+    for kernel, types, constexprs, num_warps in _sm90_specs(ops):
+        signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+        assert set(signature) == set(types) | set(constexprs), (kernel.__name__, signature)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
+                                  options={"num_warps": num_warps, "enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        assert "div.full" not in ptx and "div.approx" not in ptx, f"{kernel.__name__}: inexact division"
+        assert ".ftz" not in ptx, f"{kernel.__name__}: flushes subnormals"
 
 
 # --------------------------------------------------------------------------- no host synchronisation

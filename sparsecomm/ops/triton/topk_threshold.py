@@ -50,5 +50,5 @@ def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
                        threshold_mode=True, slack=slack, per_block=False, block=block, tiles=tiles, nprog=nprog)
     threshold = torch.empty((), dtype=torch.float32, device=x.device)
     count = torch.empty((), dtype=torch.int64, device=x.device)
-    _outputs_kernel[(1,)](ws[radix.OFF_STATE:], threshold, count, num_warps=1)
+    _outputs_kernel[(1,)](radix.regions(ws, nprog)["state"], threshold, count, num_warps=1, enable_fp_fusion=False)
     return threshold, count

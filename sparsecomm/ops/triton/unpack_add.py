@@ -88,7 +88,7 @@ def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, z
         return
     grid = (triton.cdiv(k, _BLOCK),)
     for row in range(rows):
-        _add_row_kernel[grid](indices[row], values[row], out, k, n, BLOCK=_BLOCK, num_warps=4)
+        _add_row_kernel[grid](indices[row], values[row], out, k, n, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
     if not zero_out:
         _plus_zero_kernel[(grid[0], rows)](indices, values, out, k, n, indices.stride(0), values.stride(0),
-                                           BLOCK=_BLOCK, num_warps=4)
+                                           BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
