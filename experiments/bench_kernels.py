@@ -96,6 +96,8 @@ def bench(n: int, density: float, world_size: int, repeats: int, reference_repea
     ops.ef_topk_pack(grad, residual, world_size, True, k, indices, values, 0)
     gathered = payload.repeat(world_size)
     gathered_indices, gathered_values = ops.payload_views(gathered, k, torch.float32)
+    for rank in range(1, world_size):  # every rank sent a different index set (shifted, re-sorted)
+        gathered_indices[rank] = torch.sort((indices.long() + rank * 104_729) % n).values.int()
     out = torch.empty_like(grad)
     row["unpack_seconds"] = measure(lambda: ops.unpack_add(gathered_indices, gathered_values, out, True), repeats)
     row["scatter_seconds"] = measure(lambda: ops.unpack_add(gathered_indices, gathered_values, out, False), repeats)

@@ -1,23 +1,20 @@
 // Fused error feedback + selection by a given threshold + packing on CPU: one pass.
 //
-// Each of T ranges (T = torch's thread count) writes its selected entries to its own
-// slab of `capacity` entries while it streams through grad and residual; the slabs are
-// then concatenated in range order (= index order) and cut at the capacity. Entries cut
-// off are put back into the residual, so nothing is lost: they are sent on a later step.
-// Counting first and writing second would read the bucket twice (about 2x slower).
-#include "magnitude_key.h"
+// The streaming pass of the sampled top-k strategy (sampled_candidates.h) with the
+// threshold as its bound: each of T ranges (T = torch's thread count) computes acc, writes
+// it to the residual and appends the entries at or above the threshold to its own slab.
+// The slabs are then cut at the capacity in range order (= index order) and emitted; only
+// the sent entries' residuals are written again. Entries past the capacity keep acc in the
+// residual, so nothing is lost: they are sent on a later step. Counting first and writing
+// second would read the bucket twice (about 2x slower).
+#include "sampled_candidates.h"
 
 namespace sparsecomm {
 namespace {
 
-struct Slabs {
-  std::vector<int32_t> index;
-  std::vector<float> value;
-};
-
-Slabs& slabs() {
-  static thread_local Slabs s;
-  return s;
+Slabs& threshold_slabs() {
+  static thread_local Slabs slabs;  // grows to ranges x the largest capacity seen
+  return slabs;
 }
 
 template <typename T, typename V>
@@ -30,51 +27,39 @@ int64_t ef_threshold_pack_impl(const at::Tensor& grad, const c10::optional<at::T
   T* r = residual_opt.has_value() ? residual_opt->mutable_data_ptr<T>() : nullptr;
   int32_t* out_index = indices_out.mutable_data_ptr<int32_t>();
   V* out_value = values_out.mutable_data_ptr<V>();
-  const uint32_t bar = magnitude_key(threshold);
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  Slabs& s = slabs();
-  if (static_cast<int64_t>(s.index.size()) < ranges * capacity) {
-    s.index.resize(ranges * capacity);
-    s.value.resize(ranges * capacity);
+  Slabs& slabs = threshold_slabs();
+  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
+    slabs.index.resize(ranges * capacity);
+    slabs.value.resize(ranges * capacity);
   }
-  std::vector<int64_t> stored(ranges, 0);
-
+  std::vector<int64_t> found(ranges, 0);
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      int32_t* slab_index = s.index.data() + t * capacity;
-      float* slab_value = s.value.data() + t * capacity;
-      int64_t count = 0;
-      const int64_t end = n * (t + 1) / ranges;
-      for (int64_t i = n * t / ranges; i < end; ++i) {
-        const T a = compensate<T>(g[i], divisor, add_residual ? r + i : nullptr);
-        const float af = to_float(a);
-        if (magnitude_key(af) >= bar && count < capacity) {
-          slab_index[count] = static_cast<int32_t>(i);
-          slab_value[count] = af;
-          ++count;
-          if (r) r[i] = sent_remainder<T, V>(af, to_wire<V>(af));
-        } else if (r) {
-          r[i] = a;
-        }
-      }
-      stored[t] = count;
+      found[t] = collect_candidates<T>(g, r, divisor, add_residual, magnitude_key(threshold), n * t / ranges,
+                                       n * (t + 1) / ranges, slabs.index.data() + t * capacity,
+                                       slabs.value.data() + t * capacity, capacity);
     }
   });
-
-  int64_t sent = 0;
+  // Take the first `capacity` in index order: a selection that takes the first m_t
+  // entries of range t (every key matches the empty prefix).
+  std::vector<CandidateList> lists;
+  Selection first_entries;
+  first_entries.take_above.assign(ranges, 0);
+  std::vector<int64_t> position(ranges + 1, 0);
   for (int64_t t = 0; t < ranges; ++t) {
-    const int32_t* slab_index = s.index.data() + t * capacity;
-    const float* slab_value = s.value.data() + t * capacity;
-    for (int64_t j = 0; j < stored[t]; ++j) {
-      if (sent < capacity) {
-        out_index[sent] = slab_index[j] + static_cast<int32_t>(index_offset);
-        out_value[sent] = to_wire<V>(slab_value[j]);
-        ++sent;
-      } else if (r) {
-        r[slab_index[j]] = static_cast<T>(slab_value[j]);  // cut off: not sent, back into the residual
-      }
-    }
+    const int64_t stored = std::min(found[t], capacity);
+    lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity, stored});
+    first_entries.take_equal.push_back(std::min(stored, capacity - position[t]));
+    position[t + 1] = position[t] + first_entries.take_equal[t];
   }
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      emit_selected<T, V>(lists[t], first_entries, t, r, out_index, out_value, position[t],
+                          static_cast<int32_t>(index_offset));
+    }
+  });
+  const int64_t sent = position[ranges];
   std::fill(out_index + sent, out_index + capacity, 0);
   std::fill(out_value + sent, out_value + capacity, static_cast<V>(0.0f));
   return sent;

@@ -59,8 +59,8 @@ bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int6
 }
 
 // The streaming pass over [begin, end): acc into the residual, entries with key >= bound
-// into the slab (index, acc). Returns how many entries reached the bound (possibly more
-// than `capacity`, of which only the first `capacity` were stored).
+// into the slab (index, acc). Returns how many entries reached the bound; the first
+// min(that, capacity) of them are stored, in index order.
 template <typename T>
 int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t begin,
                            int64_t end, int32_t* slab_index, float* slab_value, int64_t capacity) {
@@ -80,10 +80,12 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
           _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), bound16);
       if (!hits) continue;
       const int64_t found = __builtin_popcount(hits);
-      if (count + found <= capacity) {
-        _mm512_mask_compressstoreu_epi32(slab_index + count, hits,
-                                         _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i))));
-        _mm512_mask_compressstoreu_ps(slab_value + count, hits, acc);
+      const int64_t room = capacity - count;
+      if (room > 0) {  // compress into a register, store what fits (the first entries)
+        const __mmask16 fits = static_cast<__mmask16>((1u << std::min<int64_t>(found, room)) - 1);
+        const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i)));
+        _mm512_mask_storeu_epi32(slab_index + count, fits, _mm512_maskz_compress_epi32(hits, index));
+        _mm512_mask_storeu_ps(slab_value + count, fits, _mm512_maskz_compress_ps(hits, acc));
       }
       count += found;
     }
