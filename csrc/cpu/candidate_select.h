@@ -76,23 +76,32 @@ inline Selection select_candidates(const std::vector<CandidateList>& lists, int6
   return s;
 }
 
-// Writes list l's selected entries to the payload from `position` on and leaves
-// acc - sent in the residual (when there is one). Returns the next position.
+// How emit_selected updates the residual (when there is one).
+enum class Residual {
+  write_sent,      // it holds acc everywhere: leave acc - sent at the sent entries
+  restore_unsent,  // candidates already hold acc - sent: put acc back where not sent
+};
+
+// Writes list l's selected entries to the payload from `position` on and updates the
+// residual so that it holds acc - sent. Returns the next position.
 template <typename T, typename V>
 int64_t emit_selected(const CandidateList& list, const Selection& s, size_t l, T* residual, int32_t* out_index,
-                      V* out_value, int64_t position, int32_t index_offset) {
+                      V* out_value, int64_t position, int32_t index_offset, Residual mode) {
   constexpr int64_t kPrefetchDistance = 32;  // residual writes are scattered: overlap the misses
   int64_t equal_left = s.take_equal[l];
   for (int64_t j = 0; j < list.size; ++j) {
     if (residual && j + kPrefetchDistance < list.size) __builtin_prefetch(residual + list.index[j + kPrefetchDistance], 1);
     const float a = list.value[j];
     const uint32_t masked = magnitude_key(a) & s.mask;
-    if (!(masked > s.prefix || (masked == s.prefix && equal_left-- > 0))) continue;
+    if (!(masked > s.prefix || (masked == s.prefix && equal_left-- > 0))) {
+      if (residual && mode == Residual::restore_unsent) residual[list.index[j]] = static_cast<T>(a);
+      continue;
+    }
     const V w = to_wire<V>(a);
     out_index[position] = list.index[j] + index_offset;
     out_value[position] = w;
     ++position;
-    if (residual) residual[list.index[j]] = sent_remainder<T, V>(a, w);
+    if (residual && mode == Residual::write_sent) residual[list.index[j]] = sent_remainder<T, V>(a, w);
   }
   return position;
 }

@@ -36,7 +36,7 @@ int64_t ef_threshold_pack_impl(const at::Tensor& grad, const c10::optional<at::T
   std::vector<int64_t> found(ranges, 0);
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      found[t] = collect_candidates<T>(g, r, divisor, add_residual, magnitude_key(threshold), n * t / ranges,
+      found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, magnitude_key(threshold), n * t / ranges,
                                        n * (t + 1) / ranges, slabs.index.data() + t * capacity,
                                        slabs.value.data() + t * capacity, capacity);
     }
@@ -56,7 +56,7 @@ int64_t ef_threshold_pack_impl(const at::Tensor& grad, const c10::optional<at::T
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       emit_selected<T, V>(lists[t], first_entries, t, r, out_index, out_value, position[t],
-                          static_cast<int32_t>(index_offset));
+                          static_cast<int32_t>(index_offset), Residual::restore_unsent);
     }
   });
   const int64_t sent = position[ranges];

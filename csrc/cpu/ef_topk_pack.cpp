@@ -213,7 +213,8 @@ void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int6
   const std::vector<CandidateList> lists{{candidate_index, candidate_value, candidates}};
   const uint32_t first_digit_mask = (kDigitBins[0] - 1) << kDigitShift[0];
   const Selection selection = select_candidates(lists, k - above, 1, boundary_key, first_digit_mask);
-  const int64_t end = emit_selected<T, V>(lists[0], selection, 0, r, out_index, out_value, above, offset);
+  const int64_t end = emit_selected<T, V>(lists[0], selection, 0, r, out_index, out_value, above, offset,
+                                          Residual::write_sent);
   TORCH_INTERNAL_ASSERT(end == k, "ef_topk_pack: emitted ", end, " of k=", k);
 }
 

@@ -1,17 +1,19 @@
 // The one-pass strategy of ef_topk_pack for large buckets at low density.
 //
-// A strided sample of acc (65,536 entries) gives a key bound L that about 3k entries
-// reach (3x margin + 50 sample hits). One streaming pass then computes acc, writes it to
-// the residual, and appends every entry with key >= L to its range's slab. Exact top-k
-// among the slabs (candidate_select.h) follows; only those k residual entries are
-// written again. Memory traffic: read grad + residual, write residual, plus ~3% of the
-// bucket in slabs: the read-read-write floor, about.
+// A sample of acc (2,048 evenly spaced runs of 32 entries: cheap to read, unlike 65,536
+// scattered entries) gives a key bound L that about 1.5k entries reach (1.5x margin +
+// 50 sample hits). One streaming pass then computes acc and appends every entry with key
+// >= L to its range's slab, writing to the residual acc for the others and, tentatively,
+// the "sent" remainder for these. Exact top-k among the slabs (candidate_select.h)
+// follows; only the ~0.5k candidates not sent get their acc written back. Memory traffic:
+// read grad + residual, write residual, plus ~1.5% of the bucket in slabs: about the
+// read-read-write floor.
 //
 // The bound is a guess, so the pass verifies it: if fewer than k entries reach L (the
 // sample over-estimated) or a slab overflows (it under-estimated), the caller falls back
 // to the two-pass histogram strategy, which is always exact. With random data either
-// failure needs the sample to be off by ~3x in ~2000 hits; adversarial layouts (large
-// values only at sampled positions) only cost speed.
+// failure needs the sample count to be off by ~1.5x in ~1000 hits; adversarial layouts
+// (large values only at sampled positions) only cost speed.
 #pragma once
 
 #include "candidate_select.h"
@@ -24,7 +26,7 @@
 namespace sparsecomm {
 
 constexpr int64_t kSampledMinElements = 1 << 20;  // below this the two passes are cheap anyway
-constexpr int64_t kSamples = 1 << 16;
+constexpr int64_t kSampleRuns = 2048, kSampleRun = 32, kSamples = kSampleRuns * kSampleRun;
 
 struct Slabs {
   std::vector<uint32_t> sample_keys;
@@ -42,14 +44,18 @@ inline Slabs& sampled_slabs() {
 template <typename T>
 bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int64_t n, int64_t k, uint32_t* bound,
                   int64_t* expected) {
-  const int64_t hits = static_cast<int64_t>(3.0 * static_cast<double>(k) * kSamples / static_cast<double>(n)) + 50;
+  const int64_t hits = static_cast<int64_t>(1.5 * static_cast<double>(k) * kSamples / static_cast<double>(n)) + 50;
   if (n < kSampledMinElements || hits >= kSamples / 8) return false;
   std::vector<uint32_t>& keys = sampled_slabs().sample_keys;
   keys.resize(kSamples);
-  at::parallel_for(0, kSamples, 1024, [&](int64_t first, int64_t last) {
-    for (int64_t j = first; j < last; ++j) {
-      const int64_t i = j * n / kSamples;
-      keys[j] = magnitude_key(to_float(compensate<T>(g[i], divisor, add_residual ? r + i : nullptr)));
+  at::parallel_for(0, kSampleRuns, 64, [&](int64_t first, int64_t last) {
+    for (int64_t run = first; run < last; ++run) {
+      const int64_t start = run * (n - kSampleRun) / (kSampleRuns - 1);
+      for (int64_t j = 0; j < kSampleRun; ++j) {
+        const int64_t i = start + j;
+        keys[run * kSampleRun + j] =
+            magnitude_key(to_float(compensate<T>(g[i], divisor, add_residual ? r + i : nullptr)));
+      }
     }
   });
   std::nth_element(keys.begin(), keys.begin() + (hits - 1), keys.end(), std::greater<uint32_t>());
@@ -58,16 +64,17 @@ bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int6
   return true;
 }
 
-// The streaming pass over [begin, end): acc into the residual, entries with key >= bound
-// into the slab (index, acc). Returns how many entries reached the bound; the first
-// min(that, capacity) of them are stored, in index order.
-template <typename T>
+// The streaming pass over [begin, end): entries with key >= bound go into the slab
+// (index, acc), in index order, while it has room, and leave the remainder of sending
+// them in the residual; all other entries (also those that found the slab full) leave
+// acc. Returns how many entries reached the bound (stored: the first min(that, capacity)).
+template <typename T, typename V>
 int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t begin,
                            int64_t end, int32_t* slab_index, float* slab_value, int64_t capacity) {
   int64_t count = 0;
   int64_t i = begin;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX512F__) && defined(__BMI2__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i bound16 = _mm512_set1_epi32(static_cast<int32_t>(bound));
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -75,17 +82,19 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
     for (; i + 16 <= end; i += 16) {
       __m512 acc = _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);  // same roundings as compensate()
       if (add_residual) acc = _mm512_add_ps(acc, _mm512_loadu_ps(r + i));
-      if (r) _mm512_storeu_ps(r + i, acc);
       const __mmask16 hits =
           _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), bound16);
-      if (!hits) continue;
       const int64_t found = __builtin_popcount(hits);
-      const int64_t room = capacity - count;
-      if (room > 0) {  // compress into a register, store what fits (the first entries)
-        const __mmask16 fits = static_cast<__mmask16>((1u << std::min<int64_t>(found, room)) - 1);
+      const int64_t stored = std::clamp<int64_t>(capacity - count, 0, found);
+      // The lowest `stored` lanes of hits: those that get a slab entry.
+      const __mmask16 kept = static_cast<__mmask16>(_pdep_u32((1u << stored) - 1, hits));
+      // Sending acc exactly leaves acc - acc (0, or NaN for +-Inf/NaN) behind.
+      if (r) _mm512_storeu_ps(r + i, _mm512_mask_sub_ps(acc, kept, acc, acc));
+      if (stored > 0) {  // compress into a register, then a plain masked store
+        const __mmask16 first = static_cast<__mmask16>((1u << stored) - 1);
         const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i)));
-        _mm512_mask_storeu_epi32(slab_index + count, fits, _mm512_maskz_compress_epi32(hits, index));
-        _mm512_mask_storeu_ps(slab_value + count, fits, _mm512_maskz_compress_ps(hits, acc));
+        _mm512_mask_storeu_epi32(slab_index + count, first, _mm512_maskz_compress_epi32(hits, index));
+        _mm512_mask_storeu_ps(slab_value + count, first, _mm512_maskz_compress_ps(hits, acc));
       }
       count += found;
     }
@@ -93,9 +102,10 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
 #endif
   for (; i < end; ++i) {
     const T a = compensate<T>(g[i], divisor, add_residual ? r + i : nullptr);
-    if (r) r[i] = a;
     const float af = to_float(a);
-    if (magnitude_key(af) >= bound) {
+    const bool hit = magnitude_key(af) >= bound;
+    if (r) r[i] = hit && count < capacity ? sent_remainder<T, V>(af, to_wire<V>(af)) : a;
+    if (hit) {
       if (count < capacity) {
         slab_index[count] = static_cast<int32_t>(i);
         slab_value[count] = af;
@@ -130,7 +140,7 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
   std::vector<int64_t> found(ranges, 0);
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      found[t] = collect_candidates<T>(g, r, divisor, add_residual, bound, n * t / ranges, n * (t + 1) / ranges,
+      found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, bound, n * t / ranges, n * (t + 1) / ranges,
                                        slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
                                        capacity);
     }
@@ -141,7 +151,19 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
     total += f;
     overflow |= f > capacity;
   }
-  if (overflow || total < k) return Sampled::bound_failed;
+  if (overflow || total < k) {  // put acc back where the pass left a tentative remainder
+    if (r) {
+      at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+        for (int64_t t = first; t < last; ++t) {
+          const int64_t stored = std::min(found[t], capacity);
+          for (int64_t j = 0; j < stored; ++j) {
+            r[slabs.index[t * capacity + j]] = static_cast<T>(slabs.value[t * capacity + j]);
+          }
+        }
+      });
+    }
+    return Sampled::bound_failed;
+  }
 
   std::vector<CandidateList> lists;
   for (int64_t t = 0; t < ranges; ++t) {
@@ -152,7 +174,8 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
   for (int64_t t = 0; t < ranges; ++t) position[t + 1] = position[t] + selection.taken(t);
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      const int64_t end = emit_selected<T, V>(lists[t], selection, t, r, out_index, out_value, position[t], index_offset);
+      const int64_t end = emit_selected<T, V>(lists[t], selection, t, r, out_index, out_value, position[t], index_offset,
+                                              Residual::restore_unsent);
       TORCH_INTERNAL_ASSERT(end == position[t + 1]);
     }
   });
