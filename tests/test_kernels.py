@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparsecomm import ops
+from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.ops import dispatch, native, reference
 
 LOADED, WHY_NOT = native.load()
@@ -165,8 +166,6 @@ def test_topk_threshold_reports_the_closest_count_when_ties_defeat_the_bound():
 @pytest.mark.parametrize("value_dtype", (torch.float32, torch.float16))
 def test_unpack_add_matches_index_add_in_rank_order(out_dtype, value_dtype):
     k, n, world_size = 300, 1000, 3
-    from sparsecomm.compress.packing import payload_nbytes
-
     gathered = torch.zeros(world_size * payload_nbytes(k, value_dtype), dtype=torch.uint8)
     indices, values = ops.payload_views(gathered, k, value_dtype)  # strided rows
     generator = torch.Generator().manual_seed(5)
