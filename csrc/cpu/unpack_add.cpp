@@ -5,6 +5,10 @@
 // element, so no atomics are needed, and each element receives its adds in rank order:
 // bitwise the result of out.zero_() and one index_add_ per rank. Every thread scans all
 // indices (a few MB, sequential) but only touches its own part of the bucket.
+//
+// The scatter is bound by memory latency (at 1% density nearly every add misses a
+// different cache line). Software prefetching made it slower (17 vs 14 ms for 2 x 1M adds
+// into 100M floats on the development VM), so there is none.
 #include "magnitude_key.h"
 
 #if defined(__AVX512F__)
@@ -32,8 +36,6 @@ void zero_streaming(void* data, int64_t bytes) {
 #endif
 }
 
-constexpr int64_t kPrefetchDistance = 16;
-
 template <typename T, typename V>
 int64_t unpack_add_impl(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out, bool zero_out) {
   const int64_t n = out.numel(), rows = indices.size(0), k = indices.size(1);
@@ -52,10 +54,6 @@ int64_t unpack_add_impl(const at::Tensor& indices, const at::Tensor& values, con
         const int32_t* idx = index_base + row * index_stride;
         const V* val = value_base + row * value_stride;
         for (int64_t j = 0; j < k; ++j) {
-          if (j + kPrefetchDistance < k) {
-            const int64_t ahead = idx[j + kPrefetchDistance];
-            if (ahead >= lo && ahead < hi) __builtin_prefetch(dst + ahead, 1);
-          }
           const int64_t i = idx[j];
           if (i >= lo && i < hi) {
             dst[i] = static_cast<T>(to_float(dst[i]) + to_float(static_cast<T>(to_float(val[j]))));
