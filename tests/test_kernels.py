@@ -306,3 +306,21 @@ def test_values_beyond_fp16_saturate_on_the_wire_and_the_excess_stays(dtype):
 
 def dtype_round(x: float, dtype) -> float:
     return torch.tensor(x, dtype=torch.float64).to(dtype).item()
+
+
+@needs_native
+def test_topk_threshold_never_answers_with_an_empty_selection():
+    x = torch.ones(1000)  # all equal: the only non-empty choice selects all 1000
+    threshold, count = native.topk_threshold(x, 10, 0.05)
+    assert int(count) == 1000 and float(threshold) <= 1.0
+    assert int(reference.topk_threshold(x, 10, 0.05)[1]) == 1000
+
+
+@needs_native
+def test_every_nan_has_one_key_so_the_lower_index_wins():
+    nan_bits = torch.tensor([0x7FC00000, 0x7FC00001, 0xFFC00000, 0x7F800001], dtype=torch.int64)
+    grad = torch.zeros(8)
+    grad[[6, 5, 3, 1]] = nan_bits.to(torch.int32).view(torch.float32)  # four NaNs, different payloads
+    for impl in (reference.ef_topk_pack, native.ef_topk_pack):
+        indices, _, _ = _run_pack(impl, grad, torch.zeros(8), 1.0, True, 2, torch.float32, 0)
+        assert indices.tolist() == [1, 3]

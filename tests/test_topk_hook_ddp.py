@@ -461,3 +461,18 @@ def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, o
         assert native_state.keys() == ref_state.keys()
         assert all(torch.equal(native_state[key], ref_state[key]) for key in native_state
                    if isinstance(native_state[key], torch.Tensor))
+
+
+def _fp16_with_bf16_wire_worker(rank, world_size):
+    ddp = DDP(_mlp().half())
+    sparsecomm.register_topk_hook(ddp, density=0.1, value_dtype=torch.bfloat16)
+    try:
+        ddp(_rank_data(rank, 1, (8, 32))[0].half()).float().pow(2).mean().backward()
+    except Exception as error:  # DDP re-raises the hook's error from backward()
+        return str(error)
+    return ""
+
+
+def test_float16_gradients_with_bfloat16_values_are_refused_on_the_first_call():
+    for message in run_on_ranks(_fp16_with_bf16_wire_worker):
+        assert "value_dtype=torch.bfloat16 cannot carry float16 gradients" in message

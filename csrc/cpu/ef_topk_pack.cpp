@@ -83,11 +83,12 @@ void for_each_at_or_above(const T* g, const T* r, float divisor, uint32_t bar, i
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i nan_key = _mm512_set1_epi32(static_cast<int32_t>(kNanKey));
     const __m512i bar16 = _mm512_set1_epi32(static_cast<int32_t>(bar));
     const __m512 divisor16 = _mm512_set1_ps(divisor);
     for (; i + 16 <= end; i += 16) {
       const __m512 acc = r ? _mm512_loadu_ps(r + i) : _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);
-      const __m512i keys = _mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask);
+      const __m512i keys = _mm512_min_epu32(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), nan_key);
       for (__mmask16 hits = _mm512_cmpge_epu32_mask(keys, bar16); hits; hits &= hits - 1) {
         visit(i + __builtin_ctz(hits));
       }
@@ -165,13 +166,14 @@ void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int6
       // fp32 in, fp32 out (the common case): 16 entries per step, branch-free within a
       // step; sent entries leave acc - acc in the residual (0, or NaN for +-Inf/NaN).
       const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+      const __m512i nan_key = _mm512_set1_epi32(static_cast<int32_t>(kNanKey));
       const __m512i candidate_bar = _mm512_set1_epi32(static_cast<int32_t>(boundary_key));
       const __m512i sure_bar = _mm512_set1_epi32(static_cast<int32_t>(boundary_key + (1u << kDigitShift[0])));
       const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512 divisor16 = _mm512_set1_ps(divisor);
       for (; begin + 16 <= end; begin += 16) {
         const __m512 acc = r ? _mm512_loadu_ps(r + begin) : _mm512_div_ps(_mm512_loadu_ps(g + begin), divisor16);
-        const __m512i keys = _mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask);
+        const __m512i keys = _mm512_min_epu32(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), nan_key);
         const __mmask16 hits = _mm512_cmpge_epu32_mask(keys, candidate_bar);
         if (!hits) continue;
         // boundary == 4095 makes sure_bar wrap to 0x80000000: above every key, as wanted.

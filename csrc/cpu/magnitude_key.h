@@ -21,10 +21,13 @@ namespace sparsecomm {
 
 // Ranks entries by magnitude: the bits of float32(|x|). Monotone for finite values,
 // +-Inf above every finite value, NaN above Inf, so non-finite values are selected first.
+// Every NaN gets the same key (NaN payload bits differ between conversion paths and
+// devices), so among NaNs, as among other equal keys, the lower index wins.
+constexpr uint32_t kNanKey = 0x7F800001u;
 inline uint32_t magnitude_key(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  return bits & 0x7FFFFFFFu;
+  return std::min(bits & 0x7FFFFFFFu, kNanKey);
 }
 
 inline float key_as_float(uint32_t key) {

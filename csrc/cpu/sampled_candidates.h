@@ -76,6 +76,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
 #if defined(__AVX512F__) && defined(__BMI2__)
   if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i nan_key = _mm512_set1_epi32(static_cast<int32_t>(kNanKey));
     const __m512i bound16 = _mm512_set1_epi32(static_cast<int32_t>(bound));
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 divisor16 = _mm512_set1_ps(divisor);
@@ -83,7 +84,8 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       __m512 acc = _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);  // same roundings as compensate()
       if (add_residual) acc = _mm512_add_ps(acc, _mm512_loadu_ps(r + i));
       const __mmask16 hits =
-          _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), bound16);
+          _mm512_cmpge_epu32_mask(_mm512_min_epu32(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), nan_key),
+                                  bound16);
       const int64_t found = __builtin_popcount(hits);
       const int64_t stored = std::clamp<int64_t>(capacity - count, 0, found);
       // The lowest `stored` lanes of hits: those that get a slab entry.

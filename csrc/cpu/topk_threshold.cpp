@@ -1,10 +1,10 @@
 // A threshold for "about k entries" with a bounded count error, on CPU.
 //
 // Radix select over the magnitude key, one read-only pass per digit (12 + 12 + 7 bits),
-// stopping as soon as a bin edge gives a count within max_relative_error * k. On smooth
-// data the first pass usually suffices at 1% density only for loose bounds; the second
-// pass narrows the boundary to 1/2^24 of the key range, so a 5% bound takes two passes.
-// Only equal magnitudes straddling the k-th entry can defeat the bound.
+// stopping as soon as a bin edge gives a count within max_relative_error * k. A 12-bit
+// bin of smooth data holds a few tenths of a percent of the entries, so a 5% bound at 1%
+// density usually needs two passes. Only equal magnitudes straddling the k-th entry can
+// defeat the bound.
 #include "magnitude_key.h"
 
 namespace sparsecomm {
@@ -37,11 +37,11 @@ std::pair<uint32_t, int64_t> topk_threshold_impl(const at::Tensor& x, int64_t k,
     const uint32_t bin = boundary_bin(histogram.data(), bins, k - above, &higher);
     const uint32_t low_edge = prefix | (bin << kDigitShift[level]);
     // Two candidate thresholds: the boundary bin's lower edge (count >= k) and its upper
-    // edge (count < k, unless the bin is the top one, whose upper edge is no key).
+    // edge (count < k; only if some entry lies above it: selecting nothing is no answer).
     const int64_t with_bin = above + higher + histogram[bin];
     if (std::llabs(with_bin - k) < std::llabs(best.second - k)) best = {low_edge, with_bin};
     const uint64_t high_edge = static_cast<uint64_t>(low_edge) + (1ull << kDigitShift[level]);
-    if (high_edge <= 0x7FFFFFFFull && std::llabs(above + higher - k) < std::llabs(best.second - k)) {
+    if (high_edge <= 0x7FFFFFFFull && above + higher > 0 && std::llabs(above + higher - k) < std::llabs(best.second - k)) {
       best = {static_cast<uint32_t>(high_edge), above + higher};
     }
     if (std::llabs(best.second - k) <= tolerance) break;

@@ -33,12 +33,34 @@
 #include <limits>
 #include <type_traits>
 
+// __nanosleep, ld/st.relaxed.gpu and the 16-bit atomics of unpack_add need Volta or newer
+// (TORCH_CUDA_ARCH_LIST entries >= 7.0; H100/H200 are 9.0).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#error "sparsecomm CUDA kernels need compute capability 7.0 or newer (set TORCH_CUDA_ARCH_LIST accordingly)"
+#endif
+
 namespace sparsecomm_cuda {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kItems = 16;
 constexpr int kTile = kThreads * kItems;  // 4096 entries
+
+// Coalesced loads of one tile of grad (and the residual, when it is added): thread t reads
+// entries base + j * kThreads, j < kItems; entries at or past n are left unset.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* __restrict__ grad, const T* __restrict__ residual,
+                                          bool add_residual, int64_t base, int64_t n, T (&g)[kItems],
+                                          T (&r)[kItems]) {
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int64_t i = base + static_cast<int64_t>(j) * kThreads;
+    if (i < n) {
+      g[j] = grad[i];
+      if (add_residual) r[j] = residual[i];
+    }
+  }
+}
 constexpr uint32_t kFullMask = 0xFFFFFFFFu;
 
 // ---------------------------------------------------------------------------------------
@@ -96,6 +118,44 @@ inline void check_no_overlap(const char* op, const char* a_name, const at::Tenso
   TORCH_CHECK(!overlap, op, ": ", a_name, " and ", b_name, " overlap in memory (aliasing is not allowed)");
 }
 
+// Argument checks shared by ef_topk_pack and ef_threshold_pack (raised before any launch);
+// each op adds its own k / capacity checks. Returns the residual or nullptr.
+inline const at::Tensor* check_pack_arguments(const char* op, const at::Tensor& grad,
+                                              const c10::optional<at::Tensor>& residual, bool add_residual,
+                                              double divisor, int64_t index_offset, const at::Tensor& indices_out,
+                                              const at::Tensor& values_out) {
+  check_vector(op, "grad", grad, grad);
+  TORCH_CHECK(grad.is_cuda(), op, ": grad must be a CUDA tensor");
+  TORCH_CHECK(is_supported_float(grad.scalar_type()), op, ": grad must be float32, bfloat16 or float16, got ",
+              grad.scalar_type());
+  const int64_t n = grad.numel();
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": grad has ", n,
+              " elements; int32 indices allow at most 2^31 - 1");
+  TORCH_CHECK(divisor > 0, op, ": divisor must be > 0, got ", divisor);
+  TORCH_CHECK(index_offset >= 0 && index_offset + n <= std::numeric_limits<int32_t>::max(), op,
+              ": index_offset + n must fit in int32, got index_offset=", index_offset, " n=", n);
+  check_vector(op, "indices_out", indices_out, grad);
+  check_vector(op, "values_out", values_out, grad);
+  TORCH_CHECK(indices_out.scalar_type() == at::kInt, op, ": indices_out must be int32, got ",
+              indices_out.scalar_type());
+  TORCH_CHECK(is_supported_float(values_out.scalar_type()), op,
+              ": values_out must be float32, bfloat16 or float16, got ", values_out.scalar_type());
+  TORCH_CHECK(!add_residual || residual.has_value(), op, ": add_residual=True needs a residual");
+  if (residual.has_value()) {
+    check_vector(op, "residual", *residual, grad);
+    TORCH_CHECK(residual->numel() == n && residual->scalar_type() == grad.scalar_type(), op,
+                ": residual must match grad (", n, " x ", grad.scalar_type(), "), got ", residual->numel(), " x ",
+                residual->scalar_type());
+    check_no_overlap(op, "residual", *residual, "grad", grad);
+    check_no_overlap(op, "residual", *residual, "indices_out", indices_out);
+    check_no_overlap(op, "residual", *residual, "values_out", values_out);
+  }
+  check_no_overlap(op, "indices_out", indices_out, "grad", grad);
+  check_no_overlap(op, "values_out", values_out, "grad", grad);
+  check_no_overlap(op, "indices_out", indices_out, "values_out", values_out);
+  return residual.has_value() ? &*residual : nullptr;
+}
+
 // Multiprocessor count of the current device, cached (cudaDeviceGetAttribute does not
 // synchronise, the cache just avoids the driver call on every op).
 inline int multiprocessor_count() {
@@ -143,28 +203,29 @@ __device__ __forceinline__ T from_float(float x) {
 
 // Magnitude key: bits(float32(|x|)). Monotone for finite values, +-Inf above every finite
 // value, NaN above Inf.
+// Every NaN gets one key (0x7F800001, just above Inf): NaN payload bits differ between
+// conversion paths, and one key makes the lower index win among NaNs on every backend.
 __device__ __forceinline__ uint32_t magnitude_key(float x) {
-  return __float_as_uint(x) & 0x7FFFFFFFu;
+  return min(__float_as_uint(x) & 0x7FFFFFFFu, 0x7F800001u);
 }
 
-// acc = T(float(grad) * (1 / float(divisor))), then T(float(acc) + float(residual)).
+// acc = T(float(grad) / float(divisor)), then T(float(acc) + float(residual)): the contract's
+// two roundings (csrc/README.md), as torch on CPU computes grad.div_(divisor).add_(residual).
 //
-// Why a reciprocal: csrc/README.md defines acc "as grad.div_(divisor)". On CUDA, torch's
-// div_ by a (CPU) scalar computes a * (1 / b) in opmath float (ATen/native/cuda/
-// BinaryDivTrueKernel.cu, "optimization for floating-point types"), which differs from a
-// true division in the last bit for some values (e.g. divisor 3). `inv_divisor` is the
-// host-computed float 1.0f / float(divisor), so these kernels are bitwise the in-place hook
-// path and the reference (sparsecomm/ops/reference.py) run on the same CUDA tensors. (On
-// CPU, torch's div_ is a true division and the CPU kernels divide.)
-// __fmul_rn / __fadd_rn: never contracted into an FMA (with T = float, nvcc would otherwise
-// fuse g * inv + r into one rounding).
+// Note: torch's *CUDA* div_ by a Python scalar computes a * (1 / b) instead (ATen/native/cuda/
+// BinaryDivTrueKernel.cu), which differs in the last bit for some values (divisor 3: about a
+// third of them). These kernels follow the contract, like the CPU and Triton kernels and the
+// reference (error_feedback.divide_ divides by a device tensor to get a true division).
+// __fdiv_rn / __fadd_rn: IEEE round-to-nearest whatever the -prec-div/-fmad flags, never
+// contracted into an FMA. Do not build with --use_fast_math / -ftz=true: flushing subnormal
+// results to zero would break bitwise agreement with the contract (and with the CPU kernels).
 template <typename T>
-__device__ __forceinline__ T compensate(T grad, float inv_divisor) {
-  return from_float<T>(__fmul_rn(to_float(grad), inv_divisor));
+__device__ __forceinline__ T compensate(T grad, float divisor) {
+  return from_float<T>(__fdiv_rn(to_float(grad), divisor));
 }
 template <typename T>
-__device__ __forceinline__ T compensate(T grad, T residual, float inv_divisor) {
-  const T acc = compensate(grad, inv_divisor);
+__device__ __forceinline__ T compensate(T grad, T residual, float divisor) {
+  const T acc = compensate(grad, divisor);
   return from_float<T>(__fadd_rn(to_float(acc), to_float(residual)));
 }
 
@@ -327,8 +388,9 @@ __device__ __forceinline__ BinChoice block_find_bin(const uint32_t* hist, int nb
 // n <= 2^31 - 1, so the packed sums never carry from one field into the other.
 //
 // Forward progress: tiles are handed out by an atomic ticket (not blockIdx), so the tile
-// a block waits for was taken earlier by a block that is already running; waits only go
-// to lower tiles, hence no deadlock whatever the scheduling or grid size.
+// a block waits for was taken earlier by a block that is already running (and holds it
+// until it has published); waits only go to lower tiles, hence no deadlock whatever the
+// scheduling or grid size.
 
 constexpr uint64_t kLookbackAggregate = 1ull << 62;
 constexpr uint64_t kLookbackPrefix = 2ull << 62;
@@ -353,28 +415,45 @@ __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Called by one thread per tile. Returns the packed sum of the aggregates of tiles
-// 0 .. tile-1 and publishes this tile's inclusive prefix.
+__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(kFullMask, v, d);
+  return v;
+}
+
+// Called by all 32 lanes of one warp per tile. Returns (in every lane) the packed sum of the
+// aggregates of tiles 0 .. tile-1 and publishes this tile's inclusive prefix.
+// Warp-wide look-back (as CUB's): lane l inspects tile  top - l  of a window of 32
+// predecessors; once no lane sees "nothing yet", the lanes up to the nearest inclusive
+// prefix contribute; without a prefix in the window, all 32 aggregates are added and the
+// window moves 32 tiles down. A single-thread walk would resolve one predecessor per L2
+// round trip and cap the pass far below HBM bandwidth.
 __device__ __forceinline__ uint64_t lookback_exclusive(uint64_t* status, uint32_t tile, uint64_t aggregate) {
+  const uint32_t lane = lane_id();
   if (tile == 0) {
-    store_relaxed(status, kLookbackPrefix | aggregate);
+    if (lane == 0) store_relaxed(status, kLookbackPrefix | aggregate);
     return 0;
   }
-  store_relaxed(status + tile, kLookbackAggregate | aggregate);
+  if (lane == 0) store_relaxed(status + tile, kLookbackAggregate | aggregate);
   uint64_t exclusive = 0;
-  int64_t j = static_cast<int64_t>(tile) - 1;
+  int64_t top = static_cast<int64_t>(tile) - 1;
   for (;;) {
-    const uint64_t s = load_relaxed(status + j);
-    const uint64_t flag = s & ~kLookbackValue;
-    if (flag == 0) {  // tile j is still being processed
-      __nanosleep(32);
-      continue;
+    const int64_t j = top - static_cast<int64_t>(lane);
+    uint64_t s;
+    for (;;) {
+      // Below tile 0 there is nothing to add; tile 0 always ends a walk with its prefix.
+      s = j >= 0 ? load_relaxed(status + j) : kLookbackPrefix;
+      if (!__any_sync(kFullMask, (s & ~kLookbackValue) == 0)) break;
+      __nanosleep(32);  // a predecessor has not published yet
     }
-    exclusive += s & kLookbackValue;
-    if (flag == kLookbackPrefix) break;
-    --j;  // j >= 0: tile 0 always publishes a prefix
+    const uint32_t prefixes = __ballot_sync(kFullMask, (s & ~kLookbackValue) == kLookbackPrefix);
+    // The nearest prefix is the lowest lane with one; lanes below it hold aggregates.
+    const bool contributes = prefixes == 0 || lane <= static_cast<uint32_t>(__ffs(prefixes) - 1);
+    exclusive += warp_sum(contributes ? (s & kLookbackValue) : 0ull);
+    if (prefixes != 0) break;
+    top -= 32;
   }
-  store_relaxed(status + tile, kLookbackPrefix | (exclusive + aggregate));
+  if (lane == 0) store_relaxed(status + tile, kLookbackPrefix | (exclusive + aggregate));
   return exclusive;
 }
 
@@ -431,14 +510,16 @@ __device__ __forceinline__ void tile_rank(const uint32_t (&mask)[NCAT], uint32_t
     if (lane_id() == 31) sh->aggregate[warp] = inclusive;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (warp == 0) {
     const uint32_t a0 = sh->aggregate[0];
     const uint32_t a1 = NCAT == 2 ? sh->aggregate[1] : 0u;
     const uint64_t exclusive = lookback_exclusive(status, tile, pack2(a0, a1));
-    sh->base[0] = unpack_first(exclusive);
-    sh->base[1] = unpack_second(exclusive);
-    sh->inclusive[0] = sh->base[0] + a0;
-    sh->inclusive[1] = sh->base[1] + a1;
+    if (lane_id() == 0) {
+      sh->base[0] = unpack_first(exclusive);
+      sh->base[1] = unpack_second(exclusive);
+      sh->inclusive[0] = sh->base[0] + a0;
+      sh->inclusive[1] = sh->base[1] + a1;
+    }
   }
   __syncthreads();
 }

@@ -684,6 +684,11 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         return _completed(buffer)  # see rebuild_buckets(): no communication, no state change
     if not buffer.is_floating_point():
         raise TypeError(f"topk_hook: bucket buffer must be floating point, got {buffer.dtype}")
+    if buffer.dtype == torch.float16 and state.value_dtype == torch.bfloat16:
+        # bf16 rounds fp16 values near 65504 up to 65536, which is Inf back in fp16: the
+        # residual would become -Inf. Refused on the first call, before any collective.
+        raise ValueError("topk_hook: value_dtype=torch.bfloat16 cannot carry float16 gradients losslessly "
+                         "(values near 65504 decode to Inf); use value_dtype torch.float16 or torch.float32")
     group = state._group()
     world_size = dist.get_world_size(group)
     names, numels = state._bucket_layout(bucket)

@@ -12,9 +12,12 @@ from sparsecomm.compress.error_feedback import divide_, to_wire_dtype
 _KEY_MASK = 0x7FFFFFFF
 
 
+_NAN_KEY = 0x7F800001  # every NaN: just above Inf (NaN payload bits are not portable)
+
+
 def magnitude_key(x: torch.Tensor) -> torch.Tensor:
-    """int32 key ordering entries by magnitude: +-Inf above finite, NaN above Inf."""
-    return x.float().view(torch.int32) & _KEY_MASK
+    """int32 key ordering entries by magnitude: +-Inf above finite, NaN above Inf, one key for all NaN."""
+    return (x.float().view(torch.int32) & _KEY_MASK).clamp_(max=_NAN_KEY)
 
 
 def compensated(grad: torch.Tensor, residual: torch.Tensor | None, divisor: float, add_residual: bool) -> torch.Tensor:

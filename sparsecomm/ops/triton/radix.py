@@ -250,8 +250,8 @@ def from_f32(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def magnitude_key(x32):
-    """int32 key ordering by magnitude: NaN > Inf > finite (x32 is float32)."""
-    return x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    """int32 key ordering by magnitude: NaN > Inf > finite (x32 is float32); one key for every NaN."""
+    return tl.minimum(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800001)
 
 
 @triton.jit
@@ -397,7 +397,7 @@ def select_kernel(hist_ptr, state_ptr, k, slack,
         ga = base_in + a
         d_hi = ga + hb - k          # >= 0: count at the bottom of the bin, minus k
         d_lo = k - ga               # > 0: k minus count above the bin
-        lo_ok = prefix < MAX_PREFIX
+        lo_ok = (prefix < MAX_PREFIX) & (ga > 0)  # the next bin up only if it selects something
         if LEVEL == 3:
             stop = tl.full([], 1, tl.int1)
             use_lo = lo_ok & (d_hi > slack) & (d_lo < d_hi)

@@ -1,0 +1,528 @@
+"""CUDA kernels of the extension (``csrc/cuda/*.cu``) against the pure-torch oracle.
+
+Every op runs as ``torch.ops.sparsecomm.<op>`` on CUDA tensors and is compared with
+:mod:`sparsecomm.ops.reference` run on CPU copies of the inputs, so the oracle shares no
+CUDA code path with the kernels (note that torch's CUDA ``tensor.div(python_scalar)``
+multiplies by the reciprocal; the contract, torch on CPU and the kernels divide).
+Comparisons are bitwise and NaN-aware (any NaN matches any NaN: GPU arithmetic returns a
+canonical NaN, CPU arithmetic propagates payloads).
+
+The selected set must be exactly the oracle's (ties at the k-th magnitude: lowest indices);
+the order inside a payload is unspecified, so payloads are compared after sorting by index.
+
+NaN keys: the oracle's ``magnitude_key`` takes ``x.float()``, and torch's CPU half -> float
+cast turns the same fp16 NaN into 0x7FC00000 in its vectorised loop but 0x7FFFFFFF in its
+scalar tail loop (the last n % 16 entries of each thread's chunk), so on CPU fp16 NaNs are
+ranked by position, not by index. On the GPU all NaNs of one tensor have one key (GPU
+arithmetic returns one canonical NaN; the test data has a single NaN payload), so ties
+among NaNs go to the lowest indices as the contract says. The tests give every NaN the key
+0x7FFFFFFF in the oracle (an autouse fixture); that changes only the order among NaNs.
+
+Skipped, with the reason, when there is no GPU or the extension has no CUDA kernels.
+"""
+import math
+
+import pytest
+import torch
+
+from sparsecomm.compress.packing import pack_into, payload_nbytes
+from kernel_cases import NARROW_WIRE_PAIRS, beyond_wire_range
+from sparsecomm.ops import payload_views, reference
+
+OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
+
+
+def _unavailable() -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available (torch.cuda.is_available() is False)"
+    try:
+        import sparsecomm._C  # noqa: F401  (registers torch.ops.sparsecomm.*)
+    except ImportError as error:
+        return (f"sparsecomm._C cannot be imported ({error}); build it with "
+                "USE_CUDA=1 SPARSECOMM_BUILD_EXT=1 pip install --no-build-isolation -e .")
+    missing = []
+    for op in OPS:
+        try:
+            present = torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsecomm::{op}", "CUDA")
+        except RuntimeError:
+            present = False
+        if not present:
+            missing.append(op)
+    if missing:
+        return f"sparsecomm._C has no CUDA kernel for {', '.join(missing)} (built without CUDA sources)"
+    return None
+
+
+_SKIP_REASON = _unavailable()
+if _SKIP_REASON is not None:  # one skip for the module, not one per parametrised case
+    pytest.skip(_SKIP_REASON, allow_module_level=True)
+
+CUDA = "cuda"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FLOAT_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+BIG = 2**24 + 1
+# (divisor, add_residual, residual given, index_offset): the error-feedback variants.
+EF_VARIANTS = [(1.0, True, True, 0), (3.0, True, True, 11), (3.0, False, True, 0), (3.0, False, False, 7)]
+
+
+_ORACLE_MAGNITUDE_KEY = reference.magnitude_key
+
+
+def _canonical_magnitude_key(x):
+    """The oracle's key with one key for every NaN (see the module docstring)."""
+    key = _ORACLE_MAGNITUDE_KEY(x)
+    return torch.where(torch.isnan(x), torch.full_like(key, 0x7FFFFFFF), key)
+
+
+@pytest.fixture(autouse=True)
+def _canonical_nan_keys(monkeypatch):
+    monkeypatch.setattr(reference, "magnitude_key", _canonical_magnitude_key)
+
+
+def _ids(value):
+    return str(value).replace("torch.", "") if isinstance(value, torch.dtype) else str(value)
+
+
+def _ops():
+    return torch.ops.sparsecomm
+
+
+def _assert_same(actual, expected, what=""):
+    """Bitwise equality on CPU; floating NaNs match any NaN."""
+    actual, expected = actual.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} vs {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    if not actual.is_floating_point():
+        assert torch.equal(actual, expected), f"{what}: differ at {torch.nonzero(actual != expected)[:10].flatten()}"
+        return
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ at {torch.nonzero(nan_a != nan_e)[:10].flatten()}"
+    bits = FLOAT_BITS[actual.dtype]
+    a, e = actual[~nan_a].view(bits), expected[~nan_e].view(bits)
+    bad = torch.nonzero(a != e).flatten()
+    assert bad.numel() == 0, (f"{what}: {bad.numel()} values differ, first at {bad[:5].tolist()}: "
+                              f"{actual[~nan_a][bad[:5]].tolist()} vs {expected[~nan_e][bad[:5]].tolist()}")
+
+
+def _data(n, dtype, seed, kind="randn"):
+    """(grad, residual) on CPU in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        grad = torch.randn(n, generator=gen)
+        residual = torch.randn(n, generator=gen) * 0.1
+    elif kind == "ties":  # few distinct magnitudes, so the k-th is tied; the residual keeps them discrete
+        grad = torch.randint(-4, 5, (n,), generator=gen) * 0.25
+        residual = torch.randint(-2, 3, (n,), generator=gen) * 0.125
+    elif kind == "equal":  # one magnitude everywhere
+        grad = torch.full((n,), 0.5)
+        residual = torch.full((n,), 0.25)
+    elif kind == "zeros":  # mostly exact zeros (embedding-like gradients), residual zero
+        grad = torch.randn(n, generator=gen)
+        grad[torch.rand(n, generator=gen) < 0.9] = 0.0
+        residual = torch.zeros(n)
+    elif kind == "special":  # NaN, +-Inf, signed zeros, large finite (no saturation), tiny
+        grad = torch.randn(n, generator=gen)
+        grad[5::17] = float("inf")
+        grad[9::17] = -float("inf")
+        grad[3::19] = -0.0
+        grad[7::23] = 0.0
+        grad[11::29] = 6.0e4
+        grad[13::31] = -1.0e-30
+        grad[1::13] = float("nan")
+        residual = torch.randn(n, generator=gen) * 0.1
+    else:
+        raise ValueError(kind)
+    return grad.to(dtype), residual.to(dtype)
+
+
+def _k_values(n):
+    return sorted({1, max(1, n // 100), n})
+
+
+# --------------------------------------------------------------------------- ef_topk_pack
+
+def _run_topk(grad, residual, divisor, add_residual, k, wire_dtype, offset):
+    """The CUDA op on device copies; returns (indices[:k], values[:k], residual) on CPU."""
+    g = grad.to(CUDA, copy=True)
+    r = residual.to(CUDA, copy=True) if residual is not None else None
+    extra = 5
+    idx = torch.full((k + extra,), -7, dtype=torch.int32, device=CUDA)
+    val = torch.full((k + extra,), 123.0, dtype=wire_dtype, device=CUDA)
+    _ops().ef_topk_pack(g, r, float(divisor), add_residual, k, idx, val, offset)
+    _assert_same(g, grad, "grad must not be modified")
+    assert bool((idx[k:] == -7).all()) and bool((val[k:] == 123.0).all()), "wrote beyond k"
+    return idx[:k].cpu(), val[:k].cpu(), (r.cpu() if r is not None else None)
+
+
+def _check_topk(grad, residual, divisor, add_residual, k, wire_dtype, offset=0):
+    """CUDA op == oracle (set, values, residual) and sent + residual == acc."""
+    ridx = torch.full((k,), -1, dtype=torch.int32)
+    rval = torch.zeros(k, dtype=wire_dtype)
+    rres = residual.clone() if residual is not None else None
+    reference.ef_topk_pack(grad.clone(), rres, divisor, add_residual, k, ridx, rval, offset)
+    idx, val, res = _run_topk(grad, residual, divisor, add_residual, k, wire_dtype, offset)
+    order = torch.argsort(idx.long())
+    _assert_same(idx[order], ridx, "indices (sorted)")  # the reference emits ascending indices
+    _assert_same(val[order], rval, "values (by index)")
+    if residual is not None:
+        _assert_same(res, rres, "residual")
+        acc = reference.compensated(grad, residual, divisor, add_residual)
+        sent = torch.zeros_like(acc)
+        sent[idx.long() - offset] = val.to(acc.dtype)
+        finite = torch.isfinite(acc) & torch.isfinite(sent)
+        total = sent + res  # numeric equality: an unsent -0.0 gives +0.0 + -0.0 = +0.0
+        assert bool((total[finite] == acc[finite]).all()), "sent + residual != acc"
+    return idx, val
+
+
+def _topk_cases():
+    cases = []
+    for n in (1, 7, 1000, 2**16 + 3):
+        for k in _k_values(n):
+            for kind in ("randn", "ties", "special"):
+                cases.append((n, k, kind))
+    return cases
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("wire_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("n,k,kind", _topk_cases(), ids=lambda v: _ids(v))
+def test_ef_topk_pack_matches_reference(grad_dtype, wire_dtype, n, k, kind):
+    grad, residual = _data(n, grad_dtype, seed=n + k, kind=kind)
+    for divisor, add_residual, has_residual, offset in EF_VARIANTS:
+        _check_topk(grad, residual if has_residual else None, divisor, add_residual, k, wire_dtype, offset)
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype,kind,fraction", [
+    (torch.float32, torch.float32, "randn", 0.01),     # candidate path
+    (torch.bfloat16, torch.float16, "randn", 0.01),
+    (torch.float16, torch.bfloat16, "special", 0.01),
+    (torch.float32, torch.bfloat16, "ties", 0.01),     # candidate path, ties resolved by index levels
+    (torch.float32, torch.float32, "equal", 0.01),     # boundary bin > candidate capacity: full path
+    (torch.float32, torch.float16, "zeros", 0.2),      # the k-th is a zero: full path, index levels
+    (torch.float32, torch.float32, "randn", 1.0),      # k == n
+], ids=_ids)
+def test_ef_topk_pack_large(grad_dtype, wire_dtype, kind, fraction):
+    grad, residual = _data(BIG, grad_dtype, seed=1, kind=kind)
+    k = max(1, int(BIG * fraction)) if fraction < 1 else BIG
+    _check_topk(grad, residual, 3.0, True, k, wire_dtype)
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
+def test_ef_topk_pack_ties_take_lowest_indices(grad_dtype):
+    n = 5000
+    grad = torch.ones(n, dtype=grad_dtype)
+    grad[4000] = 2.0  # one above the ties
+    for k in (1, 2, 3, 37, 4096, 4097, n - 1):
+        idx, _ = _check_topk(grad, torch.zeros_like(grad), 1.0, True, k, grad_dtype)
+        expected = sorted([4000] + [i for i in range(n) if i != 4000][: k - 1])
+        assert sorted(idx.tolist()) == expected
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+                         ids=_ids)
+def test_ef_topk_pack_nan_inf_selected_first(grad_dtype, wire_dtype):
+    grad = torch.randn(3000).to(grad_dtype)
+    grad[[10, 500, 2999]] = float("nan")
+    grad[[3, 1500]] = float("inf")
+    grad[7] = -float("inf")
+    idx, _ = _check_topk(grad, torch.zeros_like(grad), 1.0, True, 6, wire_dtype)
+    assert sorted(idx.tolist()) == [3, 7, 10, 500, 1500, 2999]
+    idx, _ = _check_topk(grad, torch.zeros_like(grad), 1.0, True, 2, wire_dtype)
+    assert sorted(idx.tolist()) == [10, 500]  # NaN above Inf; ties: lowest indices
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", NARROW_WIRE_PAIRS, ids=_ids)
+def test_ef_topk_pack_saturates_on_narrow_wire(grad_dtype, wire_dtype):
+    """Finite values beyond the wire's range are sent as +-max(V) (bf16 -> fp16: clamped in float)."""
+    grad, k = beyond_wire_range(grad_dtype)
+    _, val = _check_topk(grad, torch.zeros_like(grad), 1.0, True, k, wire_dtype)
+    limit = torch.finfo(wire_dtype).max
+    wide = val.float()
+    finite = torch.isfinite(wide)
+    assert bool((wide[finite].abs() <= limit).all())
+    assert int(torch.isinf(wide).sum()) == 4 and int(torch.isnan(wide).sum()) == 2
+    assert float(wide[finite].abs().max()) == limit
+
+
+def test_ef_topk_pack_payload_is_deterministic():
+    grad, residual = _data(300_000, torch.float32, seed=3, kind="ties")
+    payloads = []
+    for _ in range(2):
+        idx, val, _ = _run_topk(grad, residual.clone(), 3.0, True, 3000, torch.float32, 0)
+        payloads.append((idx, val))
+    _assert_same(payloads[0][0], payloads[1][0], "indices, run to run")
+    _assert_same(payloads[0][1], payloads[1][1], "values, run to run")
+
+
+def test_ef_topk_pack_rejects_bad_arguments():
+    grad = torch.randn(100, device=CUDA)
+    residual = torch.zeros_like(grad)
+    idx = torch.zeros(10, dtype=torch.int32, device=CUDA)
+    val = torch.zeros(10, device=CUDA)
+    op = _ops().ef_topk_pack
+    with pytest.raises(RuntimeError, match="k must be"):
+        op(grad, residual, 1.0, True, 0, idx, val, 0)
+    with pytest.raises(RuntimeError, match="k must be"):
+        op(grad, residual, 1.0, True, 101, idx, val, 0)
+    with pytest.raises(RuntimeError, match="indices_out"):
+        op(grad, residual, 1.0, True, 11, idx, val, 0)
+    with pytest.raises(RuntimeError, match="needs a residual"):
+        op(grad, None, 1.0, True, 5, idx, val, 0)
+    with pytest.raises(RuntimeError, match="alias|overlap"):
+        op(grad, grad, 1.0, True, 5, idx, val, 0)
+    with pytest.raises(RuntimeError, match="int32"):
+        op(grad, residual, 1.0, True, 5, idx.long(), val, 0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        op(grad.double(), None, 1.0, False, 5, idx, val, 0)
+    with pytest.raises(RuntimeError, match="contiguous 1-D"):
+        op(grad.view(10, 10), None, 1.0, False, 5, idx, val, 0)
+    with pytest.raises(RuntimeError, match="index_offset"):
+        op(grad, residual, 1.0, True, 5, idx, val, 2**31 - 50)
+
+
+# --------------------------------------------------------------------------- ef_threshold_pack
+
+def _check_threshold(grad, residual, divisor, add_residual, threshold, capacity, wire_dtype, offset=0):
+    ridx = torch.full((capacity,), -1, dtype=torch.int32)
+    rval = torch.full((capacity + 3,), 9.0, dtype=wire_dtype)
+    rres = residual.clone() if residual is not None else None
+    rcount = reference.ef_threshold_pack(grad.clone(), rres, divisor, add_residual, threshold, ridx, rval, offset)
+    g = grad.to(CUDA, copy=True)
+    r = residual.to(CUDA, copy=True) if residual is not None else None
+    idx = torch.full((capacity,), -1, dtype=torch.int32, device=CUDA)
+    val = torch.full((capacity + 3,), 9.0, dtype=wire_dtype, device=CUDA)
+    count = _ops().ef_threshold_pack(g, r, float(divisor), add_residual, float(threshold), idx, val, offset)
+    assert count.device.type == torch.device(CUDA).type and count.dtype == torch.int64 and count.dim() == 0
+    m = int(count)
+    assert m == int(rcount), f"count {m} vs {int(rcount)}"
+    _assert_same(g, grad, "grad must not be modified")
+    idx, val = idx.cpu(), val.cpu()
+    order = torch.argsort(idx[:m].long())
+    _assert_same(idx[:m][order], ridx[:m], "indices (sorted)")
+    _assert_same(val[:m][order], rval[:m], "values (by index)")
+    _assert_same(idx[m:], ridx[m:], "index padding")
+    _assert_same(val[m:], rval[m:], "value padding and untouched tail")
+    if residual is not None:
+        _assert_same(r, rres, "residual")
+    return m, idx
+
+
+def _threshold_cases():
+    cases = []
+    for n in (1, 7, 1000, 2**16 + 3):
+        for threshold in (0.0, 1.0, -2.5, float("inf"), float("nan")):
+            for capacity in sorted({0, 1, max(1, n // 100), n}):
+                cases.append((n, threshold, capacity))
+    return cases
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("wire_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("n,threshold,capacity", _threshold_cases(), ids=_ids)
+def test_ef_threshold_pack_matches_reference(grad_dtype, wire_dtype, n, threshold, capacity):
+    grad, residual = _data(n, grad_dtype, seed=n, kind="special" if n % 2 else "randn")
+    for divisor, add_residual, has_residual, offset in EF_VARIANTS:
+        _check_threshold(grad, residual if has_residual else None, divisor, add_residual, threshold, capacity,
+                         wire_dtype, offset)
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)],
+                         ids=_ids)
+def test_ef_threshold_pack_large(grad_dtype, wire_dtype):
+    grad, residual = _data(BIG, grad_dtype, seed=2)
+    for threshold, capacity in ((2.5, BIG // 100), (2.5, BIG // 1000), (0.0, BIG)):
+        m, idx = _check_threshold(grad, residual, 3.0, True, threshold, capacity, wire_dtype)
+        # This backend writes the payload in ascending index order (not required by the contract).
+        assert bool((idx[1:m].long() > idx[: max(m - 1, 0)].long()).all())
+
+
+def test_ef_threshold_pack_empty_grad():
+    idx = torch.full((4,), -1, dtype=torch.int32, device=CUDA)
+    val = torch.full((4,), 9.0, device=CUDA)
+    count = _ops().ef_threshold_pack(torch.empty(0, device=CUDA), None, 1.0, False, 1.0, idx, val, 0)
+    assert int(count) == 0 and bool((idx == 0).all()) and bool((val == 0).all())
+
+
+# --------------------------------------------------------------------------- topk_threshold
+
+def _closest_count(key, k):
+    """(count at the k-th key, count strictly above it): the achievable counts next to k."""
+    kth = torch.topk(key, k, sorted=False).values.min()
+    return int((key >= kth).sum()), int((key > kth).sum())
+
+
+def _check_topk_threshold(x, k, errors):
+    """For each bound: the count is the true count for the threshold, within the bound if achievable."""
+    key = reference.magnitude_key(x)
+    at_kth, above = _closest_count(key, k)
+    options = [at_kth] + ([above] if above > 0 else [])
+    best = min(abs(c - k) for c in options)
+    x_device = x.to(CUDA)
+    counts = []
+    for err in errors:
+        threshold, count = _ops().topk_threshold(x_device, k, float(err))
+        device_type = torch.device(CUDA).type
+        assert threshold.device.type == device_type and threshold.dtype == torch.float32 and threshold.dim() == 0
+        assert count.device.type == device_type and count.dtype == torch.int64 and count.dim() == 0
+        bar = int(reference.magnitude_key(threshold.cpu().reshape(1)))
+        count = int(count)
+        assert count == int((key >= bar).sum()), f"err={err}: count must be the true count for the threshold"
+        if best <= err * k:
+            assert abs(count - k) <= err * k, f"err={err}: count {count} misses the bound (achievable: {options})"
+        else:
+            assert abs(count - k) == best, f"err={err}: count {count}, closest achievable {options}"
+        counts.append(count)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("n", [1, 7, 1000, 2**16 + 3, BIG], ids=_ids)
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros"])
+def test_topk_threshold_bound_and_true_count(dtype, n, kind):
+    if n == BIG and (dtype != torch.float32 or kind != "randn"):
+        pytest.skip("one large case is enough")
+    x, _ = _data(n, dtype, seed=n + 1, kind=kind)
+    for k in _k_values(n):
+        _check_topk_threshold(x, k, (0.0, 0.05, 0.5))
+
+
+def test_topk_threshold_all_equal():
+    x = torch.full((10_000,), 0.5)
+    assert _check_topk_threshold(x, 10, (0.05,)) == [10_000]  # nothing closer is achievable
+    assert _check_topk_threshold(x, 10_000, (0.0,)) == [10_000]
+
+
+def test_topk_threshold_feeds_ef_threshold_pack():
+    x, residual = _data(2**16 + 3, torch.float32, seed=5)
+    threshold, count = _ops().topk_threshold(x.to(CUDA), 655, 0.05)
+    capacity = 700
+    m, _ = _check_threshold(x, residual, 1.0, False, float(threshold), capacity, torch.float32)
+    assert m == min(int(count), capacity)
+
+
+# --------------------------------------------------------------------------- unpack_add
+
+def _gathered(rows, k, n, value_dtype, seed, pad_row=None, real_zero=False):
+    """[rows, k] strided views into one all-gather-like byte buffer (sparsecomm.ops.payload_views)."""
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = payload_nbytes(k, value_dtype)
+    buffer = torch.zeros(rows * nbytes, dtype=torch.uint8)
+    for r in range(rows):
+        indices = 1 + torch.randperm(n - 1, generator=gen)[:k]
+        values = torch.randn(k, generator=gen).to(value_dtype)
+        if r == 0:
+            values[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0]).to(value_dtype)
+        if r == pad_row:  # threshold payload: (index 0, value +0) padding, repeated
+            indices[k // 2:] = 0
+            values[k // 2:] = 0
+            if real_zero:  # and one real entry at index 0, which a racy update would lose
+                indices[1] = 0
+                values[1] = 1.5
+        pack_into(buffer[r * nbytes:(r + 1) * nbytes], indices, values, k)
+    return buffer
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("value_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_unpack_add_matches_reference(out_dtype, value_dtype, rows):
+    n, k = 1000, 300
+    for real_zero in (False, True):
+        buffer = _gathered(rows, k, n, value_dtype, seed=rows, pad_row=rows - 1, real_zero=real_zero)
+        indices, values = payload_views(buffer, k, value_dtype)
+        d_indices, d_values = payload_views(buffer.to(CUDA), k, value_dtype)
+        assert d_indices.stride(0) * 4 == payload_nbytes(k, value_dtype) or rows == 1
+        start = torch.randn(n).to(out_dtype)
+        start[0] = -0.0  # only padding lands here: becomes +0.0 (unless the real entry does)
+        start[indices[0, 2:6].long()] = -0.0
+        for zero_out in (True, False):
+            out = start.clone().to(CUDA)
+            _ops().unpack_add(d_indices, d_values, out, zero_out)
+            expected = start.clone()
+            reference.unpack_add(indices, values, expected, zero_out)
+            _assert_same(out, expected, f"unpack_add zero_out={zero_out} real_zero={real_zero}")
+
+
+def test_unpack_add_large():
+    n, k, rows = BIG, BIG // 100, 4
+    gen = torch.Generator().manual_seed(0)
+    indices = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(rows)]).int()
+    values = torch.randn(rows, k, generator=gen)
+    out = torch.empty(n, device=CUDA)
+    _ops().unpack_add(indices.to(CUDA), values.to(CUDA), out, True)
+    expected = torch.empty(n)
+    reference.unpack_add(indices, values, expected, True)
+    _assert_same(out, expected, "unpack_add large")
+
+
+# --------------------------------------------------------------------------- no host synchronisation
+
+def _all_ops(grad, residual, indices, values, out, payload_idx, payload_val):
+    k = indices.numel()
+    _ops().ef_topk_pack(grad, residual, 3.0, True, k, indices, values, 0)
+    count = _ops().ef_threshold_pack(grad, residual, 3.0, True, 2.0, indices, values, 0)
+    threshold, tcount = _ops().topk_threshold(grad, k, 0.05)
+    _ops().unpack_add(payload_idx, payload_val, out, True)
+    return count, threshold, tcount
+
+
+def _sync_inputs(n=1 << 20, k=10_000, rows=3):
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=gen).to(CUDA)
+    residual = (torch.randn(n, generator=gen) * 0.1).to(CUDA)
+    indices = torch.empty(k, dtype=torch.int32, device=CUDA)
+    values = torch.empty(k, device=CUDA)
+    out = torch.empty(n, device=CUDA)
+    payload_idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(rows)]).int().to(CUDA)
+    payload_val = torch.randn(rows, k, generator=gen).to(CUDA)
+    return grad, residual, indices, values, out, payload_idx, payload_val
+
+
+def test_no_host_synchronisation():
+    """torch's sync debug mode raises on any synchronising CUDA call made through c10."""
+    inputs = _sync_inputs()
+    _all_ops(*inputs)  # first call: lazy initialisation outside the checked region
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _all_ops(*inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+
+
+def test_ops_capture_in_a_cuda_graph():
+    """Stream capture fails on any host synchronisation or host read-back; replays must be exact."""
+    grad, residual, indices, values, out, payload_idx, payload_val = _sync_inputs()
+    start_residual = residual.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _all_ops(grad, residual, indices, values, out, payload_idx, payload_val)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k = indices.numel()
+        _ops().ef_topk_pack(grad, residual, 3.0, True, k, indices, values, 0)
+        threshold, tcount = _ops().topk_threshold(grad, k, 0.05)
+        _ops().unpack_add(payload_idx, payload_val, out, True)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        new_grad = torch.randn(grad.numel(), generator=gen)
+        grad.copy_(new_grad)
+        residual.copy_(start_residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        ridx = torch.empty(k, dtype=torch.int32)
+        rval = torch.empty(k)
+        rres = start_residual.cpu()
+        reference.ef_topk_pack(new_grad, rres, 3.0, True, k, ridx, rval, 0)
+        order = torch.argsort(indices.cpu().long())
+        _assert_same(indices.cpu()[order], ridx, "graph replay: indices")
+        _assert_same(values.cpu()[order], rval, "graph replay: values")
+        _assert_same(residual, rres, "graph replay: residual")
+        key = reference.magnitude_key(new_grad)
+        assert int(tcount) == int((key >= int(reference.magnitude_key(threshold.cpu().reshape(1)))).sum())
+        assert math.isclose(int(tcount), k, rel_tol=0.05)
