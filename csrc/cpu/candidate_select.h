@@ -24,6 +24,7 @@ struct Selection {
   uint32_t prefix = 0;
   uint32_t mask = 0;
   std::vector<int64_t> take_above, take_equal;
+  int64_t matching = 0;  // entries whose masked key equals the prefix (all lists)
   int64_t taken(size_t list) const { return take_above[list] + take_equal[list]; }
 };
 
@@ -69,6 +70,7 @@ inline Selection select_candidates(const std::vector<CandidateList>& lists, int6
     s.mask |= (bins - 1) << kDigitShift[level];
   }
   for (int64_t l = 0; l < count; ++l) {  // ties at the k-th key: lowest indices first
+    s.matching += matching[l];
     s.take_equal[l] = std::min(matching[l], need);
     need -= s.take_equal[l];
   }

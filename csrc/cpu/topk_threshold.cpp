@@ -5,10 +5,57 @@
 // bin of smooth data holds a few tenths of a percent of the entries, so a 5% bound at 1%
 // density usually needs two passes. Only equal magnitudes straddling the k-th entry can
 // defeat the bound.
-#include "magnitude_key.h"
+#include "sampled_candidates.h"
 
 namespace sparsecomm {
 namespace {
+
+Slabs& estimate_slabs() {
+  static thread_local Slabs slabs;
+  return slabs;
+}
+
+// Large inputs at low density: one read pass collecting the entries at or above a sampled
+// bound (sampled_candidates.h), then the exact k-th key among them. False if the bound
+// failed or the input is too small or too dense for it; the histogram passes then run.
+template <typename T>
+bool sampled_threshold(const T* x, int64_t n, int64_t k, double tolerance, std::pair<uint32_t, int64_t>* best) {
+  uint32_t bound = 0;
+  int64_t expected = 0;
+  if (!sample_bound<T>(x, nullptr, 1.0f, false, n, k, &bound, &expected)) return false;
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
+  const int64_t capacity = expected + expected / 4 + 4096;
+  Slabs& slabs = estimate_slabs();
+  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
+    slabs.index.resize(ranges * capacity);
+    slabs.value.resize(ranges * capacity);
+  }
+  std::vector<int64_t> found(ranges, 0);
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {  // x / 1 is exact: acc == x; nothing is written back
+      found[t] = collect_candidates<T, T>(x, nullptr, 1.0f, false, bound, n * t / ranges, n * (t + 1) / ranges,
+                                          slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
+                                          capacity);
+    }
+  });
+  std::vector<CandidateList> lists;
+  int64_t total = 0;
+  for (int64_t t = 0; t < ranges; ++t) {
+    if (found[t] > capacity) return false;
+    total += found[t];
+    lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity, found[t]});
+  }
+  if (total < k) return false;
+  const Selection s = select_candidates(lists, k, 0, 0, 0);
+  int64_t above = 0;  // keys above the k-th key's prefix: every one of them is a candidate
+  for (int64_t a : s.take_above) above += a;
+  *best = {s.prefix, above + s.matching};  // the prefix's lowest key: count >= k
+  const bool ties_break_the_bound = static_cast<double>(best->second - k) > tolerance;
+  if (ties_break_the_bound && above > 0 && k - above < best->second - k) {
+    *best = {s.prefix + 1, above};  // (a full key here: the prefix was resolved to 31 bits)
+  }
+  return true;
+}
 
 template <typename T>
 std::pair<uint32_t, int64_t> topk_threshold_impl(const at::Tensor& x, int64_t k, double max_relative_error) {
@@ -58,7 +105,10 @@ std::tuple<at::Tensor, at::Tensor> topk_threshold_cpu(const at::Tensor& x, int64
   TORCH_CHECK(max_relative_error >= 0, "topk_threshold: max_relative_error must be >= 0, got ", max_relative_error);
   std::pair<uint32_t, int64_t> best;
   SPARSECOMM_DISPATCH_FLOATING(x.scalar_type(), "topk_threshold", T, [&] {
-    best = topk_threshold_impl<T>(x, k, max_relative_error);
+    if (!sampled_threshold<T>(x.const_data_ptr<T>(), x.numel(), k, max_relative_error * static_cast<double>(k),
+                              &best)) {
+      best = topk_threshold_impl<T>(x, k, max_relative_error);
+    }
   });
   return {at::scalar_tensor(key_as_float(best.first), x.options().dtype(at::kFloat)),
           at::scalar_tensor(best.second, x.options().dtype(at::kLong))};
