@@ -15,7 +15,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 # The native kernels compile against the installed torch, so no build isolation (an
 # isolated build would fetch its own torch); ninja parallelises the compile.
-.venv/bin/pip install --quiet --upgrade setuptools wheel ninja
+# A current pip (the one venv bundles runs the deprecated `setup.py develop`, which setuptools
+# now hands back to an isolated pip build: no torch there).
+.venv/bin/pip install --quiet --upgrade pip setuptools wheel ninja
 echo "setup: installing sparsecomm (editable, building its native kernels) and its test dependencies"
-.venv/bin/pip install --quiet --no-build-isolation --editable ".[test]"
+.venv/bin/pip install --quiet --no-build-isolation --use-pep517 --editable ".[test]"
 .venv/bin/python -c "from sparsecomm.ops import native; ok, why = native.load(); print('setup: native kernels', 'built' if ok else f'NOT available: {why}')"
