@@ -22,6 +22,7 @@ from sparsecomm import compress, ops
 from sparsecomm.comm import allgather_future, allreduce_future
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.errors import ConservationError
+from sparsecomm.hooks.density_schedule import DensitySchedule
 from sparsecomm.hooks.events import HookEvent
 from sparsecomm.hooks.parameter_memory import ParameterMemory
 from sparsecomm.hooks.validation import (
@@ -80,6 +81,11 @@ class TopKState:
        (random-k: same indices on all ranks, values allreduced; the cheap baseline).
     6. ``value_dtype``: dtype of values on the wire (None: the bucket's dtype). A
        narrower dtype's rounding error stays in the residual, so it is compensated too.
+    7. ``density_schedule``: start denser and reach ``density`` in stages (DGC's warm-up):
+       ``{"kind": "exponential", "steps": N, "stages": 4}`` (each stage sends about a
+       quarter of the previous one), a list of ``(first_step, density)`` pairs ending at
+       ``density``, or a :class:`~sparsecomm.hooks.density_schedule.DensitySchedule`.
+       ``stats()["density"]`` is the density of the current step.
 
     Args:
         process_group: group to reduce over; None means the default group.
@@ -110,6 +116,7 @@ class TopKState:
         "selector",
         "value_dtype",
         "seed",
+        "density_schedule",  # DensitySchedule: density by step, ending at `density`
         # Switches.
         "allow_dense_fallback",
         "verify_conservation",
@@ -146,6 +153,7 @@ class TopKState:
         allow_dense_fallback: bool = True,
         verify_conservation: bool = False,
         k_scope: str = "bucket",
+        density_schedule=None,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -162,6 +170,7 @@ class TopKState:
         self.allow_dense_fallback = check_bool("allow_dense_fallback", allow_dense_fallback)
         self.verify_conservation = check_bool("verify_conservation", verify_conservation)
         self.k_scope = check_choice("k_scope", k_scope, K_SCOPES)
+        self.density_schedule = _resolve_schedule(density_schedule, self.density)
         if self.error_feedback and self.warmup_steps < 2:
             raise ValueError(
                 f"warmup_steps must be >= 2 when error_feedback=True, got {self.warmup_steps}: "
@@ -278,9 +287,14 @@ class TopKState:
         """
         s = dict(self._stats)
         s["steps"] = self.step
+        s["density"] = self.current_density()
         s["effective_density"] = s["elements_sent"] / s["elements_sparse"] if s["elements_sparse"] else None
         s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
         return s
+
+    def current_density(self) -> float:
+        """The density this step sends (the schedule's value at ``self.step``)."""
+        return self.density_schedule(self.step)
 
     def _count(self, **increments) -> None:
         for name, value in increments.items():
@@ -291,6 +305,7 @@ class TopKState:
     def _config(self) -> dict:
         return {
             "density": self.density,
+            "density_schedule": self.density_schedule.to_list(),
             "error_feedback": self.error_feedback,
             "momentum": self.momentum,
             "warmup_steps": self.warmup_steps,
@@ -444,6 +459,29 @@ class TopKState:
         return self._sample_generator
 
 
+def _resolve_schedule(spec, density: float) -> DensitySchedule:
+    """``density_schedule`` argument -> DensitySchedule ending at ``density``."""
+    if spec is None:
+        return DensitySchedule.constant(density)
+    if isinstance(spec, DensitySchedule):
+        if spec.target != density:
+            raise ValueError(f"density_schedule must end at density={density}, but it ends at {spec.target}")
+        return spec
+    if isinstance(spec, dict):
+        if spec.get("kind") != "exponential" or not set(spec) <= {"kind", "steps", "stages"} or "steps" not in spec:
+            raise ValueError(
+                "density_schedule as a dict must be {'kind': 'exponential', 'steps': N[, 'stages': S]}, "
+                f"got {spec!r}"
+            )
+        return DensitySchedule.exponential(density, spec["steps"], spec.get("stages", 4))
+    if isinstance(spec, (list, tuple)):
+        return DensitySchedule.piecewise(spec, density)
+    raise TypeError(
+        "density_schedule must be None, a DensitySchedule, {'kind': 'exponential', 'steps': N} "
+        f"or a list of (first_step, density) pairs, got {type(spec).__name__}"
+    )
+
+
 def _is_ddp(module) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
 
@@ -505,10 +543,11 @@ def _selection_sizes(state, numels: tuple[int, ...]) -> tuple[tuple[int, ...], i
     Per parameter when the scope is "parameter" or the selector is random-k (which always
     draws per parameter); otherwise k is taken over the whole bucket.
     """
-    ks = tuple(compress.num_selected(n, state.density) for n in numels)
+    density = state.current_density()
+    ks = tuple(compress.num_selected(n, density) for n in numels)
     if state.k_scope == "parameter" or state.selector == "random":
         return ks, sum(ks)
-    return ks, compress.num_selected(sum(numels), state.density)
+    return ks, compress.num_selected(sum(numels), density)
 
 
 def _selector(state, ks, numels):
