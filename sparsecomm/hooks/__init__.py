@@ -1,5 +1,8 @@
 """DDP communication hooks and their states."""
+from sparsecomm.hooks.density_schedule import DensitySchedule
+from sparsecomm.hooks.optimizer import MomentumMismatchWarning, dgc_optimizer
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.topk import TopKState, topk_hook
 
-__all__ = ["TopKState", "register_topk_hook", "topk_hook"]
+__all__ = ["DensitySchedule", "MomentumMismatchWarning", "TopKState", "dgc_optimizer", "register_topk_hook",
+           "topk_hook"]

@@ -4,12 +4,14 @@ import torch
 from sparsecomm.hooks.topk import TopKState, topk_hook
 
 
-def register_topk_hook(ddp_model, state: TopKState | None = None, **state_kwargs) -> TopKState:
+def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=None, **state_kwargs) -> TopKState:
     """Register :func:`topk_hook` on ``ddp_model`` and return its state.
 
     Pass either a ready ``state`` or the keyword arguments of :class:`TopKState`
     (``density=...``); the state is bound to the model, so residuals are keyed by the
-    model's parameter names.
+    model's parameter names. Pass ``optimizer`` to be warned
+    (:class:`~sparsecomm.hooks.optimizer.MomentumMismatchWarning`) when momentum
+    correction is on and the optimizer applies momentum too.
 
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``state`` is not a
@@ -43,5 +45,7 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, **state_kwargs
         state.bind(ddp_model)
     if state.process_group is not None and state.process_group is not ddp_model.process_group:
         raise ValueError("state.process_group differs from the DDP model's process group")
+    if optimizer is not None:
+        state.check_optimizer(optimizer)
     ddp_model.register_comm_hook(state, topk_hook)
     return state

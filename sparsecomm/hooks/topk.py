@@ -24,6 +24,7 @@ from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.errors import ConservationError
 from sparsecomm.hooks.density_schedule import DensitySchedule
 from sparsecomm.hooks.events import HookEvent
+from sparsecomm.hooks.optimizer import warn_on_double_momentum
 from sparsecomm.hooks.parameter_memory import ParameterMemory
 from sparsecomm.hooks.validation import (
     check_bool,
@@ -72,8 +73,11 @@ class TopKState:
     3. ``momentum``: DGC momentum correction. With SGD momentum, sparsifying the
        gradient and then applying momentum lets stale residuals drive the update; instead
        the hook keeps the velocity ``u = momentum * u + g`` itself, sends top-k of the
-       accumulated velocity, and zeroes both where sent. Use it with a plain SGD
-       optimizer (momentum=0 in the optimizer). Requires error feedback.
+       accumulated velocity, and zeroes both where sent. Use it with an optimizer without
+       momentum of its own (:func:`sparsecomm.dgc_optimizer` builds one;
+       :meth:`check_optimizer` warns about a mismatch). ``nesterov=True`` is DGC's
+       Nesterov variant: ``u = momentum * (u + g)``, accumulating ``u + g``. Requires
+       error feedback.
     4. ``warmup_steps``: dense steps at the start. At least 2 with error feedback,
        because DDP rebuilds its buckets after the first iteration.
     5. ``selector``: ``"exact"`` top-k, ``"sampled"`` (threshold estimated from a ~1%
@@ -112,6 +116,7 @@ class TopKState:
         "density",
         "error_feedback",
         "momentum",
+        "nesterov",
         "warmup_steps",
         "selector",
         "value_dtype",
@@ -154,6 +159,7 @@ class TopKState:
         verify_conservation: bool = False,
         k_scope: str = "bucket",
         density_schedule=None,
+        nesterov: bool = False,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -171,6 +177,9 @@ class TopKState:
         self.verify_conservation = check_bool("verify_conservation", verify_conservation)
         self.k_scope = check_choice("k_scope", k_scope, K_SCOPES)
         self.density_schedule = _resolve_schedule(density_schedule, self.density)
+        self.nesterov = check_bool("nesterov", nesterov)
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:
             raise ValueError(
                 f"warmup_steps must be >= 2 when error_feedback=True, got {self.warmup_steps}: "
@@ -292,6 +301,10 @@ class TopKState:
         s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
         return s
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Warn if momentum correction is on and ``optimizer`` applies momentum too (True if so)."""
+        return warn_on_double_momentum(self.momentum, optimizer)
+
     def current_density(self) -> float:
         """The density this step sends (the schedule's value at ``self.step``)."""
         return self.density_schedule(self.step)
@@ -308,6 +321,7 @@ class TopKState:
             "density_schedule": self.density_schedule.to_list(),
             "error_feedback": self.error_feedback,
             "momentum": self.momentum,
+            "nesterov": self.nesterov,
             "warmup_steps": self.warmup_steps,
             "selector": self.selector,
             "value_dtype": None if self.value_dtype is None else str(self.value_dtype),
@@ -529,8 +543,12 @@ def _compensated(state, bucket, buffer, names, numels, world_size, use_residual)
     velocity = residual = None
     if state.momentum > 0:
         velocity = state._velocities.bucket_tensor(bucket.index(), names, numels, buffer)
-        velocity.mul_(state.momentum).add_(buffer)
-        buffer.copy_(velocity)
+        if state.nesterov:  # DGC's Nesterov: u = m (u + g); accumulate u + g
+            velocity.add_(buffer).mul_(state.momentum)
+            buffer.add_(velocity)
+        else:  # u = m u + g; accumulate u
+            velocity.mul_(state.momentum).add_(buffer)
+            buffer.copy_(velocity)
     if use_residual:
         residual = state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
         buffer.add_(residual)

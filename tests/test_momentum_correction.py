@@ -1,0 +1,109 @@
+"""DGC momentum correction in the hook against a pure-torch reference of DGC's update.
+
+Reference (Lin et al., ICLR 2018; synxlin/deep-gradient-compression dgc/memory.py), per
+rank, g = local gradient / world_size:
+    plain:     u = m u + g;        v = v + u
+    Nesterov:  u = m (u + g);      v = v + u + g
+    send top-k of v; zero v and u at the sent coordinates (momentum factor masking).
+During the dense warm-up the accumulated value is allreduced and nothing is masked.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm
+from sparsecomm.ops import reference
+from multiprocess import run_on_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup):
+    """Expected reduced gradient per step for this rank's grads (needs the process group)."""
+    u = torch.zeros_like(grads[0])
+    v = torch.zeros_like(grads[0])
+    expected = []
+    for step, grad in enumerate(grads):
+        g = grad / world_size
+        if nesterov:
+            u = (u + g) * momentum
+            acc = (u + g) + v  # the hook's order of the two float additions (DGC adds v + u first)
+        else:
+            u = momentum * u + g
+            acc = v + u
+        if step < warmup:
+            sent, v = acc.clone(), torch.zeros_like(acc)
+        else:
+            selected = reference.topk_by_key(reference.magnitude_key(acc), k)
+            sent = torch.zeros_like(acc)
+            sent[selected] = acc[selected]
+            v = acc - sent
+            u[selected] = 0
+        gathered = [torch.empty_like(sent) for _ in range(world_size)]
+        dist.all_gather(gathered, sent)
+        expected.append(gathered[0] + gathered[1])
+    return expected
+
+
+def _worker(rank, world_size, nesterov):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 8, bias=False))  # one parameter, one bucket
+    k = 6
+    state = sparsecomm.register_topk_hook(model, density=k / 128, momentum=0.9, nesterov=nesterov,
+                                          allow_dense_fallback=False)
+    generator = torch.Generator().manual_seed(10 + rank)  # different data on every rank
+    grads, reduced = [], []
+    for _ in range(6):
+        model.zero_grad()
+        x = torch.randn(4, 16, generator=generator)
+        # The local gradient, computed without communication, for the reference:
+        local = torch.autograd.grad(model.module(x).pow(2).sum(), model.module.weight)[0].flatten()
+        grads.append(local)
+        model(x).pow(2).sum().backward()
+        reduced.append(model.module.weight.grad.flatten().clone())
+    expected = _dgc_reference_steps(grads, world_size, 0.9, nesterov, k, state.warmup_steps)
+    velocity = state.state_dict()[f"rank{rank}.velocity.weight"]
+    return [torch.equal(a, b) for a, b in zip(reduced, expected)], velocity
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_hook_matches_dgc_reference_exactly(nesterov):
+    for matches, velocity in run_on_ranks(_worker, nesterov):
+        assert matches == [True] * 6
+        # Masking: after sparse steps, the velocity is zero exactly where values were sent.
+        assert int((velocity == 0).sum()) >= 6
+
+
+def test_dgc_optimizer_has_no_momentum_of_its_own():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    sgd = sparsecomm.dgc_optimizer(params, "sgd", lr=0.1)
+    adamw = sparsecomm.dgc_optimizer(params, "adamw", lr=1e-3, weight_decay=0.1)
+    assert sgd.param_groups[0]["momentum"] == 0.0
+    assert adamw.param_groups[0]["betas"] == (0.0, 0.999) and isinstance(adamw, torch.optim.AdamW)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        sparsecomm.dgc_optimizer(params, "lamb", lr=0.1)
+    with pytest.raises(ValueError, match=r"lr must be in \(0.0, inf\)"):
+        sparsecomm.dgc_optimizer(params, "sgd", lr=0.0)
+
+
+def test_optimizer_with_its_own_momentum_is_warned_about():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    state = sparsecomm.TopKState(density=0.01, momentum=0.9)
+    with pytest.warns(sparsecomm.MomentumMismatchWarning, match="momentum is applied twice"):
+        assert state.check_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    with pytest.warns(sparsecomm.MomentumMismatchWarning, match="group 0: 0.9"):
+        assert state.check_optimizer(torch.optim.AdamW(params, lr=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not state.check_optimizer(sparsecomm.dgc_optimizer(params, "adamw", lr=1e-3))
+        assert not sparsecomm.TopKState(density=0.01).check_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+
+
+def test_nesterov_needs_momentum():
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        sparsecomm.TopKState(density=0.01, nesterov=True)
+    with pytest.raises(TypeError, match="nesterov must be True or False"):
+        sparsecomm.TopKState(density=0.01, momentum=0.9, nesterov=1)
