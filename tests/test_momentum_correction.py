@@ -7,6 +7,7 @@ rank, g = local gradient / world_size:
     send top-k of v; zero v and u at the sent coordinates (momentum factor masking).
 During the dense warm-up the accumulated value is allreduced and nothing is masked.
 """
+import math
 import warnings
 
 import pytest
@@ -21,13 +22,18 @@ from multiprocess import run_on_ranks
 pytestmark = pytest.mark.timeout(120)
 
 
-def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup):
+def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup, clip_norm):
     """Expected reduced gradient per step for this rank's grads (needs the process group)."""
     u = torch.zeros_like(grads[0])
     v = torch.zeros_like(grads[0])
     expected = []
     for step, grad in enumerate(grads):
         g = grad / world_size
+        if clip_norm is not None:  # DGC local clipping: norm of the local gradient <= c / sqrt(N)
+            limit = clip_norm / math.sqrt(world_size) / world_size
+            norm = float(torch.linalg.vector_norm(g.float()))
+            if norm > limit:
+                g = g * (limit / norm)
         if nesterov:
             u = (u + g) * momentum
             acc = (u + g) + v  # the hook's order of the two float additions (DGC adds v + u first)
@@ -48,12 +54,12 @@ def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup):
     return expected
 
 
-def _worker(rank, world_size, nesterov):
+def _worker(rank, world_size, nesterov, clip_norm):
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(16, 8, bias=False))  # one parameter, one bucket
     k = 6
     state = sparsecomm.register_topk_hook(model, density=k / 128, momentum=0.9, nesterov=nesterov,
-                                          allow_dense_fallback=False)
+                                          local_clip_norm=clip_norm, allow_dense_fallback=False)
     generator = torch.Generator().manual_seed(10 + rank)  # different data on every rank
     grads, reduced = [], []
     for _ in range(6):
@@ -64,15 +70,19 @@ def _worker(rank, world_size, nesterov):
         grads.append(local)
         model(x).pow(2).sum().backward()
         reduced.append(model.module.weight.grad.flatten().clone())
-    expected = _dgc_reference_steps(grads, world_size, 0.9, nesterov, k, state.warmup_steps)
+    expected = _dgc_reference_steps(grads, world_size, 0.9, nesterov, k, state.warmup_steps, clip_norm)
+    clipped = clip_norm is not None and any(
+        float(torch.linalg.vector_norm(g / world_size)) > clip_norm / math.sqrt(world_size) / world_size for g in grads)
     velocity = state.state_dict()[f"rank{rank}.velocity.weight"]
-    return [torch.equal(a, b) for a, b in zip(reduced, expected)], velocity
+    return [torch.equal(a, b) for a, b in zip(reduced, expected)], velocity, clipped
 
 
-@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
-def test_hook_matches_dgc_reference_exactly(nesterov):
-    for matches, velocity in run_on_ranks(_worker, nesterov):
+@pytest.mark.parametrize("nesterov, clip_norm", [(False, None), (True, None), (False, 2.0)],
+                         ids=["momentum", "nesterov", "momentum-local-clipping"])
+def test_hook_matches_dgc_reference_exactly(nesterov, clip_norm):
+    for matches, velocity, clipped in run_on_ranks(_worker, nesterov, clip_norm):
         assert matches == [True] * 6
+        assert clipped == (clip_norm is not None)  # the clipping case really clips
         # Masking: after sparse steps, the velocity is zero exactly where values were sent.
         assert int((velocity == 0).sum()) >= 6
 
@@ -107,3 +117,8 @@ def test_nesterov_needs_momentum():
         sparsecomm.TopKState(density=0.01, nesterov=True)
     with pytest.raises(TypeError, match="nesterov must be True or False"):
         sparsecomm.TopKState(density=0.01, momentum=0.9, nesterov=1)
+
+
+def test_local_clip_norm_must_be_positive():
+    with pytest.raises(ValueError, match=r"local_clip_norm must be in \(0.0, inf\), got 0.0"):
+        sparsecomm.TopKState(density=0.01, momentum=0.9, local_clip_norm=0)

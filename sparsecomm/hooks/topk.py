@@ -11,6 +11,7 @@ double registration and non-DDP modules.
 # No ``from __future__ import annotations`` here: DDP checks the hook's ``bucket``
 # annotation by identity, and string annotations fail that check.
 import itertools
+import math
 import time
 import warnings
 import zlib
@@ -77,7 +78,9 @@ class TopKState:
        momentum of its own (:func:`sparsecomm.dgc_optimizer` builds one;
        :meth:`check_optimizer` warns about a mismatch). ``nesterov=True`` is DGC's
        Nesterov variant: ``u = momentum * (u + g)``, accumulating ``u + g``. Requires
-       error feedback.
+       error feedback. ``local_clip_norm`` adds DGC's local gradient clipping: before
+       entering the velocity, each parameter's gradient on each rank is scaled down to an
+       L2 norm of at most ``local_clip_norm / sqrt(world_size)``.
     4. ``warmup_steps``: dense steps at the start. At least 2 with error feedback,
        because DDP rebuilds its buckets after the first iteration.
     5. ``selector``: ``"exact"`` top-k, ``"sampled"`` (threshold estimated from a ~1%
@@ -117,6 +120,7 @@ class TopKState:
         "error_feedback",
         "momentum",
         "nesterov",
+        "local_clip_norm",
         "warmup_steps",
         "selector",
         "value_dtype",
@@ -160,6 +164,7 @@ class TopKState:
         k_scope: str = "bucket",
         density_schedule=None,
         nesterov: bool = False,
+        local_clip_norm: float | None = None,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -178,6 +183,9 @@ class TopKState:
         self.k_scope = check_choice("k_scope", k_scope, K_SCOPES)
         self.density_schedule = _resolve_schedule(density_schedule, self.density)
         self.nesterov = check_bool("nesterov", nesterov)
+        self.local_clip_norm = (None if local_clip_norm is None else
+                                check_real("local_clip_norm", local_clip_norm, 0.0, math.inf, low_open=True,
+                                           high_open=True))
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:
@@ -322,6 +330,7 @@ class TopKState:
             "error_feedback": self.error_feedback,
             "momentum": self.momentum,
             "nesterov": self.nesterov,
+            "local_clip_norm": self.local_clip_norm,
             "warmup_steps": self.warmup_steps,
             "selector": self.selector,
             "value_dtype": None if self.value_dtype is None else str(self.value_dtype),
@@ -540,6 +549,8 @@ def _dense(state, bucket, buffer, names, numels, group, world_size, *, warmup) -
 def _compensated(state, bucket, buffer, names, numels, world_size, use_residual):
     """``buffer`` turned in place into ``grad/ws (+ velocity) + residual``; returns the memories."""
     compress.compensate(buffer, None, world_size)
+    if state.local_clip_norm is not None:
+        _clip_locally(buffer, numels, state.local_clip_norm, world_size)
     velocity = residual = None
     if state.momentum > 0:
         velocity = state._velocities.bucket_tensor(bucket.index(), names, numels, buffer)
@@ -553,6 +564,22 @@ def _compensated(state, bucket, buffer, names, numels, world_size, use_residual)
         residual = state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
         buffer.add_(residual)
     return velocity, residual
+
+
+def _clip_locally(buffer: torch.Tensor, numels, clip_norm: float, world_size: int) -> None:
+    """DGC's local clipping of ``buffer = grad / world_size``, per parameter slice, in place.
+
+    The local gradient's norm limit is ``clip_norm / sqrt(world_size)``; on the divided
+    buffer that is ``clip_norm / sqrt(world_size) / world_size``.
+    """
+    limit = clip_norm / math.sqrt(world_size) / world_size
+    offset = 0
+    for numel in numels:
+        part = buffer[offset : offset + numel]
+        norm = float(torch.linalg.vector_norm(part.float()))
+        if norm > limit:
+            part.mul_(limit / norm)
+        offset += numel
 
 
 def _selection_sizes(state, numels: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
@@ -606,7 +633,8 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k,
     payload, gathered = state._wire_buffers(bucket.index(), k, value_dtype, world_size, buffer.device)
     # The fused kernel reads grad and residual once and never materialises acc; observers,
     # the conservation audit and momentum need acc in the bucket, so they compensate first.
-    fused = state.selector == "exact" and state.momentum == 0 and not state._observers and not state.verify_conservation
+    fused = (state.selector == "exact" and state.momentum == 0 and state.local_clip_norm is None
+             and not state._observers and not state.verify_conservation)
     if fused:
         velocity = None
         residual = (state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
