@@ -31,7 +31,7 @@ from sparsecomm.results import RunSummary, load_experiment, load_runs, load_step
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
-PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef")
+PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
 # Non-dense colours in assignment order; black is kept for dense. Yellow goes last because
 # a thin yellow line is nearly invisible on white.
 _ARM_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#D55E00", "#0072B2", "#CC79A7", "#F0E442")

@@ -10,6 +10,7 @@ Python twin of DDP's built-in allreduce), so one meter times all of them the sam
 | powersgd   | torch ``powerSGD_hook`` (error feedback, warm start)          |
 | topk-ef    | sparsecomm ``topk_hook``, error feedback                      |
 | topk-noef  | sparsecomm ``topk_hook`` without error feedback (ablation)    |
+| topk-dgc   | sparsecomm ``topk_hook``, error feedback + DGC momentum correction; the optimizer runs without momentum of its own |
 """
 import time
 from dataclasses import dataclass
@@ -79,16 +80,19 @@ def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> A
             _powersgd_bytes,
             snapshot=lambda s: s.total_numel_after_compression,
         )
-    if arm in ("topk-ef", "topk-noef"):
+    if arm in ("topk-ef", "topk-noef", "topk-dgc"):
         state = TopKState(
             density=config.density,
-            error_feedback=arm == "topk-ef",
+            error_feedback=arm != "topk-noef",
+            momentum=config.dgc_momentum if arm == "topk-dgc" else 0.0,
             warmup_steps=config.warmup_steps,
             seed=seed,
             module=ddp_model,
         )
+        detail = {"topk-ef": "", "topk-noef": " without error feedback",
+                  "topk-dgc": f" with momentum correction {config.dgc_momentum:g}"}[arm]
         return ArmHook(
-            f"sparsecomm topk_hook density {config.density:g}" + ("" if arm == "topk-ef" else " without error feedback"),
+            f"sparsecomm topk_hook density {config.density:g}" + detail,
             state,
             topk_hook,
             _topk_bytes,

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from sparsecomm.policy import Policy
 
-ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef")
+ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
 TASK_NAMES = ("pydoc-gpt", "digits-mlp")
 OPTIMIZERS = ("adamw", "sgd")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
@@ -42,6 +42,9 @@ class ExperimentConfig:
     weight_decay: float = 0.0
     density: float = 0.01
     """Fraction of each gradient bucket the top-k arms send."""
+    dgc_momentum: float = 0.9
+    """Momentum of the topk-dgc arm's hook (DGC momentum correction); that arm's optimizer
+    then has no momentum of its own (SGD momentum 0, AdamW betas[0] = 0)."""
     warmup_steps: int = 2
     """Dense steps before compressed arms compress (DDP rebuilds buckets after step 1)."""
     powersgd_rank: int = 2
@@ -89,6 +92,8 @@ class ExperimentConfig:
         _check(_is_real(self.momentum) and 0 <= self.momentum < 1, "momentum", "in [0, 1)", self.momentum)
         _check(_is_real(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a finite number >= 0", self.weight_decay)
         _check(_is_real(self.density) and 0 < self.density <= 1, "density", "in (0, 1]", self.density)
+        _check(_is_real(self.dgc_momentum) and 0 < self.dgc_momentum < 1, "dgc_momentum", "in (0, 1)",
+               self.dgc_momentum)
         _check(_is_int(self.warmup_steps) and self.warmup_steps >= 2, "warmup_steps", "an integer >= 2", self.warmup_steps)
         _check(_is_int(self.powersgd_rank) and self.powersgd_rank >= 1, "powersgd_rank", "an integer >= 1", self.powersgd_rank)
         _check(_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "bucket_cap_mb", "a finite number > 0", self.bucket_cap_mb)

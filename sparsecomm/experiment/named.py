@@ -9,9 +9,9 @@ from sparsecomm.policy import Policy
 def pydoc_gpt() -> ExperimentConfig:
     """The default: byte-level GPT (2 layers, width 96, 0.25M parameters) on Python's docs.
 
-    5 arms x 3 seeds x 2 gloo ranks, 400 AdamW steps each, a verified checkpoint every 100
+    6 arms x 3 seeds x 2 gloo ranks, 400 AdamW steps each, a verified checkpoint every 100
     steps and one injected fault per run (rank 1 killed after step 350; torchrun restarts
-    the job, which resumes from the step-300 checkpoint); about 6 minutes on 2 CPU cores.
+    the job, which resumes from the step-300 checkpoint); about 8-9 minutes on 2 CPU cores.
     """
     return ExperimentConfig(
         name="pydoc-gpt",

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sparsecomm.experiment.arms import HookMeter, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.hooks import TopKState
+from sparsecomm.hooks import TopKState, dgc_optimizer
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
 from sparsecomm.results import load_steps
 from sparsecomm.tasks import get_task
@@ -37,7 +37,10 @@ def global_batch(config: ExperimentConfig, num_samples: int, seed: int, step: in
     return torch.randint(num_samples, (config.world_size * config.batch_size,), generator=generator)
 
 
-def make_optimizer(config: ExperimentConfig, params) -> torch.optim.Optimizer:
+def make_optimizer(config: ExperimentConfig, params, arm: str = "dense") -> torch.optim.Optimizer:
+    """The experiment's optimizer; for topk-dgc without momentum of its own (the hook has it)."""
+    if arm == "topk-dgc":
+        return dgc_optimizer(params, config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
@@ -115,7 +118,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     arm_hook = make_arm_hook(arm, config, ddp, seed)
     meter = HookMeter(arm_hook)
     meter.register(ddp)
-    optimizer = make_optimizer(config, ddp.parameters())
+    optimizer = make_optimizer(config, ddp.parameters(), arm)
     checkpoints = None
     start_step, counters, rows, evals = 0, {}, [], []
     if config.checkpoint_every and out_dir is not None:
