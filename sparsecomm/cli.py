@@ -7,6 +7,7 @@ COMMANDS = {
     "ledger": ("sparsecomm.ledger", "print the time-to-quality ledger of a run directory"),
     "check": ("sparsecomm.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
     "plot": ("sparsecomm.plots", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
+    "frontier": ("sparsecomm.frontier", "sweep densities x sparse techniques; the sparsest setting still equivalent"),
 }
 
 

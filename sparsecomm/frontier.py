@@ -1,0 +1,161 @@
+"""``sparsecomm frontier``: the sparsest setting that still passes the declared tolerance.
+
+Runs the paired experiment once per density (dense + the chosen sparse arms, same seeds
+and data order), judges each sparse arm against that density's dense runs with the
+equivalence test, and reports per (arm, density): the verdict, steps- and time-to-target
+on the current link (loopback unless the experiment says otherwise), bytes per step, and
+the sparsest density whose verdict is ``equivalent``. A plot shows time-to-target against
+density with the verdict as the marker::
+
+    sparsecomm frontier --experiment digits-quick --densities 0.01 0.05 --arms topk-ef topk-dgc
+    sparsecomm frontier --densities 0.001 0.003 0.01 --arms topk-ef topk-dgc --seeds 0 1 2
+"""
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sparsecomm.experiment.config import ARM_NAMES
+from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
+
+SPARSE_ARMS = tuple(arm for arm in ARM_NAMES if arm.startswith("topk-"))
+VERDICT_MARKERS = {"equivalent": "o", "better": "o", "inconclusive": "s", "worse": "x"}
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    arm: str
+    density: float
+    verdict: str
+    mean_loss_diff: float | None  # arm - dense, final validation loss, paired seeds
+    steps_to_target: float | None  # median over seeds; None if not reached in some seed
+    time_to_target_s: float | None
+    bytes_per_step: float | None
+    run_dir: str
+
+
+def _density_name(base: str, density: float) -> str:
+    return f"{base}-frontier-d{density:g}"
+
+
+def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]:
+    """One paired experiment per density; returns a point per (arm, density)."""
+    from sparsecomm import ledger, tolerance
+    from sparsecomm.experiment.runner import run_experiment
+
+    points = []
+    for density in densities:
+        per_density = config.with_overrides(arms=("dense", *arms), density=density,
+                                            name=_density_name(config.name, density))
+        print(f"frontier: density {density:g}: {len(per_density.arms)} arms x {len(per_density.seeds)} seeds",
+              flush=True)
+        run_dir = run_experiment(per_density, out_root)
+        book = ledger.build_ledger(run_dir)
+        report = tolerance.check(run_dir)
+        for result in report.arms:
+            entry = book.arm(result.arm)
+            points.append(FrontierPoint(
+                arm=result.arm,
+                density=density,
+                verdict=result.equivalence.verdict,
+                mean_loss_diff=result.equivalence.mean_diff,
+                steps_to_target=entry.steps_to_target.value,
+                time_to_target_s=entry.time_to_target.value,
+                bytes_per_step=entry.bytes_per_step.value,
+                run_dir=str(run_dir),
+            ))
+    return points
+
+
+def sparsest_equivalent(points: list[FrontierPoint]) -> dict[str, FrontierPoint | None]:
+    """Per arm, the lowest density whose verdict is equivalent (or better)."""
+    best: dict[str, FrontierPoint | None] = {}
+    for point in points:
+        best.setdefault(point.arm, None)
+        if point.verdict in ("equivalent", "better"):
+            if best[point.arm] is None or point.density < best[point.arm].density:
+                best[point.arm] = point
+    return best
+
+
+def _fmt(value, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:.4g}{unit}"
+
+
+def format_frontier(points: list[FrontierPoint], tolerance: float | None) -> str:
+    header = ["arm", "density", "verdict", "loss diff", "steps [s2t]", "time [t2t]", "sent/step"]
+    rows = [header] + [[p.arm, f"{p.density:g}", p.verdict, _fmt(p.mean_loss_diff), _fmt(p.steps_to_target),
+                        _fmt(p.time_to_target_s, " s"), _fmt(p.bytes_per_step, " B")] for p in points]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append("")
+    lines.append(f"tolerance: {_fmt(tolerance)} in final val loss; targets derived per density from its dense runs; "
+                 "steps/time: median over seeds (n/a: not reached in some seed)")
+    for arm, point in sparsest_equivalent(points).items():
+        lines.append(f"sparsest equivalent {arm}: " + ("none of the densities tried" if point is None else
+                                                        f"density {point.density:g} ({point.verdict})"))
+    return "\n".join(lines)
+
+
+def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
+    """Time-to-target vs density (log x), one line per arm, the verdict as the marker."""
+    from sparsecomm import plots
+
+    fig, ax = plots._new_axes()
+    styles = plots.arm_styles({p.arm for p in points})
+    for arm in plots.arm_order({p.arm for p in points}):
+        mine = sorted((p for p in points if p.arm == arm), key=lambda p: p.density)
+        reached = [p for p in mine if p.time_to_target_s is not None]
+        ax.plot([p.density for p in reached], [p.time_to_target_s for p in reached], label=arm, **styles[arm])
+        for p in reached:
+            ax.plot(p.density, p.time_to_target_s, marker=VERDICT_MARKERS.get(p.verdict, "s"),
+                    color=styles[arm]["color"], markersize=8, fillstyle="full" if p.verdict != "inconclusive" else "none")
+    ax.set_xscale("log")
+    ax.set_xlabel("density (fraction of each bucket sent)")
+    ax.set_ylabel("time to target [s] (median over seeds)")
+    ax.set_title("density frontier: o equivalent, s inconclusive (hollow), x worse; not reached: omitted")
+    ax.legend()
+    return plots._save(fig, path, None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsecomm frontier", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
+                   help=f"named experiment to sweep (default: {DEFAULT_EXPERIMENT})")
+    p.add_argument("--densities", nargs="+", type=float, required=True, help="densities to try, each in (0, 1]")
+    p.add_argument("--arms", nargs="+", choices=SPARSE_ARMS, default=["topk-ef", "topk-dgc"],
+                   help="sparse techniques to sweep (default: topk-ef topk-dgc)")
+    p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers >= 0)")
+    p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
+    p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
+    p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(set(args.densities)) != len(args.densities):
+        parser.error(f"--densities must be distinct, got {args.densities}")
+    base = EXPERIMENTS[args.experiment]()
+    try:  # validate every per-density configuration before the first launch
+        config = base.with_overrides(seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps)
+        for density in args.densities:
+            config.with_overrides(arms=("dense", *args.arms), density=density, name=_density_name(config.name, density))
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out)
+    print()
+    print(format_frontier(points, config.policy.quality_tolerance))
+    summary = args.out / f"{config.name}-frontier.json"
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps([asdict(p) for p in points], indent=1))
+    figure = plot_frontier(points, args.plots / f"{config.name}-frontier" / "frontier.png")
+    print(f"\nwrote {summary}\nplot: {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
