@@ -99,22 +99,34 @@ def format_frontier(points: list[FrontierPoint], tolerance: float | None) -> str
 
 
 def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
-    """Time-to-target vs density (log x), one line per arm, the verdict as the marker."""
+    """Time-to-target vs density (log x), one line per arm, the verdict as the marker.
+
+    Settings that did not reach the target sit on a "not reached" row above the others,
+    so every density tried stays visible.
+    """
     from sparsecomm import plots
 
     fig, ax = plots._new_axes()
-    styles = plots.arm_styles({p.arm for p in points})
-    for arm in plots.arm_order({p.arm for p in points}):
+    arms = {p.arm for p in points}
+    styles = plots.arm_styles(arms)
+    reached_times = [p.time_to_target_s for p in points if p.time_to_target_s is not None]
+    ceiling = 1.2 * max(reached_times) if reached_times else 1.0
+    for arm in plots.arm_order(arms):
         mine = sorted((p for p in points if p.arm == arm), key=lambda p: p.density)
         reached = [p for p in mine if p.time_to_target_s is not None]
         ax.plot([p.density for p in reached], [p.time_to_target_s for p in reached], label=arm, **styles[arm])
-        for p in reached:
-            ax.plot(p.density, p.time_to_target_s, marker=VERDICT_MARKERS.get(p.verdict, "s"),
-                    color=styles[arm]["color"], markersize=8, fillstyle="full" if p.verdict != "inconclusive" else "none")
+        for p in mine:
+            y = ceiling if p.time_to_target_s is None else p.time_to_target_s
+            ax.plot(p.density, y, marker=VERDICT_MARKERS.get(p.verdict, "s"), color=styles[arm]["color"],
+                    markersize=8, fillstyle="none" if p.verdict == "inconclusive" else "full", linestyle="none")
+    ax.axhline(ceiling, color="0.6", linewidth=0.8, linestyle=":")
+    ax.annotate("not reached", xy=(0.0, ceiling), xycoords=ax.get_yaxis_transform(), xytext=(4, 4),
+                textcoords="offset points", fontsize=8, color="0.35")
     ax.set_xscale("log")
+    ax.set_ylim(0, ceiling * 1.1)
     ax.set_xlabel("density (fraction of each bucket sent)")
     ax.set_ylabel("time to target [s] (median over seeds)")
-    ax.set_title("density frontier: o equivalent, s inconclusive (hollow), x worse; not reached: omitted")
+    ax.set_title("density frontier: o equivalent, hollow s inconclusive, x worse")
     ax.legend()
     return plots._save(fig, path, None)
 

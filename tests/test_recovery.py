@@ -69,3 +69,19 @@ def test_silent_bit_flip_is_detected_and_rolled_back_bit_for_bit(tmp_path, unint
     assert run.extra["rollbacks"] == 1 and run.extra["lost_steps"] == 15  # detected at 55, back to 40
     assert "replica_digest" in run.extra["last_corruption"]
     assert run.extra["restarts"] == 0  # handled in process, no torchrun restart
+
+
+def test_momentum_correction_state_recovers_bit_for_bit(tmp_path):
+    """topk-dgc keeps a velocity per rank beside the residual: a kill must lose neither."""
+    def dgc_run(name, fault=None):
+        config = BASE.with_overrides(arms=("dense", "topk-dgc"), name=name, fault=fault)
+        runs = load_runs(run_experiment(config, tmp_path, progress=lambda line: None))
+        assert [r.status for r in runs] == ["ok", "ok"], [r.error for r in runs]
+        run = next(r for r in runs if r.arm == "topk-dgc")
+        return run, [r["train_loss"] for r in load_steps(run.path) if r["kind"] == "train"]
+
+    reference, reference_losses = dgc_run("dgc-clean")
+    run, losses = dgc_run("dgc-kill", {"kind": "kill", "rank": 1, "step": 50})
+    assert run.extra["restarts"] == 1 and run.extra["residual_reset"] is False
+    assert losses == reference_losses
+    assert run.final_val_loss == reference.final_val_loss
