@@ -27,35 +27,21 @@ int64_t ef_threshold_pack_impl(const at::Tensor& grad, const c10::optional<at::T
   T* r = residual_opt.has_value() ? residual_opt->mutable_data_ptr<T>() : nullptr;
   int32_t* out_index = indices_out.mutable_data_ptr<int32_t>();
   V* out_value = values_out.mutable_data_ptr<V>();
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  Slabs& slabs = threshold_slabs();
-  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
-    slabs.index.resize(ranges * capacity);
-    slabs.value.resize(ranges * capacity);
-  }
-  std::vector<int64_t> found(ranges, 0);
-  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, magnitude_key(threshold), n * t / ranges,
-                                       n * (t + 1) / ranges, slabs.index.data() + t * capacity,
-                                       slabs.value.data() + t * capacity, capacity);
-    }
-  });
+  const Collected c = collect_in_ranges<T, V>(g, r, divisor, add_residual, magnitude_key(threshold), n, capacity,
+                                              threshold_slabs());
+  const int64_t ranges = static_cast<int64_t>(c.lists.size());
   // Take the first `capacity` in index order: a selection that takes the first m_t
   // entries of range t (every key matches the empty prefix).
-  std::vector<CandidateList> lists;
   Selection first_entries;
   first_entries.take_above.assign(ranges, 0);
   std::vector<int64_t> position(ranges + 1, 0);
   for (int64_t t = 0; t < ranges; ++t) {
-    const int64_t stored = std::min(found[t], capacity);
-    lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity, stored});
-    first_entries.take_equal.push_back(std::min(stored, capacity - position[t]));
+    first_entries.take_equal.push_back(std::min(c.lists[t].size, capacity - position[t]));
     position[t + 1] = position[t] + first_entries.take_equal[t];
   }
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      emit_selected<T, V>(lists[t], first_entries, t, r, out_index, out_value, position[t],
+      emit_selected<T, V>(c.lists[t], first_entries, t, r, out_index, out_value, position[t],
                           static_cast<int32_t>(index_offset), Residual::restore_unsent);
     }
   });

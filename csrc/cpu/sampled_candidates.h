@@ -118,6 +118,42 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
   return count;
 }
 
+// The streaming pass split into ranges (one per thread, at most 64), range t appending to
+// its own slab of `capacity` entries in `slabs` (grown as needed, then reused). Returns
+// how many entries reached the bound per range; the stored ones are lists[t].
+struct Collected {
+  std::vector<int64_t> found;
+  std::vector<CandidateList> lists;
+  int64_t total = 0;
+  bool overflow = false;  // some range found more than it could store
+};
+
+template <typename T, typename V>
+Collected collect_in_ranges(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t n,
+                            int64_t capacity, Slabs& slabs) {
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
+  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
+    slabs.index.resize(ranges * capacity);
+    slabs.value.resize(ranges * capacity);
+  }
+  Collected c;
+  c.found.assign(ranges, 0);
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      c.found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, bound, n * t / ranges, n * (t + 1) / ranges,
+                                            slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
+                                            capacity);
+    }
+  });
+  for (int64_t t = 0; t < ranges; ++t) {
+    c.total += c.found[t];
+    c.overflow |= c.found[t] > capacity;
+    c.lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
+                       std::min(c.found[t], capacity)});
+  }
+  return c;
+}
+
 enum class Sampled {
   done,          // payload and residual written
   not_tried,     // bucket too small or density too high: nothing was touched
@@ -131,46 +167,21 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
   uint32_t bound = 0;
   int64_t expected = 0;
   if (!sample_bound<T>(g, r, divisor, add_residual, n, k, &bound, &expected)) return Sampled::not_tried;
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
   // Each range may hold all candidates (gradients of one layer can dominate a bucket).
   const int64_t capacity = expected + expected / 4 + 4096;
-  Slabs& slabs = sampled_slabs();
-  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
-    slabs.index.resize(ranges * capacity);
-    slabs.value.resize(ranges * capacity);
-  }
-  std::vector<int64_t> found(ranges, 0);
-  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, bound, n * t / ranges, n * (t + 1) / ranges,
-                                       slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
-                                       capacity);
-    }
-  });
-  int64_t total = 0;
-  bool overflow = false;
-  for (int64_t f : found) {
-    total += f;
-    overflow |= f > capacity;
-  }
-  if (overflow || total < k) {  // put acc back where the pass left a tentative remainder
+  const Collected c = collect_in_ranges<T, V>(g, r, divisor, add_residual, bound, n, capacity, sampled_slabs());
+  const int64_t ranges = static_cast<int64_t>(c.lists.size());
+  if (c.overflow || c.total < k) {  // put acc back where the pass left a tentative remainder
     if (r) {
       at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
         for (int64_t t = first; t < last; ++t) {
-          const int64_t stored = std::min(found[t], capacity);
-          for (int64_t j = 0; j < stored; ++j) {
-            r[slabs.index[t * capacity + j]] = static_cast<T>(slabs.value[t * capacity + j]);
-          }
+          for (int64_t j = 0; j < c.lists[t].size; ++j) r[c.lists[t].index[j]] = static_cast<T>(c.lists[t].value[j]);
         }
       });
     }
     return Sampled::bound_failed;
   }
-
-  std::vector<CandidateList> lists;
-  for (int64_t t = 0; t < ranges; ++t) {
-    lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity, found[t]});
-  }
+  const std::vector<CandidateList>& lists = c.lists;
   const Selection selection = select_candidates(lists, k, 0, 0, 0);
   std::vector<int64_t> position(ranges + 1, 0);
   for (int64_t t = 0; t < ranges; ++t) position[t + 1] = position[t] + selection.taken(t);

@@ -23,29 +23,11 @@ bool sampled_threshold(const T* x, int64_t n, int64_t k, double tolerance, std::
   uint32_t bound = 0;
   int64_t expected = 0;
   if (!sample_bound<T>(x, nullptr, 1.0f, false, n, k, &bound, &expected)) return false;
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
   const int64_t capacity = expected + expected / 4 + 4096;
-  Slabs& slabs = estimate_slabs();
-  if (static_cast<int64_t>(slabs.index.size()) < ranges * capacity) {
-    slabs.index.resize(ranges * capacity);
-    slabs.value.resize(ranges * capacity);
-  }
-  std::vector<int64_t> found(ranges, 0);
-  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {  // x / 1 is exact: acc == x; nothing is written back
-      found[t] = collect_candidates<T, T>(x, nullptr, 1.0f, false, bound, n * t / ranges, n * (t + 1) / ranges,
-                                          slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
-                                          capacity);
-    }
-  });
-  std::vector<CandidateList> lists;
-  int64_t total = 0;
-  for (int64_t t = 0; t < ranges; ++t) {
-    if (found[t] > capacity) return false;
-    total += found[t];
-    lists.push_back({slabs.index.data() + t * capacity, slabs.value.data() + t * capacity, found[t]});
-  }
-  if (total < k) return false;
+  // x / 1 is exact: acc == x; without a residual nothing is written back.
+  const Collected c = collect_in_ranges<T, T>(x, nullptr, 1.0f, false, bound, n, capacity, estimate_slabs());
+  if (c.overflow || c.total < k) return false;
+  const std::vector<CandidateList>& lists = c.lists;
   const Selection s = select_candidates(lists, k, 0, 0, 0);
   int64_t above = 0;  // keys above the k-th key's prefix: every one of them is a candidate
   for (int64_t a : s.take_above) above += a;

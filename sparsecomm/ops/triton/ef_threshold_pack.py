@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from sparsecomm.ops.triton import radix
-from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, from_f32, load_acc, magnitude_key, to_f32, to_wire
+from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, emit_entries, load_acc, magnitude_key, to_f32
 
 
 @triton.jit
@@ -87,12 +87,8 @@ def _emit_kernel(g_ptr, src_ptr, thr_ptr, counts_ptr, incl_ptr, idx_out_ptr, val
         hit_i = hit.to(tl.int32)
         rank = run + block_cumsum(hit_i) - 1
         sel = hit & (rank < cap)
-        wire = to_wire(a32, key, V, LIMIT)
-        tl.store(idx_out_ptr + rank, (offs + index_offset).to(tl.int32), mask=sel)
-        tl.store(val_out_ptr + rank, wire, mask=sel)
-        if WRITE_RESIDUAL:
-            sent = to_f32(from_f32(to_f32(wire), T))
-            tl.store(src_ptr + offs, from_f32(a32 - sent, T), mask=sel)
+        emit_entries(idx_out_ptr, val_out_ptr, src_ptr, rank, offs, index_offset, a32, key, sel, T, V, LIMIT,
+                     WRITE_RESIDUAL)
         run += block_sum(hit_i)
 
 
@@ -102,7 +98,7 @@ def _host_key(threshold: float) -> int:
         value = threshold.detach().reshape(1).to(torch.float32)
     else:
         value = torch.tensor([float(threshold)], dtype=torch.float32)
-    return int(value.view(torch.int32).item()) & radix.KEY_MASK
+    return min(int(value.view(torch.int32).item()) & radix.KEY_MASK, radix.NAN_KEY)  # one key for every NaN
 
 
 def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset=0):

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from sparsecomm.ops.triton import radix
-from sparsecomm.ops.triton.radix import block_cumsum, block_sum, from_f32, load_acc, magnitude_key, to_f32, to_wire
+from sparsecomm.ops.triton.radix import block_cumsum, block_sum, emit_entries, load_acc, magnitude_key, to_f32
 
 
 @triton.jit
@@ -75,12 +75,8 @@ def _emit_kernel(g_ptr, src_ptr, state_ptr, counts_ptr, incl_ptr, idx_out_ptr, v
         tie_rank = run_ties + block_cumsum(tie_i) - 1
         sel = is_above | (is_tie & (tie_rank < need))
         slot = tl.where(is_above, slot_above, tie_base + tie_rank)
-        wire = to_wire(a32, key, V, LIMIT)
-        tl.store(idx_out_ptr + slot, (offs + index_offset).to(tl.int32), mask=sel)
-        tl.store(val_out_ptr + slot, wire, mask=sel)
-        if WRITE_RESIDUAL:
-            sent = to_f32(from_f32(to_f32(wire), T))
-            tl.store(src_ptr + offs, from_f32(a32 - sent, T), mask=sel)
+        emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a32, key, sel, T, V, LIMIT,
+                     WRITE_RESIDUAL)
         run_above += block_sum(above_i)
         run_ties += block_sum(tie_i)
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 KEY_MASK = 0x7FFFFFFF
+NAN_KEY = 0x7F800001  # every NaN's key, just above Inf (see magnitude_key)
 BINS12 = 4096
 BINS7 = 128
 STATE_SLOTS = 16
@@ -252,6 +253,18 @@ def from_f32(x, DTYPE: tl.constexpr):
 def magnitude_key(x32):
     """int32 key ordering by magnitude: NaN > Inf > finite (x32 is float32); one key for every NaN."""
     return tl.minimum(x32.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800001)
+
+
+@triton.jit
+def emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a32, key, sel, T: tl.constexpr,
+                 V: tl.constexpr, LIMIT: tl.constexpr, WRITE_RESIDUAL: tl.constexpr):
+    """Store the selected entries at ``slot`` (index + offset, wire value); the residual keeps acc - sent."""
+    wire = to_wire(a32, key, V, LIMIT)
+    tl.store(idx_out_ptr + slot, (offs + index_offset).to(tl.int32), mask=sel)
+    tl.store(val_out_ptr + slot, wire, mask=sel)
+    if WRITE_RESIDUAL:
+        sent = to_f32(from_f32(to_f32(wire), T))
+        tl.store(src_ptr + offs, from_f32(a32 - sent, T), mask=sel)
 
 
 @triton.jit
