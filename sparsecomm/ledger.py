@@ -51,6 +51,7 @@ class Figure:
     unit: str
     boundary: str
     note: str = ""
+    link: str = "loopback"  # the link between the ranks when it was measured
 
     def __post_init__(self):
         if self.boundary not in BOUNDARIES:
@@ -63,24 +64,24 @@ class Figure:
     def _check_compatible(self, other: "Figure", operation: str) -> None:
         if not isinstance(other, Figure):
             raise TypeError(f"cannot {operation} a Figure and {type(other).__name__}")
-        if (self.boundary, self.unit) != (other.boundary, other.unit):
+        if (self.boundary, self.unit, self.link) != (other.boundary, other.unit, other.link):
             raise BoundaryError(
-                f"cannot {operation} {self.unit} [boundary: {self.boundary}] and "
-                f"{other.unit} [boundary: {other.boundary}]"
+                f"cannot {operation} {self.unit} [boundary: {self.boundary}, link: {self.link}] and "
+                f"{other.unit} [boundary: {other.boundary}, link: {other.link}]"
             )
 
     def __add__(self, other: "Figure") -> "Figure":
         self._check_compatible(other, "add")
         if not (self.measured and other.measured):
-            return Figure(None, self.unit, self.boundary, "not measured: a summand is not measured")
-        return Figure(self.value + other.value, self.unit, self.boundary)
+            return Figure(None, self.unit, self.boundary, "not measured: a summand is not measured", self.link)
+        return Figure(self.value + other.value, self.unit, self.boundary, link=self.link)
 
     def speedup_over(self, baseline: "Figure") -> "Speedup":
         """``baseline / self`` (a cost ratio: > 1 means this is cheaper)."""
         self._check_compatible(baseline, "divide")
         if not (self.measured and baseline.measured) or self.value == 0:
-            return Speedup(None, self.boundary)
-        return Speedup(baseline.value / self.value, self.boundary)
+            return Speedup(None, self.boundary, self.link)
+        return Speedup(baseline.value / self.value, self.boundary, self.link)
 
     def __str__(self) -> str:
         return format_value(self.value, self.unit) if self.measured else "not measured"
@@ -90,10 +91,11 @@ class Figure:
 class Speedup:
     ratio: float | None
     boundary: str
+    link: str = "loopback"
 
     def __str__(self) -> str:
         shown = "n/a" if self.ratio is None else f"{self.ratio:.2f}x"
-        return f"{shown} (boundary: {self.boundary})"
+        return f"{shown} (boundary: {self.boundary}, link: {self.link})"
 
 
 def format_value(value: float, unit: str) -> str:
@@ -114,8 +116,8 @@ def step_cost_to_target(step: Figure, steps: Figure) -> Figure:
             f"step x steps needs a [step] and a [steps_to_target] figure, got [{step.boundary}] and [{steps.boundary}]"
         )
     if not (step.measured and steps.measured):
-        return Figure(None, "s", "end_to_end", steps.note or step.note)
-    return Figure(step.value * steps.value, "s", "end_to_end")
+        return Figure(None, "s", "end_to_end", steps.note or step.note, step.link)
+    return Figure(step.value * steps.value, "s", "end_to_end", link=step.link)
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class ArmLedger:
     def measured_part(self) -> Figure:
         """The measured end_to_end items only: a partial total, never shown as the total."""
         items = [f for f in (self.setup, self.step_x_steps, self.checkpoint, self.recovery) if f.measured]
-        total = items[0] if items else Figure(None, "s", "end_to_end")
+        total = items[0] if items else Figure(None, "s", "end_to_end", link=self.step.link)
         for item in items[1:]:
             total = total + item
         return total
@@ -159,8 +161,13 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_hour: float = 1.0) -> ArmLedger:
-    """Median over this arm's finished seeds of every figure."""
+def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_hour: float = 1.0,
+               link: str = "loopback") -> ArmLedger:
+    """Median over this arm's finished seeds of every figure, measured over ``link``."""
+
+    def figure(value, unit: str, boundary: str, note: str = "") -> Figure:
+        return Figure(value, unit, boundary, note, link)
+
     ok = [r for r in runs if r.arm == arm and r.status == "ok" and r.evals]
     failed = [r for r in runs if r.arm == arm and r.status != "ok"]
     reached = [r.first_reaching(target.val_loss) for r in ok]
@@ -175,30 +182,30 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         note = ""
     steps = _median([e.step for e in hits]) if hits and not not_reached else None
     seconds = _median([e.elapsed_seconds for e in hits]) if hits and not not_reached else None
-    step = Figure(_median([r.median_step_seconds for r in ok]), "s", "step")
-    steps_to_target = Figure(steps, "steps", "steps_to_target", note)
+    step = figure(_median([r.median_step_seconds for r in ok]), "s", "step")
+    steps_to_target = figure(steps, "steps", "steps_to_target", note)
     checkpoint_values = [r.extra.get("checkpoint_seconds") for r in ok]
-    checkpoint = (Figure(_median(checkpoint_values), "s", "end_to_end")
-                  if ok and None not in checkpoint_values else Figure(None, "s", "end_to_end", NOT_MEASURED["checkpoint"]))
+    checkpoint = (figure(_median(checkpoint_values), "s", "end_to_end")
+                  if ok and None not in checkpoint_values else figure(None, "s", "end_to_end", NOT_MEASURED["checkpoint"]))
     return ArmLedger(
         arm=arm,
         num_ok=len(ok),
         num_failed=len(failed),
-        setup=Figure(_median([r.setup_seconds for r in ok]), "s", "end_to_end"),
+        setup=figure(_median([r.setup_seconds for r in ok]), "s", "end_to_end"),
         step=step,
-        bytes_per_step=Figure(_median([r.bytes_sent_per_step for r in ok]), "B", "step"),
+        bytes_per_step=figure(_median([r.bytes_sent_per_step for r in ok]), "B", "step"),
         steps_to_target=steps_to_target,
-        time_to_target=Figure(seconds, "s", "time_to_target", note),
+        time_to_target=figure(seconds, "s", "time_to_target", note),
         step_x_steps=step_cost_to_target(step, steps_to_target),
         checkpoint=checkpoint,
-        recovery=_expected_recovery(ok, fault_rate_per_hour),
+        recovery=_expected_recovery(ok, fault_rate_per_hour, link),
         residual_reset=any(r.extra.get("residual_reset") for r in ok),
         unverified=tuple(sorted({r.extra["unverified_reason"] for r in ok if r.extra.get("unverified_reason")})),
         rollbacks=sum(r.extra.get("rollbacks") or 0 for r in ok),
     )
 
 
-def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float) -> Figure:
+def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float, link: str) -> Figure:
     """Measured cost of one fault x expected faults in a run under the declared rate.
 
     Cost of one fault = recovery time (fault -> first completed step after the restore,
@@ -207,11 +214,11 @@ def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float) -> Figu
     """
     measured = [r for r in ok if r.extra.get("recovery_seconds") is not None]
     if not measured:
-        return Figure(None, "s", "end_to_end", NOT_MEASURED["recovery"])
+        return Figure(None, "s", "end_to_end", NOT_MEASURED["recovery"], link)
     per_fault = _median([r.extra["recovery_seconds"] + r.extra["lost_steps"] * r.median_step_seconds for r in measured])
     hours = _median([r.extra.get("total_seconds", 0.0) for r in ok]) / 3600
     return Figure(per_fault * fault_rate_per_hour * hours, "s", "end_to_end",
-                  f"{per_fault:.1f} s per fault x {fault_rate_per_hour:g}/h x {hours * 3600:.0f} s")
+                  f"{per_fault:.1f} s per fault x {fault_rate_per_hour:g}/h x {hours * 3600:.0f} s", link)
 
 
 @dataclass(frozen=True)
@@ -231,7 +238,8 @@ def build_ledger(run_dir: str | Path) -> Ledger:
     order = list(experiment["config"]["arms"])
     order += sorted({r.arm for r in runs} - set(order))
     rate = experiment["config"].get("fault_rate_per_hour", 1.0)
-    return Ledger(experiment, target, [arm_ledger(arm, runs, target, rate) for arm in order])
+    link = experiment["config"].get("link", "loopback")
+    return Ledger(experiment, target, [arm_ledger(arm, runs, target, rate, link) for arm in order])
 
 
 def ledger_items_for_plot(run_dir: str | Path) -> dict[str, dict[str, float | None]]:
@@ -243,13 +251,20 @@ def ledger_items_for_plot(run_dir: str | Path) -> dict[str, dict[str, float | No
     }
 
 
+def _describe_link(link: str) -> str:
+    if link == "loopback":
+        return "the machine's loopback device (not emulated)"
+    return f"an emulated {link} link per rank (network namespaces + tc)"
+
+
 def format_ledger(ledger: Ledger) -> str:
     config = ledger.experiment["config"]
     dense = next((a for a in ledger.arms if a.arm == DENSE_ARM), None)
     lines = [
         format_policy(config["policy"]),
         ledger.target.describe(),
-        f"experiment {config['name']}: task {config['task']}, {config['world_size']} ranks, {config['steps']} steps, "
+        f"experiment {config['name']}: task {config['task']}, {config['world_size']} ranks linked by "
+        f"{config.get('link', 'loopback')}, {config['steps']} steps, "
         f"seeds {config['seeds']}; figures are medians over finished seeds, [boundary] after each",
     ]
     if config.get("checkpoint_every"):
@@ -269,8 +284,10 @@ def format_ledger(ledger: Ledger) -> str:
     lines += [
         "",
     ]
-    header = ["arm", "runs ok/failed", "setup [e2e]", "step [step]", "sent/step [step]", "steps [s2t]",
-              "step x steps [e2e]", "time [t2t]", "checkpoint [e2e]", "recovery [e2e]", "end-to-end [e2e]"]
+    link = config.get("link", "loopback")
+    header = ["arm", "runs ok/failed"] + [f"{name} [{boundary} @{link}]" for name, boundary in (
+        ("setup", "e2e"), ("step", "step"), ("sent/step", "step"), ("steps", "s2t"), ("step x steps", "e2e"),
+        ("time", "t2t"), ("checkpoint", "e2e"), ("recovery", "e2e"), ("end-to-end", "e2e"))]
     rows = [header]
     for a in ledger.arms:
         total = a.end_to_end
@@ -279,7 +296,8 @@ def format_ledger(ledger: Ledger) -> str:
                      _or_note(a.steps_to_target), str(a.step_x_steps), _or_note(a.time_to_target),
                      str(a.checkpoint), str(a.recovery), total_text])
     lines += _table(rows)
-    lines += ["", "boundaries: e2e = end_to_end, s2t = steps_to_target, t2t = time_to_target (evaluation included)"]
+    lines += ["", "boundaries: e2e = end_to_end, s2t = steps_to_target, t2t = time_to_target (evaluation included); "
+              f"@{link}: measured with the ranks linked by {_describe_link(link)}"]
     for name in ("checkpoint", "recovery"):
         notes = {a.arm: getattr(a, name).note for a in ledger.arms if getattr(a, name).note}
         if len(set(notes.values())) == 1 and len(notes) == len(ledger.arms):

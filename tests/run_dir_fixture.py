@@ -19,6 +19,7 @@ def write_run_dir(
     failed: tuple[tuple[str, int], ...] = (),
     bytes_per_step: dict[str, float] | None = None,
     summary_extra: dict[str, dict] | None = None,
+    link: str | None = None,
 ) -> Path:
     """Write ``root/experiment.json`` and one run per ``(arm, seed)``.
 
@@ -33,6 +34,8 @@ def write_run_dir(
         "steps": max(s for c in curves.values() for s, _, _ in c), "target_loss": target_loss,
         "policy": policy or DEFAULT_POLICY,
     }
+    if link is not None:
+        config["link"] = link
     (root / "experiment.json").write_text(json.dumps({"config": config, "environment": {"torch": "test"}}))
     for (arm, seed), evals in curves.items():
         run = root / "runs" / f"{arm}-seed{seed}-0123456789"

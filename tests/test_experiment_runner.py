@@ -110,7 +110,7 @@ def test_compare_end_to_end_on_digits_and_rerun_skips_finished_runs(tmp_path):
     out = first.stdout
     assert out.count(": final val loss") == 6
     assert "policy: quality tolerance 0.05" in out and "target: val loss <=" in out
-    assert "(boundary: step)" in out and "(boundary: end_to_end)" in out
+    assert "(boundary: step, link: loopback)" in out and "(boundary: end_to_end, link: loopback)" in out
     assert "topk-ef: " in out and any(v in out for v in ("EQUIVALENT", "WORSE", "BETTER", "INCONCLUSIVE"))
     for name in ("time_to_loss.png", "loss_vs_step.png", "ledger.png"):
         path = tmp_path / "plots" / "digits-quick" / name

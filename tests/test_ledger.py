@@ -8,8 +8,17 @@ from sparsecomm.ledger import BoundaryError, Figure, build_ledger, format_ledger
 
 
 def test_adding_figures_of_different_boundaries_raises():
-    with pytest.raises(BoundaryError, match=r"\[boundary: step\] and s \[boundary: end_to_end\]"):
+    with pytest.raises(BoundaryError, match=r"\[boundary: step, link: loopback\] and s \[boundary: end_to_end, link: loopback\]"):
         Figure(1.0, "s", "step") + Figure(2.0, "s", "end_to_end")
+
+
+def test_figures_measured_over_different_links_do_not_mix():
+    with pytest.raises(BoundaryError, match=r"link: 1gbit\] and s \[boundary: step, link: loopback\]"):
+        Figure(1.0, "s", "step", link="1gbit") + Figure(2.0, "s", "step")
+    with pytest.raises(BoundaryError):
+        Figure(1.0, "s", "step", link="1gbit").speedup_over(Figure(2.0, "s", "step", link="10gbit"))
+    assert str(Figure(1.0, "s", "step", link="1gbit").speedup_over(Figure(3.0, "s", "step", link="1gbit"))) == \
+        "3.00x (boundary: step, link: 1gbit)"
 
 
 def test_adding_figures_of_different_units_raises():
@@ -21,7 +30,7 @@ def test_speedup_across_boundaries_raises_and_names_its_boundary():
     with pytest.raises(BoundaryError):
         Figure(1.0, "s", "step").speedup_over(Figure(2.0, "s", "time_to_target"))
     speedup = Figure(1.0, "s", "step").speedup_over(Figure(1.9, "s", "step"))
-    assert str(speedup) == "1.90x (boundary: step)"
+    assert str(speedup) == "1.90x (boundary: step, link: loopback)"
 
 
 def test_unknown_boundary_is_refused():
@@ -32,7 +41,7 @@ def test_unknown_boundary_is_refused():
 def test_not_measured_propagates_and_is_never_zero():
     total = Figure(3.0, "s", "end_to_end") + Figure(None, "s", "end_to_end")
     assert total.value is None and str(total) == "not measured"
-    assert str(Figure(None, "s", "step").speedup_over(Figure(1.0, "s", "step"))) == "n/a (boundary: step)"
+    assert str(Figure(None, "s", "step").speedup_over(Figure(1.0, "s", "step"))) == "n/a (boundary: step, link: loopback)"
 
 
 def test_step_times_steps_is_the_only_cross_boundary_product():
@@ -73,9 +82,23 @@ def test_ledger_medians_and_totals_from_a_run_dir(tmp_path):
     assert "target: val loss <= 1.5000 (declared in the config)" in text
     assert "not reached in 1/3 seeds" in text
     assert "not measured (partial 4.0 s)" in text
-    assert "2.00x (boundary: step)" in text  # topk step 0.05 s vs dense 0.1 s
+    assert "2.00x (boundary: step, link: loopback)" in text  # topk step 0.05 s vs dense 0.1 s
     # topk's partial total lacks step x steps, dense's has it: no ratio of unlike sums.
     assert "(step x steps, checkpoint, recovery missing): n/a (dense and this arm do not have the same items measured)" in text
+
+
+def test_every_boundary_label_states_the_link(tmp_path):
+    run_dir = write_run_dir(tmp_path / "exp", _curves(), step_seconds={"dense": 0.1, "topk-ef": 0.05},
+                            target_loss=1.5, link="1gbit")
+    built = build_ledger(run_dir)
+    assert {built.arm("dense").step.link, built.arm("topk-ef").time_to_target.link} == {"1gbit"}
+    text = format_ledger(built)
+    header = next(line for line in text.splitlines() if line.startswith("arm "))
+    labels = header.count("[")
+    assert labels == 9 and header.count("@1gbit]") == labels
+    assert "linked by 1gbit" in text and "emulated 1gbit link" in text
+    assert "2.00x (boundary: step, link: 1gbit)" in text
+    assert "link: loopback" not in text
 
 
 def test_ledger_items_for_plot_keep_unmeasured_as_none(tmp_path):

@@ -3,6 +3,7 @@
     sparsecomm compare                          # the default experiment (pydoc-gpt)
     sparsecomm compare --experiment digits-quick --seeds 0 1 --steps 200
     sparsecomm compare --config my_experiment.json --out runs
+    sparsecomm compare --link 1gbit             # each rank in its own network namespace, 1 Gb/s links (root)
 """
 import argparse
 import json
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers >= 0)")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     p.add_argument("--name", help="override the experiment name (the run directory's name)")
+    p.add_argument("--link", help="link between the ranks: loopback (default), or emulated, e.g. 1gbit, 10gbit, "
+                                  "100mbit (one network namespace per rank, tc-shaped; needs root, ip and tc)")
     return p
 
 
@@ -40,6 +43,7 @@ def load_config(args: argparse.Namespace) -> ExperimentConfig:
         seeds=tuple(args.seeds) if args.seeds else None,
         steps=args.steps,
         name=args.name,
+        link=args.link.strip().lower() if args.link else None,
     )
 
 
@@ -48,13 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args)  # every value is validated here, before any launch
-    except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
+        from sparsecomm.links import parse_link
+        from sparsecomm.links.netns import check_emulation_possible
+
+        check_emulation_possible(parse_link(config.link))  # not root, no tc: say so before anything runs
+    except (ValueError, TypeError, OSError, json.JSONDecodeError, RuntimeError) as error:
         parser.error(str(error))
     from sparsecomm import ledger, plots, tolerance
     from sparsecomm.experiment.runner import run_experiment
 
     print(f"experiment {config.name}: {len(config.arms)} arms x {len(config.seeds)} seeds, "
-          f"{config.world_size} ranks, {config.steps} steps -> {args.out / config.name}", flush=True)
+          f"{config.world_size} ranks over {config.link}, {config.steps} steps -> {args.out / config.name}", flush=True)
     run_dir = run_experiment(config, args.out)
     print()
     print(ledger.format_ledger(ledger.build_ledger(run_dir)))

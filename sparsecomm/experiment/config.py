@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
 from sparsecomm.policy import Policy
 
 ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
@@ -29,6 +30,10 @@ class ExperimentConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     """One paired run per arm and seed: same initial weights and data order in every arm."""
     world_size: int = 2
+    link: str = "loopback"
+    """Link between the ranks: "loopback" (the machine's own), or an emulated link such as
+    "1gbit" or "10gbit" (one network namespace per rank, shaped with tc; needs root; see
+    :mod:`sparsecomm.links.netns`). Part of the run hash: timings differ per link."""
     steps: int = 300
     """Optimizer steps per run."""
     batch_size: int = 16
@@ -84,6 +89,15 @@ class ExperimentConfig:
         _check(isinstance(self.seeds, tuple) and len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds)
                and all(_is_int(s) and s >= 0 for s in self.seeds), "seeds", "distinct integers >= 0", self.seeds)
         _check(_is_int(self.world_size) and self.world_size >= 2, "world_size", "an integer >= 2", self.world_size)
+        try:
+            link = parse_link(self.link)
+        except ValueError:
+            link = None
+        _check(link is not None and link.name == self.link, "link", f"{LINK_ACCEPTED} (lower case)", self.link)
+        if link.emulated:
+            _check(self.max_restarts == 0, "max_restarts",
+                   "0 with an emulated link (restarts need torchrun's agent, which cannot span the link's namespaces)",
+                   self.max_restarts)
         _check(_is_int(self.steps) and self.steps >= 1, "steps", "an integer >= 1", self.steps)
         _check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
         _check(_is_int(self.eval_every) and 1 <= self.eval_every, "eval_every", "an integer >= 1", self.eval_every)
@@ -163,6 +177,8 @@ class ExperimentConfig:
         d = self.to_dict()
         for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour"):
             d.pop(key)
+        if d["link"] == "loopback":
+            d.pop("link")  # runs from before links existed keep their hash
         d.update(arm=arm, seed=seed)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

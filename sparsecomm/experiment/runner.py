@@ -2,7 +2,9 @@
 
 Each run is launched with ``torchrun --standalone`` (``python -m torch.distributed.run``)
 as ``world_size`` local gloo ranks, in its own process group so a hung run can be killed
-whole. A run that fails (an exception, a
+whole. With an emulated link (``config.link``, e.g. "1gbit") the experiment first builds
+one network namespace per rank (:mod:`sparsecomm.links.netns`), starts each rank in its
+own, and tears the network down when the experiment ends, however it ends. A run that fails (an exception, a
 collective timeout) is recorded with status "failed" and its error: it is counted in
 every report, never dropped. Re-running the same experiment skips runs whose
 ``summary.json`` exists with status "ok" for the same (arm, seed, config hash).
@@ -20,6 +22,8 @@ from pathlib import Path
 
 from sparsecomm.experiment.config import ExperimentConfig
 from sparsecomm.experiment.worker import write_json_atomically
+from sparsecomm.links import parse_link
+from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
 
 def run_directory(config: ExperimentConfig, root: Path, arm: str, seed: int) -> Path:
@@ -68,15 +72,43 @@ def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
     return experiment_dir
 
 
-def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
+def _worker_arguments(experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", f"--max-restarts={config.max_restarts}",
         "-m", "sparsecomm.experiment.worker",
         "--experiment-json", str(experiment_dir / "experiment.json"),
         "--arm", arm, "--seed", str(seed), "--out", str(out_dir),
         "--launch-time", repr(time.time()),
     ]
+
+
+def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", f"--max-restarts={config.max_restarts}",
+        *_worker_arguments(experiment_dir, arm, seed, out_dir),
+    ]
+
+
+def _launch_commands(config: ExperimentConfig, network: EmulatedNetwork | None, experiment_dir: Path, arm: str,
+                     seed: int, out_dir: Path) -> list[tuple[list[str], dict | None]]:
+    """(argv, environment) of the processes that make up one run.
+
+    On loopback: one torchrun, which starts the ranks. On an emulated link: one process
+    per rank, each inside its own namespace (torchrun's agent cannot span namespaces);
+    rank 0 hosts the rendezvous store at its address, and gloo is told to use the link's
+    interface (it would otherwise resolve the host name to an address that does not exist
+    inside the namespace).
+    """
+    if network is None:
+        return [(_torchrun_command(config, experiment_dir, arm, seed, out_dir), None)]
+    commands = []
+    for rank in range(config.world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(config.world_size), "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": network.address(0), "MASTER_PORT": str(STORE_PORT),
+               "GLOO_SOCKET_IFNAME": INTERFACE}
+        argv = network.command(rank, [sys.executable, *_worker_arguments(experiment_dir, arm, seed, out_dir)])
+        commands.append((argv, env))
+    return commands
 
 
 def _stalled_for(steps_path: Path, launched: float) -> float:
@@ -85,33 +117,52 @@ def _stalled_for(steps_path: Path, launched: float) -> float:
     return time.time() - max(last, launched)
 
 
-def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> dict:
-    """Run one arm x seed under torchrun; returns its summary (a "failed" one on error or stall).
+def _kill(processes: list[subprocess.Popen]) -> None:
+    for proc in processes:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
-    A run that writes no step for ``stall_timeout_s`` is killed (its whole process group)
+
+def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path,
+            network: EmulatedNetwork | None = None) -> dict:
+    """Run one arm x seed; returns its summary (a "failed" one on error or stall).
+
+    A run that writes no step for ``stall_timeout_s`` is killed (every process group)
     and recorded as failed: gloo's own timeout does not cover every hang (a Future that
-    never completes inside DDP waits forever).
+    never completes inside DDP waits forever). When one of several rank processes fails,
+    the others are killed at once rather than left to time out. Whatever ends this call
+    (Ctrl-C included) kills the run's processes first.
     """
     log_path = out_dir / "launch.log"
     steps_path = out_dir / "steps.jsonl"
     steps_path.unlink(missing_ok=True)
     launched = time.time()
+    processes: list[subprocess.Popen] = []
+    error, exit_code = None, None
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_torchrun_command(config, experiment_dir, arm, seed, out_dir),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        error = None
-        while proc.poll() is None:
-            if _stalled_for(steps_path, launched) > config.stall_timeout_s:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
-                break
-            time.sleep(0.2)
+        try:
+            for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
+                processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+            while any(proc.poll() is None for proc in processes) and exit_code is None:
+                exit_code = next((proc.returncode for proc in processes if proc.returncode not in (None, 0)), None)
+                if _stalled_for(steps_path, launched) > config.stall_timeout_s:
+                    error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
+                    break
+                time.sleep(0.2)
+        finally:
+            _kill(processes)
+    if exit_code is None:
+        exit_code = next((proc.returncode for proc in processes if proc.returncode != 0), 0)
     summary_path = out_dir / "summary.json"
-    if error is None and proc.returncode == 0 and summary_path.exists():
+    if error is None and exit_code == 0 and summary_path.exists():
         return json.loads(summary_path.read_text())
     if error is None:
-        error = f"exit code {proc.returncode}: " + _tail(log_path)
+        error = f"exit code {exit_code}: " + _tail(log_path)
     summary = {"arm": arm, "seed": seed, "status": "failed", "config_hash": config.run_hash(arm, seed),
                "error": error, "evals": []}
     write_json_atomically(summary_path, summary)
@@ -130,6 +181,12 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
     experiment_dir = write_snapshot(config, root)
     jobs = [(arm, seed) for seed in config.seeds for arm in config.arms]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with maybe_emulated(parse_link(config.link), config.world_size) as network:
+        _run_jobs(config, root, experiment_dir, jobs, network, progress)
+    return experiment_dir
+
+
+def _run_jobs(config, root, experiment_dir, jobs, network, progress) -> None:
     for number, (arm, seed) in enumerate(jobs, start=1):
         out_dir = run_directory(config, root, arm, seed)
         label = f"[{number}/{len(jobs)}] {arm} seed {seed}"
@@ -142,7 +199,7 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
             summary_path.rename(out_dir / f"failed-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}.json")
         out_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        summary = _launch(config, experiment_dir, arm, seed, out_dir)
+        summary = _launch(config, experiment_dir, arm, seed, out_dir, network)
         took = time.perf_counter() - started
         if summary["status"] == "ok":
             progress(f"{label}: final val loss {summary['evals'][-1][2]:.4f}, "
@@ -150,4 +207,3 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
         else:
             progress(f"{label}: FAILED after {took:.0f} s: {summary['error'][:300]}")
         sys.stdout.flush()
-    return experiment_dir

@@ -281,7 +281,7 @@ INIT_TRIES = 3
 
 
 def _init_process_group(config: ExperimentConfig) -> None:
-    """Join the gloo group through torchrun's store, retrying a failed mesh connection.
+    """Join the gloo group through the launcher's store, retrying a failed mesh connection.
 
     After a torchrun restart, gloo's full-mesh connect sometimes fails with "Connection
     refused" (seen in about a third of restarts on this machine); every rank then fails
@@ -290,8 +290,11 @@ def _init_process_group(config: ExperimentConfig) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     timeout = timedelta(seconds=config.collective_timeout_s)
+    # torchrun's agent hosts the store; without an agent (one process per rank on an
+    # emulated link) rank 0 does.
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                         is_master=False, timeout=timeout)
+                         is_master=hosts_store, timeout=timeout)
     for attempt in range(INIT_TRIES):
         store = dist.PrefixStore(f"sparsecomm/restart{restart}/init{attempt}", base)
         try:
