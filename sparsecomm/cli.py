@@ -8,6 +8,7 @@ COMMANDS = {
     "check": ("sparsecomm.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
     "plot": ("sparsecomm.plots", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
     "frontier": ("sparsecomm.frontier", "sweep densities x sparse techniques; the sparsest setting still equivalent"),
+    "run": ("sparsecomm.experiment.run_command", "one arm x seed as one rank of a job started by mpiexec / srun / torchrun"),
     "project": ("sparsecomm.costmodel", "project a run to p workers on a link (alpha-beta model, labelled modelled)"),
 }
 

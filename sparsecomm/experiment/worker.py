@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.experiment.arms import HookMeter, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
+from sparsecomm.dist import discover, init_distributed
 from sparsecomm.experiment.config import ExperimentConfig
 from sparsecomm.hooks import TopKState, dgc_optimizer
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
@@ -283,22 +284,30 @@ INIT_TRIES = 3
 def _init_process_group(config: ExperimentConfig) -> None:
     """Join the gloo group through the launcher's store, retrying a failed mesh connection.
 
-    After a torchrun restart, gloo's full-mesh connect sometimes fails with "Connection
-    refused" (seen in about a third of restarts on this machine); every rank then fails
-    the same attempt, and all retry under a fresh store prefix.
+    Rank and world size come from the launcher's variables (:func:`sparsecomm.dist.discover`:
+    torchrun, one process per rank on an emulated link, mpiexec, srun). Without
+    MASTER_ADDR/MASTER_PORT (mpiexec or srun) :func:`sparsecomm.dist.init_distributed`
+    finds the rendezvous. After a torchrun restart, gloo's full-mesh connect sometimes
+    fails with "Connection refused" (seen in about a third of restarts on this machine);
+    every rank then fails the same attempt, and all retry under a fresh store prefix.
     """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    info = discover()
+    if info.world_size != config.world_size:
+        raise ValueError(f"the launcher started {info.world_size} processes ({info.launcher}), but the experiment's "
+                         f"world_size is {config.world_size}: start exactly world_size processes")
     timeout = timedelta(seconds=config.collective_timeout_s)
+    if info.master_addr is None:
+        init_distributed("gloo", timeout=timeout)
+        return
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # torchrun's agent hosts the store; without an agent (one process per rank on an
-    # emulated link) rank 0 does.
-    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                         is_master=hosts_store, timeout=timeout)
+    # emulated link, or an MPI launch with MASTER_ADDR set) rank 0 does.
+    hosts_store = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    base = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=hosts_store, timeout=timeout)
     for attempt in range(INIT_TRIES):
         store = dist.PrefixStore(f"sparsecomm/restart{restart}/init{attempt}", base)
         try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
             return
         except RuntimeError as error:
             if "connectFullMesh" not in str(error) or attempt == INIT_TRIES - 1:
@@ -306,8 +315,32 @@ def _init_process_group(config: ExperimentConfig) -> None:
             time.sleep(1.0)
 
 
+def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch_wall_time: float, *,
+             announce: bool = False) -> None:
+    """This process's part of one run: join the group, train, leave; never returns (see below).
+
+    ``announce``: rank 0 prints the run's final validation loss and step time.
+    """
+    torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun arranges
+    _init_process_group(config)
+    try:
+        summary = train_run(config, arm, seed, out_dir, launch_wall_time)
+        dist.barrier()  # no rank leaves while another still has a collective in flight
+        if announce and dist.get_rank() == 0:
+            print(f"{arm} seed {seed}: final val loss {summary['evals'][-1][2]:.4f}, "
+                  f"{summary['median_step_seconds'] * 1e3:.1f} ms/step -> {out_dir}")
+    finally:
+        dist.destroy_process_group()
+    # Skip interpreter teardown: gloo/DDP threads destroyed there occasionally abort the
+    # process ("terminate called without an active exception", SIGABRT) after all work is
+    # done and the summary is written, which a launcher would report as a failed run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank under torchrun: ``python -m sparsecomm.experiment.worker``."""
+    """Entry point of one rank started by the runner: ``python -m sparsecomm.experiment.worker``."""
     parser = argparse.ArgumentParser(prog="python -m sparsecomm.experiment.worker")
     parser.add_argument("--experiment-json", required=True, type=Path, help="experiment.json of the run directory")
     parser.add_argument("--arm", required=True)
@@ -316,19 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-time", required=True, type=float, help="wall clock (time.time()) at launch")
     args = parser.parse_args(argv)
     config = ExperimentConfig.from_dict(json.loads(args.experiment_json.read_text())["config"])
-    torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun arranges
-    _init_process_group(config)
-    try:
-        train_run(config, args.arm, args.seed, args.out, args.launch_time)
-        dist.barrier()  # no rank leaves while another still has a collective in flight
-    finally:
-        dist.destroy_process_group()
-    # Skip interpreter teardown: gloo/DDP threads destroyed there occasionally abort the
-    # process ("terminate called without an active exception", SIGABRT) after all work is
-    # done and the summary is written, which torchrun would report as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_rank(config, args.arm, args.seed, args.out, args.launch_time)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""``sparsecomm run``: one paired run (arm x seed) as one rank of a job another launcher started.
+
+``sparsecomm compare`` launches its own ranks (torchrun, or one process per namespace on
+an emulated link). When the job is started by MPI or SLURM instead, every process runs
+this command; rank, world size and rendezvous come from the launcher
+(:mod:`sparsecomm.dist`)::
+
+    mpiexec -n 2 python -m sparsecomm run --experiment digits-quick --arm topk-ef --seed 0
+    mpiexec -n 2 python -m sparsecomm run --experiment digits-quick --arm dense --seed 0
+    sparsecomm ledger runs/digits-quick          # reads both, like after sparsecomm compare
+    srun -n 4 python -m sparsecomm run --config exp.json --arm topk-dgc --seed 1
+
+The run directory is the one ``sparsecomm compare`` would use (a finished run is not
+redone), so the ledger, the tolerance check and the plots read it unchanged. The world
+size is the number of processes started. Fault injection and restarts need torchrun's
+agent, so they are off here. ``setup`` in the ledger starts when this process starts
+(the launcher's own start-up is not counted).
+"""
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from sparsecomm.experiment.config import ARM_NAMES, ExperimentConfig
+from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsecomm run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="named experiments: " + ", ".join(EXPERIMENTS))
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
+                        help=f"named experiment (default: {DEFAULT_EXPERIMENT})")
+    source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
+    p.add_argument("--arm", required=True, choices=ARM_NAMES, help="the arm to run")
+    p.add_argument("--seed", required=True, type=int, help="the seed (an integer >= 0)")
+    p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
+    p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from sparsecomm.dist import discover
+
+    try:
+        if args.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
+        info = discover()
+        if info.world_size < 2:
+            raise ValueError(f"sparsecomm run needs >= 2 processes (found {info.world_size}, launcher "
+                             f"{info.launcher}): start it with e.g. mpiexec -n 2")
+        config = (ExperimentConfig.from_dict(json.loads(args.config.read_text())) if args.config
+                  else EXPERIMENTS[args.experiment]())
+        # The run is the one compare would make for this arm and seed; world size from the launcher.
+        seeds = config.seeds if args.seed in config.seeds else (*config.seeds, args.seed)
+        arms = config.arms if args.arm in config.arms else (*config.arms, args.arm)
+        config = replace(config, world_size=info.world_size, max_restarts=0, fault=None, seeds=seeds, arms=arms)
+        config = config.with_overrides(steps=args.steps)
+        if config.link != "loopback":
+            raise ValueError(f"the experiment's link is {config.link!r}: emulated links are built by sparsecomm "
+                             "compare, not under an external launcher; set link to 'loopback'")
+    except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
+        parser.error(str(error))
+    from sparsecomm.experiment.runner import run_directory, write_snapshot
+    from sparsecomm.experiment.worker import run_rank
+
+    out_dir = run_directory(config, args.out, args.arm, args.seed)
+    summary_path = out_dir / "summary.json"
+    if summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "ok":
+        if info.rank == 0:
+            print(f"{args.arm} seed {args.seed}: finished earlier, skipped ({out_dir})")
+        return 0
+    if info.rank == 0:
+        write_snapshot(config, args.out)
+        print(f"sparsecomm run: {args.arm} seed {args.seed}, {info.world_size} ranks ({info.launcher}) -> {out_dir}",
+              flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_rank(config, args.arm, args.seed, out_dir, started, announce=True)  # exits the process when done
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
