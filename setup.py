@@ -92,8 +92,17 @@ setup(
     ],
     extras_require={
         # Triton runs its kernels on GPUs, and on CPU in interpreter mode (tests).
-        "test": ["pytest", "pytest-timeout", "triton; platform_system == 'Linux'"],
+        # The framework integrations (sparsecomm.integrations) are tested too, so CI installs
+        # both. Neither caps torch, so pip keeps the torch installed first.
+        "test": ["pytest", "pytest-timeout", "triton; platform_system == 'Linux'", "lightning>=2.0", "accelerate>=1.0",
+                 "mpi4py", "mpich"],
         "triton": ["triton; platform_system == 'Linux'"],
+        # transport="mpi" and mpiexec launches: mpi4py's wheel runs on the mpich wheel's MPI.
+        "mpi": ["mpi4py", "mpich"],
+        # lightning.pytorch (the unified package) appeared in 2.0.
+        "lightning": ["lightning>=2.0"],
+        # Accelerator.register_save_state_pre_hook/register_load_state_pre_hook keep per-rank hook state.
+        "accelerate": ["accelerate>=1.0"],
     },
     entry_points={"console_scripts": ["sparsecomm=sparsecomm.cli:main"]},
     **_native_extension(),

@@ -1,0 +1,81 @@
+"""PyTorch Lightning DDP training with sparsecomm: one callback (the marked lines).
+
+    torchrun --standalone --nproc-per-node 2 experiments/examples/lightning_ddp.py --out DIR
+    torchrun --standalone --nproc-per-node 2 experiments/examples/lightning_ddp.py --out DIR --resume
+
+(``python experiments/examples/lightning_ddp.py`` works too: Lightning then starts the
+second process itself.) The same teacher/student task as ``plain_ddp.py``; Lightning's
+DistributedSampler gives every rank different samples. ``--out`` saves a checkpoint with
+every rank's hook state in it; ``--resume`` continues from it for ``--epochs`` more epochs.
+"""
+import argparse
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+from plain_ddp import student, teacher_dataset
+from sparsecomm.integrations import SparseCommCallback  # sparsecomm (1/2)
+
+
+class Student(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = student()
+
+    def training_step(self, batch, batch_index):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(teacher_dataset(4096), batch_size=32, shuffle=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--out", type=Path, default=None, help="write DIR/last.ckpt at the end")
+    parser.add_argument("--resume", action="store_true", help="continue from DIR/last.ckpt")
+    args = parser.parse_args(argv)
+
+    sparse = SparseCommCallback(density=args.density)  # sparsecomm (2/2)
+    checkpoint = args.out / "last.ckpt" if args.out is not None else None
+    # A checkpoint saved after fit() records the number of finished epochs.
+    done_epochs = torch.load(checkpoint, weights_only=True)["epoch"] if args.resume else 0
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),  # under torchrun: its process count
+        strategy="ddp",
+        callbacks=[sparse],
+        max_epochs=done_epochs + args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,
+    )
+    trainer.fit(Student(), ckpt_path=checkpoint if args.resume else None)
+    if checkpoint is not None:
+        # On every rank: the callback gathers all ranks' residuals into rank 0's file.
+        trainer.save_checkpoint(checkpoint, weights_only=False)
+    stats = sparse.state.stats()
+    loss = float(trainer.callback_metrics["loss"])
+    print(
+        f"rank {trainer.global_rank}: {stats['steps']} steps, {stats['sparse_calls']} sparse bucket reductions, "
+        f"sent {100 * stats['compression']:.1f}% of dense bytes, loss {loss:.3f}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Hugging Face Accelerate: register the top-k hook on the model ``accelerator.prepare`` returns.
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` accepts only its built-in
+hook types (fp16, bf16, PowerSGD), so the hook is registered after ``prepare``::
+
+    from sparsecomm.integrations import register_topk_hook_accelerate
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    state = register_topk_hook_accelerate(accelerator, model, density=0.01)
+
+Checkpoints: ``accelerator.register_for_checkpointing(obj)`` would call
+``obj.state_dict()`` on every process but write the result on the main process only
+(``accelerate.utils.save``), so every rank would resume with rank 0's residuals. Instead
+this module registers save/load pre-hooks on the accelerator: in ``save_state(dir)`` every
+process writes its own ``dir/sparsecomm_topk_{i}_rank{r}.pt`` (i: the order in which
+hooks were registered on this accelerator, r: ``accelerator.process_index``), and
+``load_state(dir)`` reads it back on the same process. That is how Accelerate keeps its
+own per-process RNG states (``random_states_{r}.pkl``), so the files live wherever those
+do: a shared directory, or a per-node one on each node.
+"""
+import os
+import weakref
+from pathlib import Path
+
+import torch
+
+from sparsecomm.hooks.register import register_topk_hook
+from sparsecomm.hooks.topk import TopKState
+from sparsecomm.integrations._common import import_framework
+
+accelerate = import_framework("accelerate", "accelerate", "accelerate")
+accelerate_utils = import_framework("accelerate.utils", "accelerate", "accelerate")
+
+# accelerator -> _PerRankCheckpoint; weak, so an accelerator that is dropped is not kept alive.
+_CHECKPOINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def hook_state_path(directory, index: int, process_index: int) -> Path:
+    """Where ``save_state(directory)`` puts process ``process_index``'s state of hook ``index``."""
+    return Path(directory) / f"sparsecomm_topk_{index}_rank{process_index}.pt"
+
+
+def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = None, *, optimizer=None,
+                                  strict_load: bool = True, **state_kwargs) -> TopKState:
+    """Register :func:`~sparsecomm.topk_hook` on a model prepared by ``accelerator``.
+
+    Call it after ``accelerator.prepare`` and before ``accelerator.load_state``. Hook
+    state is then saved and restored per process by ``save_state``/``load_state``.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
+        model: what ``accelerator.prepare`` returned: a DistributedDataParallel (or a
+            ``torch.compile`` wrapper of one).
+        state: a ready :class:`~sparsecomm.TopKState`; or pass its keyword arguments
+            (``density=...``) instead.
+        optimizer: warn if momentum correction is on and it applies momentum too.
+        strict_load: passed to :meth:`TopKState.load_state_dict` by ``load_state``;
+            False resets the residuals with a warning instead of refusing a state saved
+            with another world size or configuration.
+
+    Returns:
+        The registered state; ``state.stats()`` reports what this process sent.
+
+    Raises:
+        TypeError: ``accelerator`` is not an Accelerator, or ``model`` is not a DDP model
+            (single process, DeepSpeed, FSDP, XLA, or the unprepared module).
+        ValueError: ``DistributedDataParallelKwargs(comm_hook=...)`` is set or the model
+            already has a hook (DDP allows one), or bad TopKState arguments.
+    """
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if not isinstance(strict_load, bool):
+        raise TypeError(f"strict_load must be True or False, got {strict_load!r}")
+    ddp_model = _prepared_ddp(accelerator, model)
+    handler = accelerator.ddp_handler
+    if handler is not None and handler.comm_hook != accelerate_utils.DDPCommunicationHookType.NO:
+        raise ValueError(
+            f"DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType."
+            f"{getattr(handler.comm_hook, 'name', handler.comm_hook)}) is set, so accelerator.prepare "
+            "registered that hook; DDP allows one per model: leave comm_hook at its default "
+            "(DDPCommunicationHookType.NO) to use sparsecomm's hook"
+        )
+    state = register_topk_hook(ddp_model, state, optimizer=optimizer, **state_kwargs)
+    checkpoint = _CHECKPOINTS.get(accelerator)
+    if checkpoint is None:
+        checkpoint = _CHECKPOINTS[accelerator] = _PerRankCheckpoint(accelerator)
+    checkpoint.add(state, strict_load)
+    return state
+
+
+def _prepared_ddp(accelerator, model) -> torch.nn.parallel.DistributedDataParallel:
+    """The DDP model inside what ``accelerator.prepare`` returned."""
+    candidate = getattr(model, "_orig_mod", model)  # torch.compile (dynamo_backend) wraps the DDP model
+    if isinstance(candidate, torch.nn.parallel.DistributedDataParallel):
+        return candidate
+    raise TypeError(
+        f"model must be the DistributedDataParallel model returned by accelerator.prepare, got "
+        f"{type(model).__name__} (accelerator.distributed_type={accelerator.distributed_type}, "
+        f"num_processes={accelerator.num_processes}); Accelerate wraps the model in DDP only for "
+        "MULTI_GPU/MULTI_CPU (and other MULTI_*) runs with more than one process (accelerate launch "
+        "--num_processes N, or torchrun); DeepSpeed, FSDP and XLA do not use DDP communication hooks"
+    )
+
+
+class _PerRankCheckpoint:
+    """Save/load pre-hooks that write and read one file per (hook, process)."""
+
+    def __init__(self, accelerator):
+        self._accelerator = weakref.ref(accelerator)
+        self._states: list[tuple[TopKState, bool]] = []
+        accelerator.register_save_state_pre_hook(self._save)
+        accelerator.register_load_state_pre_hook(self._load)
+
+    def add(self, state: TopKState, strict_load: bool) -> None:
+        self._states.append((state, strict_load))
+
+    def _save(self, models, weights, output_dir) -> None:
+        process_index = self._accelerator().process_index
+        for index, (state, _) in enumerate(self._states):
+            path = hook_state_path(output_dir, index, process_index)
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(state.state_dict(), tmp)
+            os.replace(tmp, path)  # never a half-written file under the final name
+
+    def _load(self, models, input_dir) -> None:
+        process_index = self._accelerator().process_index
+        for index, (state, strict_load) in enumerate(self._states):
+            path = hook_state_path(input_dir, index, process_index)
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} not found: process {process_index} has no saved state for sparsecomm hook "
+                    f"{index} in {input_dir} (saved with fewer processes, or before "
+                    "register_topk_hook_accelerate was called for this model)"
+                )
+            state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=strict_load)

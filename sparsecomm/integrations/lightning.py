@@ -1,0 +1,123 @@
+"""PyTorch Lightning: register the top-k hook on the model Lightning wraps in DDP.
+
+Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only when the root
+device is CUDA; on CPU (gloo) it silently trains dense. :class:`SparseCommCallback`
+registers :func:`~sparsecomm.topk_hook` on any device and keeps the hook state in
+Lightning checkpoints::
+
+    from sparsecomm.integrations import SparseCommCallback
+
+    trainer = Trainer(strategy="ddp", callbacks=[SparseCommCallback(density=0.01)])
+
+When: ``DDPStrategy.setup()`` wraps the LightningModule in DDP, and ``Trainer._run``
+calls the callbacks' ``on_fit_start`` right after it, before the first batch: the only
+hook point that sees the DDP model and precedes any backward pass. ``setup()``, which
+runs earlier, checks the strategy so that a wrong one fails before DDP is built.
+
+Checkpoints: every rank's residuals differ, but Lightning's DDP strategy writes the
+checkpoint on global rank 0 only. :meth:`SparseCommCallback.state_dict` (called on every
+rank while Lightning assembles a checkpoint) therefore gathers all ranks' hook states to
+rank 0, which stores them together under rank-qualified keys; on resume every rank reads
+the same file and :meth:`TopKState.load_state_dict` takes its own entries. Gathering
+keeps the checkpoint one self-contained file, so whatever Lightning does with it
+(``ModelCheckpoint`` retention, remote ``CheckpointIO``, copying it elsewhere) keeps the
+residuals with the weights; a side file per rank would need a shared file system and
+would outlive deleted checkpoints. The cost: rank 0 holds and writes world_size copies of
+the residual (one float per parameter per rank, plus velocities with momentum).
+"""
+import torch
+
+from sparsecomm.hooks.register import register_topk_hook
+from sparsecomm.hooks.topk import TopKState
+from sparsecomm.integrations._common import check_state_options, gather_state_dicts, import_framework
+
+pl = import_framework("lightning.pytorch", "lightning", "lightning")
+strategies = import_framework("lightning.pytorch.strategies", "lightning", "lightning")
+
+
+class SparseCommCallback(pl.Callback):
+    """Top-k + error-feedback gradient reduction for a Lightning DDP run.
+
+    Args:
+        density: fraction of each bucket sent (see :class:`~sparsecomm.TopKState`).
+        strict_load: passed to :meth:`TopKState.load_state_dict` on resume. False resets
+            the residuals with a warning instead of refusing a checkpoint from another
+            world size or hook configuration.
+        **state_options: any other :class:`~sparsecomm.TopKState` keyword argument
+            (``error_feedback``, ``momentum``, ``warmup_steps``, ``selector``, ...), checked
+            here; ``module`` and ``process_group`` come from the DDP model.
+
+    Attributes:
+        state: the :class:`~sparsecomm.TopKState` once ``fit`` has started (None before);
+            ``callback.state.stats()`` reports what this rank sent.
+
+    Raises (when ``fit`` starts, on every rank, before the first step):
+        TypeError: the strategy is not a ``DDPStrategy``, or did not wrap the model in
+            ``torch.nn.parallel.DistributedDataParallel``.
+        ValueError: ``DDPStrategy(ddp_comm_hook=...)`` is set, or the DDP model already
+            has a communication hook (DDP allows one).
+    """
+
+    def __init__(self, density: float = 0.01, *, strict_load: bool = True, **state_options):
+        if not isinstance(strict_load, bool):
+            raise TypeError(f"strict_load must be True or False, got {strict_load!r}")
+        self.strict_load = strict_load
+        self._options = check_state_options("SparseCommCallback", {"density": density, **state_options})
+        self.state: TopKState | None = None
+        # A checkpoint's hook state arrives (load_state_dict) before the strategy builds
+        # DDP and on_fit_start creates the state; it waits here until then.
+        self._state_to_load: dict | None = None
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, strategies.DDPStrategy):
+            raise TypeError(
+                f"SparseCommCallback needs trainer strategy DDPStrategy (strategy='ddp', 'ddp_spawn', "
+                f"'ddp_notebook' or DDPStrategy(...)), got {type(strategy).__name__}"
+            )
+        if getattr(strategy, "_ddp_comm_hook", None) is not None:
+            raise ValueError(
+                f"DDPStrategy(ddp_comm_hook={strategy._ddp_comm_hook!r}) is set and SparseCommCallback "
+                "registers its own hook; DDP allows one: remove ddp_comm_hook (on CPU Lightning would "
+                "ignore it anyway)"
+            )
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        ddp_model = trainer.strategy.model
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                f"SparseCommCallback: {type(trainer.strategy).__name__} wrapped the model in "
+                f"{type(ddp_model).__name__}, not torch.nn.parallel.DistributedDataParallel; the top-k "
+                "hook is a DDP communication hook (use strategy='ddp')"
+            )
+        # DDP keeps (hook, state) pairs in _comm_hooks (see sparsecomm.hooks.register).
+        registered = getattr(ddp_model, "_comm_hooks", [])
+        if registered:
+            names = ", ".join(getattr(hook, "__qualname__", repr(hook)) for hook, _ in registered)
+            raise ValueError(
+                f"SparseCommCallback: the DDP model already has a communication hook ({names}); DDP allows "
+                "one per model: remove the other hook or this callback"
+            )
+        if self.state is None:
+            self.state = TopKState(ddp_model.process_group, module=ddp_model, **self._options)
+        register_topk_hook(ddp_model, self.state)
+        for optimizer in trainer.optimizers:
+            self.state.check_optimizer(optimizer)
+        if self._state_to_load is not None:
+            self.state.load_state_dict(self._state_to_load, strict=self.strict_load)
+            self._state_to_load = None
+
+    def state_dict(self) -> dict:
+        """Every rank's hook state on rank 0 (collective: Lightning calls it on all ranks)."""
+        if self.state is None:
+            return {}
+        return gather_state_dicts(self.state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore this rank's entries, now or (before ``fit`` has built DDP) in on_fit_start."""
+        if self.state is None:
+            self._state_to_load = state_dict
+        else:
+            self.state.load_state_dict(state_dict, strict=self.strict_load)

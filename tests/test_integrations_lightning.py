@@ -1,0 +1,190 @@
+"""SparseCommCallback inside a real Lightning DDP fit: 2 gloo ranks, different data per rank.
+
+One spawned run covers the expensive parts (Lightning takes seconds to import per rank):
+the hook runs sparse on CPU, a checkpoint holds every rank's residuals and a resumed fit
+gives each rank its own back bit for bit, and the two ways of registering a second hook
+are refused. Checks that need no process group run in this process.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multiprocess import run_on_ranks
+
+STEPS, MORE_STEPS = 6, 2
+DENSITY = 0.01
+
+
+@pytest.fixture(scope="module")
+def pl():
+    return pytest.importorskip("lightning.pytorch")
+
+
+def _module_and_data(pl):
+    """A LightningModule on a regression task; the dataset is the same on every rank and
+    Lightning's DistributedSampler gives each rank a different half of it."""
+
+    class Regressor(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+        def training_step(self, batch, batch_index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 16, generator=generator)
+    data = torch.utils.data.TensorDataset(x, x[:, :4].sin())
+    return Regressor, torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _trainer(pl, callbacks, max_steps, root, **strategy_kwargs):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return pl.Trainer(
+        accelerator="cpu", devices=2, num_nodes=1, strategy=DDPStrategy(**strategy_kwargs), callbacks=callbacks,
+        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
+    )
+
+
+def _residuals(state):
+    return {k: v for k, v in state.state_dict().items() if ".residual." in k}
+
+
+def _lightning_worker(rank, world_size, root):
+    # run_on_ranks already joined the gloo group; Lightning sees LOCAL_RANK, takes the
+    # processes as launched externally and keeps the existing group.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    import lightning.pytorch as pl
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from sparsecomm.integrations import SparseCommCallback
+
+    Regressor, loader = _module_and_data(pl)
+    checkpoint = os.path.join(root, "run.ckpt")
+
+    callback = SparseCommCallback(density=DENSITY)
+    trainer = _trainer(pl, [callback], STEPS, root)
+    model = Regressor()
+    trainer.fit(model, loader)
+    trainer.save_checkpoint(checkpoint, weights_only=False)
+    saved_residuals, stats = _residuals(callback.state), callback.state.stats()
+    params = [p.detach().clone() for p in model.parameters()]
+
+    class Probe(pl.Callback):
+        """Records the restored residuals after Lightning restored everything, before step 1."""
+
+        def on_train_start(self, trainer, pl_module):
+            self.residuals = _residuals(resumed.state)
+            self.steps = resumed.state.step
+
+    resumed, probe = SparseCommCallback(density=DENSITY), Probe()
+    trainer = _trainer(pl, [resumed, probe], STEPS + MORE_STEPS, root)
+    trainer.fit(Regressor(), loader, ckpt_path=checkpoint)
+    resumed_stats = resumed.state.stats()
+
+    errors = {}
+    try:
+        _trainer(pl, [SparseCommCallback(density=DENSITY)], 1, root, ddp_comm_hook=allreduce_hook).fit(
+            Regressor(), loader)
+    except ValueError as error:
+        errors["ddp_comm_hook"] = str(error)
+
+    class OtherHook(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainer.strategy.model.register_comm_hook(None, allreduce_hook)
+
+    try:
+        _trainer(pl, [OtherHook(), SparseCommCallback(density=DENSITY)], 1, root).fit(Regressor(), loader)
+    except ValueError as error:
+        errors["second_hook"] = str(error)
+    return dict(saved=saved_residuals, stats=stats, params=params, restored=probe.residuals,
+                restored_step=probe.steps, resumed_stats=resumed_stats, errors=errors)
+
+
+@pytest.mark.timeout(120)
+def test_fit_runs_sparse_and_resume_restores_each_ranks_residuals(pl, tmp_path):
+    results = run_on_ranks(_lightning_worker, str(tmp_path), timeout=110)
+    for rank, r in enumerate(results):
+        stats = r["stats"]
+        # On CPU Lightning's own ddp_comm_hook would be ignored: the callback really ran the
+        # hook, and after the 2 dense warm-up steps every reduction was sparse.
+        assert stats["steps"] == STEPS and stats["warmup_calls"] == 2
+        assert stats["sparse_calls"] == STEPS - 2 and stats["fallback_calls"] == 0
+        # k = ceil(density * numel): at most one entry per bucket above the density.
+        assert stats["effective_density"] <= DENSITY + stats["sparse_calls"] / stats["elements_sparse"]
+        assert stats["bytes_sent"] < 0.4 * stats["bytes_dense"]  # dense warm-up + 4 steps at ~2%
+        # The resumed fit started from the checkpoint's step, restored this rank's residual
+        # bit for bit (not rank 0's), and went on sparse with no new warm-up.
+        assert r["restored_step"] == STEPS
+        assert r["restored"].keys() == r["saved"].keys()
+        assert all(k.startswith(f"rank{rank}.") for k in r["restored"])
+        for key, saved in r["saved"].items():
+            assert torch.equal(r["restored"][key], saved), f"rank {rank}: {key} not restored bit for bit"
+        resumed = r["resumed_stats"]
+        assert resumed["steps"] == STEPS + MORE_STEPS
+        assert resumed["warmup_calls"] == 2 and resumed["sparse_calls"] == STEPS + MORE_STEPS - 2
+        assert "ddp_comm_hook" in r["errors"]["ddp_comm_hook"] and "allreduce_hook" in r["errors"]["ddp_comm_hook"]
+        assert "already has a communication hook (allreduce_hook)" in r["errors"]["second_hook"]
+    # Different data per rank: every residual differs between the ranks, yet the replicas agree.
+    saved0, saved1 = results[0]["saved"], results[1]["saved"]
+    for key0, key1 in zip(sorted(saved0), sorted(saved1)):
+        assert key0.replace("rank0.", "rank1.") == key1
+        assert not torch.equal(saved0[key0], saved1[key1]), f"{key0}: ranks hold the same residual"
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+    # Rank 0 wrote one file holding both ranks' residuals, bit for bit.
+    stored = torch.load(tmp_path / "run.ckpt", weights_only=True)["callbacks"]["SparseCommCallback"]
+    for key, value in {**saved0, **saved1}.items():
+        assert torch.equal(stored[key], value)
+
+
+def test_strategy_without_ddp_is_refused(pl, tmp_path):
+    from sparsecomm.integrations import SparseCommCallback
+
+    Regressor, loader = _module_and_data(pl)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[SparseCommCallback()], max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(TypeError, match="needs trainer strategy DDPStrategy.*got SingleDeviceStrategy"):
+        trainer.fit(Regressor(), loader)
+
+
+def test_two_callbacks_and_bad_options_are_refused(pl):
+    from sparsecomm.integrations import SparseCommCallback
+
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `SparseCommCallback`"):
+        pl.Trainer(accelerator="cpu", callbacks=[SparseCommCallback(), SparseCommCallback()], logger=False)
+    with pytest.raises(ValueError, match="density"):
+        SparseCommCallback(density=0.0)
+    with pytest.raises(TypeError, match="module cannot be given"):
+        SparseCommCallback(module=torch.nn.Linear(1, 1))
+    with pytest.raises(TypeError, match="strict_load must be True or False"):
+        SparseCommCallback(strict_load="yes")
+
+
+def test_importing_sparsecomm_needs_no_framework_and_names_the_extra():
+    code = (
+        "import sys\n"
+        "for name in ('lightning', 'lightning.pytorch', 'accelerate'):\n"
+        "    sys.modules[name] = None  # as if not installed\n"
+        "import sparsecomm, sparsecomm.integrations\n"
+        "for attr, extra in (('SparseCommCallback', 'lightning'), ('register_topk_hook_accelerate', 'accelerate')):\n"
+        "    try:\n"
+        "        getattr(sparsecomm.integrations, attr)\n"
+        "    except ImportError as error:\n"
+        "        assert f\"pip install 'sparsecomm[{extra}]'\" in str(error), error\n"
+        "    else:\n"
+        "        raise AssertionError(attr + ' imported without its framework')\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
