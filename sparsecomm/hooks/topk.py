@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import compress, ops
-from sparsecomm.comm import allgather_future, allreduce_future
+from sparsecomm.comm import TRANSPORTS, allgather_future, allreduce_future
+from sparsecomm.comm import mpi_allgatherv
+from sparsecomm.compress.error_feedback import divide_
 from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.compress.sampled_threshold import MIN_SAMPLE, SAMPLE_FRACTION
 from sparsecomm.errors import ConservationError
 from sparsecomm.hooks.density_schedule import DensitySchedule
 from sparsecomm.hooks.events import HookEvent
@@ -32,6 +35,7 @@ from sparsecomm.hooks.validation import (
     check_choice,
     check_int,
     check_real,
+    check_transport,
     check_value_dtype,
 )
 
@@ -52,6 +56,7 @@ _STAT_NAMES = (
     "seconds_select_pack",  # host time: error feedback + selection + packing
     "seconds_unpack",  # host time: scatter-add of the gathered payloads
     "residual_reset",  # residuals were reset by a lenient load (error feedback restarted)
+    "seconds_count_exchange",  # host time blocked exchanging payload sizes (transport="mpi", sampled)
 )
 
 
@@ -88,7 +93,15 @@ class TopKState:
        (random-k: same indices on all ranks, values allreduced; the cheap baseline).
     6. ``value_dtype``: dtype of values on the wire (None: the bucket's dtype). A
        narrower dtype's rounding error stays in the residual, so it is compensated too.
-    7. ``density_schedule``: start denser and reach ``density`` in stages (DGC's warm-up):
+    7. ``transport``: how the sparse payloads are all-gathered. ``"c10d"`` (default)
+       uses the process group (gloo/NCCL), every rank sending a payload of capacity k.
+       ``"mpi"`` uses MPI ``Iallgatherv`` (mpi4py; CPU tensors, the default process group,
+       launched by mpiexec): with ``selector="sampled"`` and ``k_scope="bucket"`` each
+       rank then sends only the entries above its sampled threshold (at most k), a
+       different number per rank, after a small blocking exchange of the sizes; other
+       selections send the same bytes as c10d (same results, bit for bit). Dense
+       allreduces (warm-up, fallback) always use the process group.
+    8. ``density_schedule``: start denser and reach ``density`` in stages (DGC's warm-up):
        ``{"kind": "exponential", "steps": N, "stages": 4}`` (each stage sends about a
        quarter of the previous one), a list of ``(first_step, density)`` pairs ending at
        ``density``, or a :class:`~sparsecomm.hooks.density_schedule.DensitySchedule`.
@@ -112,6 +125,9 @@ class TopKState:
         verify_conservation: check ``sent + new_residual == grad/ws + old_residual``
             bit for bit on every sparse call and raise :class:`ConservationError`
             otherwise. Costs two extra passes and a temporary; meant for tests/audits.
+        transport: ``"c10d"`` or ``"mpi"`` (see 7. above; docs/mpi.md). ``"mpi"`` needs
+            mpi4py, CPU buckets, the default process group and a job started by mpiexec;
+            the first hook call checks that, on every rank, before any collective.
     """
 
     __slots__ = (
@@ -130,6 +146,7 @@ class TopKState:
         "allow_dense_fallback",
         "verify_conservation",
         "k_scope",
+        "transport",  # "c10d" | "mpi": who all-gathers the sparse payloads
         # The fields below are internal state.
         "process_group",
         "step",
@@ -145,6 +162,7 @@ class TopKState:
         "_observers",  # callables receiving HookEvents (monitors, fault injectors)
         "_pending",  # collectives issued whose result has not been delivered yet
         "_rank",  # this process's rank in the group, cached on first use
+        "_mpi",  # MPIAllgatherv, built by the first hook call when transport == "mpi"
     )
 
     def __init__(
@@ -165,6 +183,7 @@ class TopKState:
         density_schedule=None,
         nesterov: bool = False,
         local_clip_norm: float | None = None,
+        transport: str = "c10d",
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -200,6 +219,7 @@ class TopKState:
             )
         if self.verify_conservation and not self.error_feedback:
             raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
+        self.transport = check_transport(transport, self.selector)
         self.process_group = process_group
         self.step = 0
         self._param_names: dict[int, str] = {}
@@ -215,8 +235,13 @@ class TopKState:
         self._observers = []
         self._pending = 0
         self._rank = None
+        self._mpi = None
         if module is not None:
             self.bind(module)
+        if self.transport == "mpi" and dist.is_initialized():
+            # Fail at construction when we can (every rank reaches the same verdict here).
+            comm = mpi_allgatherv.import_mpi().COMM_WORLD
+            mpi_allgatherv.check_matches_process_group(self._group(), comm, compare_ranks=False)
 
     # ----- parameter names -------------------------------------------------------------
 
@@ -290,6 +315,16 @@ class TopKState:
         group = self._group()
         return dist.get_rank(group), dist.get_world_size(group)
 
+    def _mpi_transport(self) -> mpi_allgatherv.MPIAllgatherv:
+        """The MPI transport, built and checked on the first hook call (before any collective)."""
+        if self._mpi is None:
+            MPI = mpi_allgatherv.import_mpi()
+            # Includes an all-gather over MPI (every rank's first hook call), so all ranks
+            # raise alike.
+            mpi_allgatherv.check_matches_process_group(self._group(), MPI.COMM_WORLD)
+            self._mpi = mpi_allgatherv.MPIAllgatherv(MPI.COMM_WORLD)
+        return self._mpi
+
     # ----- stats -----------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -307,6 +342,7 @@ class TopKState:
         s["density"] = self.current_density()
         s["effective_density"] = s["elements_sent"] / s["elements_sparse"] if s["elements_sparse"] else None
         s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
+        s["transport"] = self.transport
         return s
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -444,6 +480,7 @@ class TopKState:
                 "save between steps, after backward() and optimizer.step() returned"
             )
         state = {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
+        state["_mpi"] = None  # a communicator and a thread of this process
         state["_observers"] = []  # observers belong to this process (monitors, injectors)
         state["_rank"] = None
         if self._sample_generator is not None:
@@ -453,6 +490,7 @@ class TopKState:
 
     def __setstate__(self, state: dict) -> None:
         generator_state = state.pop("_sample_generator")
+        state = {"transport": "c10d", "_mpi": None} | state  # pickles from before transports existed
         for name, value in state.items():
             setattr(self, name, value)
         self.process_group = None
@@ -682,7 +720,103 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k,
         state._count(seconds_unpack=time.perf_counter() - unpack_started)
         return buffer
 
-    return allgather_future(gathered, payload, group).then(unpack)
+    if state.transport == "mpi":  # same bytes as c10d, so the same result bit for bit
+        fut = state._mpi.allgatherv(payload, gathered, [payload.numel()] * world_size)
+    else:
+        fut = allgather_future(gathered, payload, group)
+    return fut.then(unpack)
+
+
+def _sampled_threshold(grad, residual, divisor: float, k: int, generator) -> float:
+    """Magnitude of the k-th largest entry of ``acc = grad / divisor (+ residual)``, estimated
+    from a ~1% sample (as the sampled selector); exact when the bucket is small."""
+    n = grad.numel()
+    num_samples = min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_FRACTION * n)))
+    index = slice(None) if num_samples == n else torch.randint(n, (num_samples,), generator=generator,
+                                                               device=grad.device)
+    sample = divide_(grad[index].clone(), divisor)  # rounded as the hook's own compensation
+    if residual is not None:
+        sample.add_(residual[index])
+    k_sample = max(1, math.ceil(k * num_samples / n))
+    return float(torch.topk(sample.abs().float(), k_sample, sorted=False).values.min())
+
+
+def _sparse_threshold_variable(state, bucket, buffer, names, numels, world_size, k, value_dtype):
+    """Sampled selector over MPI: send the entries above this rank's threshold, however many.
+
+    The threshold is estimated from a sample (DGC), so the count differs per rank and step;
+    it is capped at the payload capacity k (entries beyond it, lowest indices kept, stay in
+    the residual). Each rank's payload is ``[m int32 indices | m values | pad to 8 bytes]``;
+    the sizes are exchanged first (blocking, here in the hook body), then the payloads are
+    all-gathered back to back in rank order and scatter-added in rank order.
+    """
+    started = time.perf_counter()
+    payload, gathered = state._wire_buffers(bucket.index(), k, value_dtype, world_size, buffer.device)
+    fused = state.momentum == 0 and state.local_clip_norm is None and not state._observers \
+        and not state.verify_conservation
+    if fused:  # the kernel computes acc = grad / ws + residual itself; buffer keeps grad
+        velocity = None
+        residual = (state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
+                    if state.error_feedback else None)
+        divisor, add_residual = float(world_size), residual is not None
+    else:
+        velocity, residual = _compensated(state, bucket, buffer, names, numels, world_size, state.error_feedback)
+        divisor, add_residual = 1.0, False
+    acc_before = buffer.clone() if state.verify_conservation else None
+    threshold = _sampled_threshold(buffer, residual if add_residual else None, divisor, k,
+                                   state._generator(buffer.device))
+    index_view = ops.payload_views(payload, k, value_dtype)[0][0]
+    values = torch.empty(k, dtype=value_dtype, device=buffer.device)
+    m = int(ops.ef_threshold_pack(buffer, residual, divisor, add_residual, threshold, index_view, values))
+    # Compact to [m indices | m values | pad]: the values move from offset 4k down to 4m.
+    nbytes = payload_nbytes(m, value_dtype)
+    value_bytes = m * value_dtype.itemsize
+    payload[4 * m : 4 * m + value_bytes].copy_(values[:m].view(torch.uint8))
+    payload[4 * m + value_bytes : nbytes].zero_()
+    send = payload[:nbytes]
+    indices = index_view[:m]
+    if velocity is not None:
+        velocity[indices.long()] = 0  # momentum factor masking (DGC): sent velocity starts over
+    state._emit("packed", bucket, names, numels, False, acc=buffer, residual=residual, indices=indices, payload=send)
+    if acc_before is not None:
+        sent = _unpack_variable(send, [m], torch.empty_like(buffer), value_dtype)
+        _check_conservation(acc_before, residual, sent, bucket.index(), state.step)
+    select_pack_seconds = time.perf_counter() - started
+    exchange_started = time.perf_counter()
+    counts = state._mpi.allgather_counts(m)  # entries per rank
+    exchange_seconds = time.perf_counter() - exchange_started
+    state._count(
+        sparse_calls=1,
+        elements_total=buffer.numel(),
+        elements_sparse=buffer.numel(),
+        elements_sent=m,
+        bytes_dense=buffer.numel() * buffer.element_size(),
+        bytes_sent=nbytes,
+        seconds_select_pack=select_pack_seconds,
+        seconds_count_exchange=exchange_seconds,
+    )
+
+    def unpack(fut: torch.futures.Future) -> torch.Tensor:
+        unpack_started = time.perf_counter()
+        _unpack_variable(fut.value(), counts, buffer, value_dtype)
+        state._count(seconds_unpack=time.perf_counter() - unpack_started)
+        return buffer
+
+    byte_counts = [payload_nbytes(count, value_dtype) for count in counts]
+    return state._mpi.allgatherv(send, gathered, byte_counts).then(unpack)
+
+
+def _unpack_variable(gathered: torch.Tensor, counts, out: torch.Tensor, value_dtype) -> torch.Tensor:
+    """Overwrite ``out`` with the sum of back-to-back payloads of ``counts[r]`` entries, in rank order."""
+    out.zero_()
+    offset = 0
+    for m in counts:
+        nbytes = payload_nbytes(m, value_dtype)
+        if m:  # onto zeros in rank order: the same additions as the fixed-size unpack
+            indices, values = ops.payload_views(gathered[offset : offset + nbytes], m, value_dtype)
+            ops.unpack_add(indices, values, out, False)
+        offset += nbytes
+    return out
 
 
 def _sparse_random(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype):
@@ -746,7 +880,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     4. Keep ``acc - sent`` as the new residual (so ``sent + residual == acc`` exactly).
     5. All-gather the fixed-size payloads (one collective per bucket) and scatter-add
        them into the bucket buffer in place: the result is the average over ranks of
-       what each sent. Random-k allreduces the values instead.
+       what each sent. Random-k allreduces the values instead. With
+       ``transport="mpi"`` the all-gather is MPI's ``Iallgatherv``; the sampled selector
+       then sends a variable number of entries per rank (sizes exchanged first).
     If the sparse payload would not be smaller than the dense buffer, step 5 becomes a
     dense allreduce of ``acc`` and the residual is cleared.
 
@@ -775,6 +911,11 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         raise ValueError("topk_hook: value_dtype=torch.bfloat16 cannot carry float16 gradients losslessly "
                          "(values near 65504 decode to Inf); use value_dtype torch.float16 or torch.float32")
     group = state._group()
+    if state.transport == "mpi":
+        if buffer.device.type != "cpu":
+            raise ValueError(f"topk_hook: transport='mpi' needs CPU gradients (this MPI reads host memory), got a "
+                             f"bucket on {buffer.device}; use transport='c10d' (NCCL) for GPU buckets")
+        state._mpi_transport()  # first call: checks the MPI world against the group
     world_size = dist.get_world_size(group)
     names, numels = state._bucket_layout(bucket)
     numel = buffer.numel()
@@ -796,8 +937,12 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
                     f"bucket {bucket.index()} has {numel} elements; int32 indices allow at most "
                     f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb"
                 )
-            reduce_sparse = _sparse_random if state.selector == "random" else _sparse_topk
-            fut = reduce_sparse(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype)
+            if state.selector == "random":
+                fut = _sparse_random(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype)
+            elif state.transport == "mpi" and state.selector == "sampled" and state.k_scope == "bucket":
+                fut = _sparse_threshold_variable(state, bucket, buffer, names, numels, world_size, k, value_dtype)
+            else:
+                fut = _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k, value_dtype)
     except BaseException:
         state._pending -= 1
         raise

@@ -2,6 +2,7 @@
 
 They run when a State is built, so bad input fails before DDP issues any collective.
 """
+import importlib.util
 import math
 import numbers
 
@@ -49,3 +50,27 @@ def check_value_dtype(value) -> torch.dtype | None:
         return value
     allowed = ", ".join(["None"] + [str(d) for d in VALUE_DTYPES])
     raise ValueError(f"value_dtype must be one of {allowed}; got {value!r}")
+
+
+def check_transport(transport, selector: str) -> str:
+    """``transport`` if it is usable here with ``selector``, else ValueError naming it.
+
+    Only what needs no process group and does not start MPI is checked here; the first
+    hook call checks the MPI world against the process group (see TopKState).
+    """
+    from sparsecomm.comm import TRANSPORTS
+
+    check_choice("transport", transport, TRANSPORTS)
+    if transport != "mpi":
+        return transport
+    if importlib.util.find_spec("mpi4py") is None:
+        raise ValueError(
+            "transport='mpi' needs mpi4py, which is not installed (pip install mpi4py mpich, or "
+            f"sparsecomm[mpi]); transport must be one of {', '.join(map(repr, TRANSPORTS))}"
+        )
+    if selector == "random":
+        raise ValueError(
+            "transport='mpi' all-gathers sparse payloads, but selector='random' allreduces its values over "
+            "the process group and would never use it: use transport='c10d' with selector='random'"
+        )
+    return transport
