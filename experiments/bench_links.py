@@ -109,11 +109,13 @@ def main(argv=None) -> int:
         for result in results:
             if source is None or result["link"] == "loopback":
                 continue
-            check = costmodel.validate(source["run_dir"], result["run_dir"])
-            validations.append({"link": result["link"], "rows": [
-                {"arm": row.arm, "predicted_step_seconds": row.predicted.value,
-                 "measured_step_seconds": row.measured_step_s, "relative_error": row.relative_error}
-                for row in check.rows]})
+            for alpha_from_run in (False, True):
+                check = costmodel.validate(source["run_dir"], result["run_dir"], alpha_from_run=alpha_from_run)
+                validations.append({"link": result["link"], "alpha_us": check.scenario.alpha_s * 1e6,
+                                    "alpha_source": check.scenario.alpha_source, "rows": [
+                    {"arm": row.arm, "predicted_step_seconds": row.predicted.value,
+                     "measured_step_seconds": row.measured_step_s, "relative_error": row.relative_error}
+                    for row in check.rows]})
     _print_tables(results, validations)
     args.json.write_text(json.dumps({
         "config": {**base.to_dict(), "links": args.links},
@@ -142,14 +144,16 @@ def _print_tables(results: list[dict], validations: list[dict]) -> None:
         wins = [r["link"] for r in results for row in r["arms"] if row["arm"] == arm and row["verdict"] == "equivalent"
                 and row["time_to_target_ratio"] is not None and row["time_to_target_ratio"] < 1]
         print(f"  {arm:<11} {', '.join(wins) if wins else 'on none of the links measured'}")
-    if validations:
-        print("\ncost model (sparsecomm project --against) predicting each emulated link's step from the loopback run:")
+    for alpha_source in dict.fromkeys(v["alpha_source"] for v in validations):
+        chosen = [v for v in validations if v["alpha_source"] == alpha_source]
+        print(f"\ncost model (sparsecomm project --against) predicting each emulated link's step from the loopback "
+              f"run, alpha {chosen[0]['alpha_us']:.0f} us per message ({alpha_source}):")
         print(f"  {'link':<9} {'arm':<11} {'predicted ms':>12} {'measured ms':>11} {'error':>7}")
-        for v in validations:
+        for v in chosen:
             for row in v["rows"]:
                 print(f"  {v['link']:<9} {row['arm']:<11} {row['predicted_step_seconds'] * 1e3:>12.1f} "
                       f"{row['measured_step_seconds'] * 1e3:>11.1f} {row['relative_error']:>+7.1%}")
-        errors = [abs(row["relative_error"]) for v in validations for row in v["rows"]]
+        errors = [abs(row["relative_error"]) for v in chosen for row in v["rows"]]
         print(f"  mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} over {len(errors)} (link, arm) pairs")
 
 

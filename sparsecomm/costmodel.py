@@ -45,6 +45,7 @@ change with density; a ring is the collective's algorithm; PowerSGD's callback c
 
     sparsecomm project RUN_DIR --workers 32 --link 100gbit
     sparsecomm project RUN_DIR --against OTHER_RUN_DIR     (predicted vs measured step)
+    sparsecomm project RUN_DIR --against OTHER_RUN_DIR --alpha-from-run   (alpha measured in RUN_DIR)
 
 Needs no torch.
 """
@@ -287,6 +288,25 @@ def read_run(run_dir: str | Path) -> RunInputs:
     buckets, source = _buckets_per_step(runs, config, max(a.bytes_dense for a in arms))
     return RunInputs(str(run_dir), str(config.get("name", Path(run_dir).name)), str(config.get("link", "loopback")),
                      world_size, buckets, source, target, arms)
+
+
+def measured_alpha_s(run: RunInputs) -> float | None:
+    """Per-message cost seen in ``run``: the sparse arm with the fewest bytes, its comm wait
+    less its modelled unpack, per message ((p-1) x buckets); None without a sparse arm.
+
+    On a run whose link carries its payload in microseconds (a few kB on loopback), what
+    remains of the wait is the fixed cost of one collective on that machine: gloo's
+    threads, the kernel, and ranks sharing cores. It is a property of the machine the run
+    was measured on, not of a network: use it to validate the model on that machine
+    (``--alpha-from-run``), not to project onto a cluster.
+    """
+    sparse = [a for a in run.arms if a.sparse and a.comm_wait_s is not None and a.bytes_sent]
+    if not sparse:
+        return None
+    arm = min(sparse, key=lambda a: a.bytes_sent)
+    unpack = (unpack_seconds(arm.bytes_sent / arm.payload_element_bytes, run.world_size, arm.unpack_adds_per_s)
+              if arm.unpack_adds_per_s else 0.0)
+    return max(0.0, arm.comm_wait_s - unpack) / ((run.world_size - 1) * run.buckets_per_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,7 +703,8 @@ class Validation:
 
 
 def validate(source_dir: str | Path, other_dir: str | Path, *, alpha_us: float | None = None,
-             overlap: bool = False, unpack_adds_per_s: float | None = None) -> Validation:
+             overlap: bool = False, unpack_adds_per_s: float | None = None,
+             alpha_from_run: bool = False) -> Validation:
     """Predict ``other_dir``'s per-arm step from ``source_dir``'s compute/compress + the model.
 
     The model is evaluated at the other run's link (its config ``link``) and world size.
@@ -697,6 +718,13 @@ def validate(source_dir: str | Path, other_dir: str | Path, *, alpha_us: float |
                          "(validate against a run with an emulated link, e.g. --link 1gbit)")
     scenario = make_scenario(other.world_size, link, alpha_us=alpha_us, overlap=overlap,
                              unpack_adds_per_s=unpack_adds_per_s)
+    if alpha_from_run:
+        alpha = measured_alpha_s(source)
+        if alpha is None:
+            raise ValueError(f"{source_dir}: --alpha-from-run needs a top-k arm to measure the per-message cost from")
+        scenario = replace(scenario, alpha_s=alpha,
+                           alpha_source="measured in the source run: its smallest sparse arm's comm wait less "
+                                        "unpack, per message (this machine's fixed cost per collective)")
     rows = []
     for arm in source.arms:
         measured = other.arm(arm.arm)
@@ -763,6 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scatter-adds per second for the unpack, > 0 (default: measured from hook_stats)")
     p.add_argument("--against", metavar="OTHER_RUN_DIR", default=None,
                    help="validate: predict OTHER_RUN_DIR's per-arm step (its link and world size) from RUN_DIR")
+    p.add_argument("--alpha-from-run", action="store_true",
+                   help="with --against: take alpha from RUN_DIR (its smallest top-k arm's comm wait per message: "
+                        "this machine's fixed cost per collective) instead of --alpha-us or the default")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -777,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in args.density if not (math.isfinite(d) and 0 < d <= 1)]
     if bad:
         parser.error(f"--density values must be in (0, 1], got {bad[0]}")
+    if args.alpha_from_run and (args.against is None or args.alpha_us is not None):
+        parser.error("--alpha-from-run is for --against OTHER_RUN_DIR, and replaces --alpha-us (give one of them)")
     if args.against is not None:
         if args.workers is not None or args.link is not None or args.density:
             parser.error("--against takes the world size and link from OTHER_RUN_DIR; "
@@ -800,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.against is not None:
             v = validate(args.run_dir, args.against, alpha_us=args.alpha_us, overlap=args.overlap,
-                         unpack_adds_per_s=args.unpack_rate)
+                         unpack_adds_per_s=args.unpack_rate, alpha_from_run=args.alpha_from_run)
             print(json.dumps(validation_json(v), indent=1) if args.json else format_validation(v))
         else:
             scenario = make_scenario(args.workers, link, alpha_us=args.alpha_us, overlap=args.overlap,

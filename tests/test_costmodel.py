@@ -330,6 +330,22 @@ def test_validation_predicts_the_emulated_run_from_the_loopback_run(run_dir, tmp
     assert "-20.0%" in text and "[modelled, boundary: step]" in text
 
 
+def test_alpha_measured_in_the_source_run_is_the_smallest_sparse_arms_wait_per_message(run_dir, tmp_path):
+    # topk-ef waited 1 ms; its unpack is 2 x K adds at UNPACK_RATE; one bucket, p - 1 = 1 message.
+    alpha = 0.001 - 2 * K / UNPACK_RATE
+    assert costmodel.measured_alpha_s(read_run(run_dir)) == pytest.approx(alpha, rel=REL)
+    exact, _, _ = _emulated_run(tmp_path, "exact", error=0.0)
+    result = costmodel.validate(run_dir, exact, alpha_from_run=True)
+    rows = {r.arm: r for r in result.rows}
+    assert result.scenario.alpha_s == pytest.approx(alpha, rel=REL)
+    assert "measured in the source run" in costmodel.format_validation(result)
+    assert rows["dense"].predicted.value == pytest.approx(0.031 + 2 * alpha + DENSE_BYTES / 1.25e8, rel=REL)
+    dense_only = write_run(tmp_path / "dense-only", arms={"dense": DENSE})
+    assert costmodel.measured_alpha_s(read_run(dense_only)) is None
+    with pytest.raises(ValueError, match="--alpha-from-run needs a top-k arm"):
+        costmodel.validate(dense_only, exact, alpha_from_run=True)
+
+
 def test_validation_refuses_a_target_run_without_a_known_rate(run_dir, tmp_path):
     other = write_run(tmp_path / "no-link", arms={"dense": DENSE}, link=None)  # old run: no "link" field
     assert read_run(other).link == "loopback"
@@ -371,6 +387,7 @@ def test_cli_against(run_dir, tmp_path, capsys):
     (["--workers", "32", "--link", "1gbit", "--unpack-rate", "0"], "--unpack-rate must be a finite number > 0"),
     (["--link", "1gbit"], "--workers and --link are required"),
     (["--workers", "32", "--against", "elsewhere"], "--against takes the world size and link from OTHER_RUN_DIR"),
+    (["--workers", "32", "--link", "1gbit", "--alpha-from-run"], "--alpha-from-run is for --against OTHER_RUN_DIR"),
 ])
 def test_cli_refuses_bad_arguments(run_dir, extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
