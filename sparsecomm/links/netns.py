@@ -115,6 +115,7 @@ class EmulatedNetwork:
 
     def up(self) -> "EmulatedNetwork":
         check_emulation_possible(self.link)
+        remove_stale_namespaces()  # left behind by a SIGKILLed run: nothing can still use them
         try:
             self._add_namespace(self.switch)
             _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
