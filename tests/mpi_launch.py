@@ -7,11 +7,12 @@ process group (mpiexec, its proxies and ranks) is killed, so a hang never blocks
 import importlib.util
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from deadline import run_with_deadline
 
 # Variables that would make the ranks believe another launcher started them.
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -46,14 +47,7 @@ def run_mpiexec(script_args: list[str], *, num_ranks: int = 2, timeout: float = 
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
     env.update(extra_env or {})
     command = [mpiexec, "-n", str(num_ranks), sys.executable, *script_args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(command)} still running after {timeout}s; killed. Output:\n{output}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(command)} exited with {proc.returncode}. Output:\n{output}")
-    return subprocess.CompletedProcess(command, proc.returncode, output, None)
+    result = run_with_deadline(command, timeout=timeout, env=env)
+    if result.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited with {result.returncode}. Output:\n{result.stdout}")
+    return result

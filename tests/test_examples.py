@@ -6,13 +6,13 @@ examples write. A run that exceeds its deadline is killed with all its ranks.
 """
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from deadline import run_with_deadline
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "experiments" / "examples"
@@ -28,16 +28,9 @@ def _torchrun(script: str, *args: str, timeout: float) -> dict[int, dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(EXAMPLES / script), *args]
-    # A session of its own, so a timeout kills torchrun and both ranks together.
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{script} {' '.join(args)} still running after {timeout}s; output:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{script} {' '.join(args)} exited {proc.returncode}; output:\n{output[-4000:]}"
+    result = run_with_deadline(command, timeout=timeout, env=env, cwd=ROOT)
+    output = result.stdout
+    assert result.returncode == 0, f"{script} {' '.join(args)} exited {result.returncode}; output:\n{output[-4000:]}"
     summaries = {}
     for match in SUMMARY.finditer(output):
         rank, steps, sparse, percent, loss, last = match.groups()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from multiprocess import run_on_ranks
+from integration_checks import assert_sparse_then_restored
 
 STEPS, MORE_STEPS = 6, 2
 DENSITY = 0.01
@@ -91,22 +92,7 @@ def test_prepared_model_runs_sparse_and_load_state_restores_each_ranks_residuals
     results = run_on_ranks(_accelerate_worker, str(tmp_path), timeout=80)
     for rank, r in enumerate(results):
         assert r["distributed_type"] == "DistributedType.MULTI_CPU"
-        stats = r["stats"]
-        assert stats["steps"] == STEPS and stats["warmup_calls"] == 2
-        assert stats["sparse_calls"] == STEPS - 2 and stats["fallback_calls"] == 0
-        # k = ceil(density * numel): at most one entry per bucket above the density.
-        assert stats["effective_density"] <= DENSITY + stats["sparse_calls"] / stats["elements_sparse"]
-        assert stats["bytes_sent"] < 0.4 * stats["bytes_dense"]  # dense warm-up + 4 steps at ~2%
-        # load_state gave this rank its own residuals, bit for bit, and the step counter:
-        # the next steps are sparse, with no new warm-up.
-        assert r["restored_step"] == STEPS
-        assert r["restored"].keys() == r["saved"].keys()
-        assert all(k.startswith(f"rank{rank}.") for k in r["restored"])
-        for key, saved in r["saved"].items():
-            assert torch.equal(r["restored"][key], saved), f"rank {rank}: {key} not restored bit for bit"
-        resumed = r["resumed_stats"]
-        assert resumed["steps"] == STEPS + MORE_STEPS
-        assert resumed["warmup_calls"] == 2 and resumed["sparse_calls"] == STEPS + MORE_STEPS - 2
+        assert_sparse_then_restored(r, rank, steps=STEPS, more_steps=MORE_STEPS, density=DENSITY)
         errors = r["errors"]
         assert errors["twice"][0] == "ValueError"
         assert "already has a communication hook (topk_hook)" in errors["twice"][1]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from multiprocess import run_on_ranks
+from integration_checks import assert_sparse_then_restored
 
 STEPS, MORE_STEPS = 6, 2
 DENSITY = 0.01
@@ -115,24 +116,7 @@ def _lightning_worker(rank, world_size, root):
 def test_fit_runs_sparse_and_resume_restores_each_ranks_residuals(pl, tmp_path):
     results = run_on_ranks(_lightning_worker, str(tmp_path), timeout=110)
     for rank, r in enumerate(results):
-        stats = r["stats"]
-        # On CPU Lightning's own ddp_comm_hook would be ignored: the callback really ran the
-        # hook, and after the 2 dense warm-up steps every reduction was sparse.
-        assert stats["steps"] == STEPS and stats["warmup_calls"] == 2
-        assert stats["sparse_calls"] == STEPS - 2 and stats["fallback_calls"] == 0
-        # k = ceil(density * numel): at most one entry per bucket above the density.
-        assert stats["effective_density"] <= DENSITY + stats["sparse_calls"] / stats["elements_sparse"]
-        assert stats["bytes_sent"] < 0.4 * stats["bytes_dense"]  # dense warm-up + 4 steps at ~2%
-        # The resumed fit started from the checkpoint's step, restored this rank's residual
-        # bit for bit (not rank 0's), and went on sparse with no new warm-up.
-        assert r["restored_step"] == STEPS
-        assert r["restored"].keys() == r["saved"].keys()
-        assert all(k.startswith(f"rank{rank}.") for k in r["restored"])
-        for key, saved in r["saved"].items():
-            assert torch.equal(r["restored"][key], saved), f"rank {rank}: {key} not restored bit for bit"
-        resumed = r["resumed_stats"]
-        assert resumed["steps"] == STEPS + MORE_STEPS
-        assert resumed["warmup_calls"] == 2 and resumed["sparse_calls"] == STEPS + MORE_STEPS - 2
+        assert_sparse_then_restored(r, rank, steps=STEPS, more_steps=MORE_STEPS, density=DENSITY)
         assert "ddp_comm_hook" in r["errors"]["ddp_comm_hook"] and "allreduce_hook" in r["errors"]["ddp_comm_hook"]
         assert "already has a communication hook (allreduce_hook)" in r["errors"]["second_hook"]
     # Different data per rank: every residual differs between the ranks, yet the replicas agree.

@@ -18,10 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsecomm compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="named experiments: " + ", ".join(EXPERIMENTS))
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
-                        help=f"named experiment (default: {DEFAULT_EXPERIMENT})")
-    source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
+    add_experiment_source(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
     p.add_argument("--arms", nargs="+", choices=ARM_NAMES, help="override the arms (must include dense)")
@@ -33,11 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_config(args: argparse.Namespace) -> ExperimentConfig:
+def add_experiment_source(parser: argparse.ArgumentParser) -> None:
+    """--experiment NAME | --config FILE (shared by the commands that run experiments)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
+                        help=f"named experiment (default: {DEFAULT_EXPERIMENT})")
+    source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
+
+
+def experiment_from_source(args: argparse.Namespace) -> ExperimentConfig:
     if args.config is not None:
-        config = ExperimentConfig.from_dict(json.loads(args.config.read_text()))
-    else:
-        config = EXPERIMENTS[args.experiment]()
+        return ExperimentConfig.from_dict(json.loads(args.config.read_text()))
+    return EXPERIMENTS[args.experiment]()
+
+
+def load_config(args: argparse.Namespace) -> ExperimentConfig:
+    config = experiment_from_source(args)
     return config.with_overrides(
         arms=tuple(args.arms) if args.arms else None,
         seeds=tuple(args.seeds) if args.seeds else None,

@@ -23,18 +23,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from sparsecomm.experiment.config import ARM_NAMES, ExperimentConfig
-from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
+from sparsecomm.experiment.compare import add_experiment_source, experiment_from_source
+from sparsecomm.experiment.config import ARM_NAMES
+from sparsecomm.experiment.named import EXPERIMENTS
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsecomm run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="named experiments: " + ", ".join(EXPERIMENTS))
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
-                        help=f"named experiment (default: {DEFAULT_EXPERIMENT})")
-    source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
+    add_experiment_source(p)
     p.add_argument("--arm", required=True, choices=ARM_NAMES, help="the arm to run")
     p.add_argument("--seed", required=True, type=int, help="the seed (an integer >= 0)")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
@@ -55,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if info.world_size < 2:
             raise ValueError(f"sparsecomm run needs >= 2 processes (found {info.world_size}, launcher "
                              f"{info.launcher}): start it with e.g. mpiexec -n 2")
-        config = (ExperimentConfig.from_dict(json.loads(args.config.read_text())) if args.config
-                  else EXPERIMENTS[args.experiment]())
+        config = experiment_from_source(args)
         # The run is the one compare would make for this arm and seed; world size from the launcher.
         seeds = config.seeds if args.seed in config.seeds else (*config.seeds, args.seed)
         arms = config.arms if args.arm in config.arms else (*config.arms, args.arm)
