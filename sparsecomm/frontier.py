@@ -3,12 +3,13 @@
 Runs the paired experiment once per density (dense + the chosen sparse arms, same seeds
 and data order), judges each sparse arm against that density's dense runs with the
 equivalence test, and reports per (arm, density): the verdict, steps- and time-to-target
-on the current link (loopback unless the experiment says otherwise), bytes per step, and
+over the link (loopback, or ``--link 1gbit`` for an emulated one), bytes per step, and
 the sparsest density whose verdict is ``equivalent``. A plot shows time-to-target against
 density with the verdict as the marker::
 
     sparsecomm frontier --experiment digits-quick --densities 0.01 0.05 --arms topk-ef topk-dgc
     sparsecomm frontier --densities 0.001 0.003 0.01 --arms topk-ef topk-dgc --seeds 0 1 2
+    sparsecomm frontier --densities 0.003 0.01 --arms topk-dgc --link 1gbit     # files named <experiment>-1gbit
 """
 import argparse
 import json
@@ -16,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sparsecomm.experiment.compare import add_link_argument, check_link_possible
 from sparsecomm.experiment.config import ARM_NAMES
 from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
 
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse techniques to sweep (default: topk-ef topk-dgc)")
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers >= 0)")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
+    add_link_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
     return p
@@ -153,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--densities must be distinct, got {args.densities}")
     base = EXPERIMENTS[args.experiment]()
     try:  # validate every per-density configuration before the first launch
-        config = base.with_overrides(seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps)
+        config = base.with_overrides(seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps,
+                                     link=args.link)
+        if config.link != "loopback":  # its own frontier files beside the loopback one
+            config = config.with_overrides(name=f"{config.name}-{config.link}")
+        check_link_possible(config)
         for density in args.densities:
             config.with_overrides(arms=("dense", *args.arms), density=density, name=_density_name(config.name, density))
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RuntimeError) as error:
         parser.error(str(error))
     points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out)
     print()

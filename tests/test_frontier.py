@@ -42,6 +42,7 @@ def test_sparsest_equivalent_picks_the_lowest_passing_density():
         (["--densities", "1.5"], "density"),
         (["--densities", "0.01", "--arms", "dense"], "invalid choice"),
         ([], "the following arguments are required: --densities"),
+        (["--densities", "0.01", "--link", "1gb"], "link must be 'loopback' or a rate"),
     ],
 )
 def test_bad_frontier_arguments_fail_before_any_run(argv, message, capsys, tmp_path):

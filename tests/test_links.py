@@ -4,6 +4,7 @@ a real paired run over an emulated link labels its ledger with the link.
 
 The namespace tests need root, iproute2 and kernel support; they skip with the reason otherwise.
 """
+import json
 import os
 import signal
 import subprocess
@@ -215,3 +216,18 @@ def test_paired_run_over_an_emulated_link_end_to_end(tmp_path):
     assert floor > 0.005 and dense.median_step_seconds >= floor
     text = ledger.format_ledger(ledger.build_ledger(run_dir))
     assert "[step @100mbit]" in text and "linked by 100mbit" in text and "link: 100mbit)" in text
+
+
+@needs_emulation
+def test_frontier_over_an_emulated_link_keeps_its_own_files(tmp_path, capsys):
+    from sparsecomm import frontier
+
+    before = _ours()
+    code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef", "--seeds", "0",
+                          "--steps", "20", "--link", "100mbit", "--out", str(tmp_path / "runs"),
+                          "--plots", str(tmp_path / "plots")])
+    assert code == 0
+    assert (tmp_path / "runs" / "digits-quick-100mbit-frontier.json").exists()
+    config = json.loads(next((tmp_path / "runs").glob("digits-quick-100mbit-frontier-d*/experiment.json")).read_text())
+    assert config["config"]["link"] == "100mbit"
+    assert _ours() == before

@@ -25,8 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers >= 0)")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     p.add_argument("--name", help="override the experiment name (the run directory's name)")
-    p.add_argument("--link", help="link between the ranks: loopback (default), or emulated, e.g. 1gbit, 10gbit, "
-                                  "100mbit (one network namespace per rank, tc-shaped; needs root, ip and tc)")
+    add_link_argument(p)
     return p
 
 
@@ -36,6 +35,20 @@ def add_experiment_source(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
                         help=f"named experiment (default: {DEFAULT_EXPERIMENT})")
     source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
+
+
+def add_link_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--link", type=lambda text: text.strip().lower(),
+                        help="link between the ranks: loopback (default), or emulated, e.g. 1gbit, 10gbit, 100mbit "
+                             "(one network namespace per rank, tc-shaped; needs root, ip and tc)")
+
+
+def check_link_possible(config: ExperimentConfig) -> None:
+    """Not root, no tc: say so before anything runs (raises RuntimeError)."""
+    from sparsecomm.links import parse_link
+    from sparsecomm.links.netns import check_emulation_possible
+
+    check_emulation_possible(parse_link(config.link))
 
 
 def experiment_from_source(args: argparse.Namespace) -> ExperimentConfig:
@@ -51,7 +64,7 @@ def load_config(args: argparse.Namespace) -> ExperimentConfig:
         seeds=tuple(args.seeds) if args.seeds else None,
         steps=args.steps,
         name=args.name,
-        link=args.link.strip().lower() if args.link else None,
+        link=args.link,
     )
 
 
@@ -60,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args)  # every value is validated here, before any launch
-        from sparsecomm.links import parse_link
-        from sparsecomm.links.netns import check_emulation_possible
-
-        check_emulation_possible(parse_link(config.link))  # not root, no tc: say so before anything runs
+        check_link_possible(config)
     except (ValueError, TypeError, OSError, json.JSONDecodeError, RuntimeError) as error:
         parser.error(str(error))
     from sparsecomm import ledger, plots, tolerance
