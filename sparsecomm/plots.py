@@ -179,11 +179,12 @@ def _finish_legend(ax, groups: dict, styles: dict, drawn: set[str], extra_handle
         ax.legend(handles=handles, fontsize=8, loc="upper right")
 
 
-def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *,
+def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *, link: str | None = None,
                       on_figure: Callable[[Figure], None] | None = None) -> Path:
     """Validation loss against wall clock: per arm the seed mean and the min-max band.
 
-    ``on_figure`` (tests) is called with the finished figure before it is saved.
+    ``link``: the link the runs were measured over, named in the title (wall clock
+    depends on it). ``on_figure`` (tests) is called with the finished figure before it is saved.
     """
     groups = _by_arm(runs)
     styles = arm_styles(groups)
@@ -197,7 +198,7 @@ def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *,
         _draw_mean_band(ax, grid, *_mean_band(curves, grid), styles[arm], _arm_label(arm, group))
         drawn.add(arm)
     _draw_target(ax, target)
-    ax.set_title("time to loss")
+    ax.set_title("time to loss" + (f", ranks linked by {link}" if link else ""))
     ax.set_xlabel(TIME_XLABEL)
     ax.set_ylabel("validation loss")
     ax.grid(True, alpha=0.3)
@@ -337,10 +338,12 @@ def plot_run_dir(run_dir, out_dir, ledger_items: dict | None = None) -> list[Pat
         print(f"sparsecomm plot: no target line: {e}", file=sys.stderr)
         target = None
     out_dir = Path(out_dir)
-    paths = [plot_time_to_loss(runs, target, out_dir / "time_to_loss.png"),
+    link = experiment["config"].get("link", "loopback")
+    paths = [plot_time_to_loss(runs, target, out_dir / "time_to_loss.png", link=link),
              plot_loss_vs_step(runs, target, out_dir / "loss_vs_step.png")]
     if ledger_items is not None:
-        paths.append(plot_ledger_items(ledger_items, out_dir / "ledger.png"))
+        paths.append(plot_ledger_items(ledger_items, out_dir / "ledger.png",
+                                       title=f"time-to-quality ledger (median over seeds), ranks linked by {link}"))
     return paths
 
 

@@ -146,6 +146,19 @@ def test_plot_run_dir_with_and_without_ledger(run_dir, tmp_path):
         assert p.parent == tmp_path / "b"
 
 
+def test_wall_clock_plots_name_the_link(tmp_path, monkeypatch):
+    titles = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path, on_figure: (titles.append(fig.axes[0].get_title()),
+                                                                     save(fig, path, on_figure))[1])
+    run_dir = write_run_dir(tmp_path / "linked", _curves(), link="1gbit")
+    plots.plot_run_dir(run_dir, tmp_path / "out", ledger_items={"dense": {"setup": 1.0, "step x steps": 2.0}})
+    time_to_loss, loss_vs_step, ledger = titles
+    assert time_to_loss == "time to loss, ranks linked by 1gbit"
+    assert ledger.endswith("ranks linked by 1gbit")
+    assert loss_vs_step == "loss vs step"  # steps do not depend on the link
+
+
 def test_plot_run_dir_without_a_finished_dense_run(tmp_path, capsys):
     run_dir = write_run_dir(tmp_path / "nodense", _curves(arms=("topk-ef",)), failed=(("dense", 0),))
     with pytest.raises(ValueError):
