@@ -24,6 +24,22 @@ SAMPLE_FRACTION = 0.01
 UNDERSHOOT = 0.2
 
 
+def sample_size(n: int) -> int:
+    """How many of ``n`` entries the threshold is estimated from (all of them when n is small)."""
+    return min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_FRACTION * n)))
+
+
+def sample_positions(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """``sample_size(n)`` positions drawn uniformly (with replacement) from ``generator``."""
+    return torch.randint(n, (sample_size(n),), generator=generator, device=device)
+
+
+def threshold_of_sample(sample_magnitude: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """The magnitude of the sample's k-th largest entry, k scaled from n to the sample."""
+    k_sample = max(1, math.ceil(k * sample_magnitude.numel() / n))
+    return torch.topk(sample_magnitude, k_sample, sorted=False).values.min()
+
+
 def sampled_threshold_indices(
     acc: torch.Tensor, k: int, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -35,13 +51,10 @@ def sampled_threshold_indices(
     n = acc.numel()
     if k >= n:
         return torch.arange(n, device=acc.device)
-    magnitude = acc.abs()
-    num_samples = min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_FRACTION * n)))
-    if num_samples == n:
+    if sample_size(n) == n:
         return topk_indices(acc, k)
-    sample = magnitude[torch.randint(n, (num_samples,), generator=generator, device=acc.device)]
-    k_sample = max(1, math.ceil(k * num_samples / n))
-    threshold = torch.topk(sample, k_sample, sorted=False).values.min()
+    magnitude = acc.abs()
+    threshold = threshold_of_sample(magnitude[sample_positions(n, generator, acc.device)], k, n)
     candidates = torch.nonzero(magnitude >= threshold, as_tuple=True)[0]
     count = candidates.numel()
     if count > k:

@@ -24,7 +24,7 @@ from sparsecomm.comm import TRANSPORTS, allgather_future, allreduce_future
 from sparsecomm.comm import mpi_allgatherv
 from sparsecomm.compress.error_feedback import divide_
 from sparsecomm.compress.packing import payload_nbytes
-from sparsecomm.compress.sampled_threshold import MIN_SAMPLE, SAMPLE_FRACTION
+from sparsecomm.compress.sampled_threshold import sample_positions, sample_size, threshold_of_sample
 from sparsecomm.errors import ConservationError
 from sparsecomm.hooks.density_schedule import DensitySchedule
 from sparsecomm.hooks.events import HookEvent
@@ -640,6 +640,37 @@ def _selector(state, ks, numels):
     return selector
 
 
+def _acc_inputs(state, bucket, buffer, names, numels, world_size, *, fusable: bool):
+    """(fused, velocity, residual) for a sparse call.
+
+    Fused: the kernel reads grad and residual once and computes acc = grad / ws + residual
+    itself, so the bucket keeps grad and acc is never materialised. Momentum, local
+    clipping, observers and the conservation audit need acc in the bucket, so with any of
+    them (or a selection without a fused kernel) the bucket is compensated first.
+    """
+    fused = (fusable and state.momentum == 0 and state.local_clip_norm is None
+             and not state._observers and not state.verify_conservation)
+    if fused:
+        residual = (state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
+                    if state.error_feedback else None)
+        return True, None, residual
+    velocity, residual = _compensated(state, bucket, buffer, names, numels, world_size, state.error_feedback)
+    return False, velocity, residual
+
+
+def _count_sparse_call(state, acc: torch.Tensor, elements_sent: int, bytes_sent: int, started: float) -> None:
+    """Count one sparse call of the bucket ``acc``; host time since ``started`` is select + pack."""
+    state._count(
+        sparse_calls=1,
+        elements_total=acc.numel(),
+        elements_sparse=acc.numel(),
+        elements_sent=elements_sent,
+        bytes_dense=acc.numel() * acc.element_size(),
+        bytes_sent=bytes_sent,
+        seconds_select_pack=time.perf_counter() - started,
+    )
+
+
 def _exact_topk_pack(state, buffer, residual, world_size, compensated, ks, numels, k, payload, value_dtype):
     """Fused error feedback + exact top-k + pack through the kernel dispatch point.
 
@@ -669,18 +700,8 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k,
     """All-gather (index, value) payloads of the selected entries; scatter-add them."""
     started = time.perf_counter()
     payload, gathered = state._wire_buffers(bucket.index(), k, value_dtype, world_size, buffer.device)
-    # The fused kernel reads grad and residual once and never materialises acc; observers,
-    # the conservation audit and momentum need acc in the bucket, so they compensate first.
-    fused = (state.selector == "exact" and state.momentum == 0 and state.local_clip_norm is None
-             and not state._observers and not state.verify_conservation)
-    if fused:
-        velocity = None
-        residual = (state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
-                    if state.error_feedback else None)
-    else:
-        velocity, residual = _compensated(
-            state, bucket, buffer, names, numels, world_size, state.error_feedback
-        )
+    fused, velocity, residual = _acc_inputs(state, bucket, buffer, names, numels, world_size,
+                                            fusable=state.selector == "exact")
     acc = buffer
     acc_before = acc.clone() if state.verify_conservation else None
     if state.selector == "exact":
@@ -702,17 +723,7 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k,
     if acc_before is not None:
         sent = ops.unpack_payloads(payload, torch.empty_like(acc), k, value_dtype)
         _check_conservation(acc_before, residual, sent, bucket.index(), state.step)
-    elapsed = time.perf_counter() - started
-    nbytes = payload.numel()
-    state._count(
-        sparse_calls=1,
-        elements_total=acc.numel(),
-        elements_sparse=acc.numel(),
-        elements_sent=indices.numel(),
-        bytes_dense=acc.numel() * acc.element_size(),
-        bytes_sent=nbytes,
-        seconds_select_pack=elapsed,
-    )
+    _count_sparse_call(state, acc, indices.numel(), payload.numel(), started)
 
     def unpack(fut: torch.futures.Future) -> torch.Tensor:
         unpack_started = time.perf_counter()
@@ -729,16 +740,14 @@ def _sparse_topk(state, bucket, buffer, names, numels, group, world_size, ks, k,
 
 def _sampled_threshold(grad, residual, divisor: float, k: int, generator) -> float:
     """Magnitude of the k-th largest entry of ``acc = grad / divisor (+ residual)``, estimated
-    from a ~1% sample (as the sampled selector); exact when the bucket is small."""
+    from a ~1% sample (as the sampled selector); exact when the bucket is small. Only the
+    sampled entries of acc are computed."""
     n = grad.numel()
-    num_samples = min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_FRACTION * n)))
-    index = slice(None) if num_samples == n else torch.randint(n, (num_samples,), generator=generator,
-                                                               device=grad.device)
+    index = slice(None) if sample_size(n) == n else sample_positions(n, generator, grad.device)
     sample = divide_(grad[index].clone(), divisor)  # rounded as the hook's own compensation
     if residual is not None:
         sample.add_(residual[index])
-    k_sample = max(1, math.ceil(k * num_samples / n))
-    return float(torch.topk(sample.abs().float(), k_sample, sorted=False).values.min())
+    return float(threshold_of_sample(sample.abs().float(), k, n))
 
 
 def _sparse_threshold_variable(state, bucket, buffer, names, numels, world_size, k, value_dtype):
@@ -752,21 +761,15 @@ def _sparse_threshold_variable(state, bucket, buffer, names, numels, world_size,
     """
     started = time.perf_counter()
     payload, gathered = state._wire_buffers(bucket.index(), k, value_dtype, world_size, buffer.device)
-    fused = state.momentum == 0 and state.local_clip_norm is None and not state._observers \
-        and not state.verify_conservation
-    if fused:  # the kernel computes acc = grad / ws + residual itself; buffer keeps grad
-        velocity = None
-        residual = (state._residuals.bucket_tensor(bucket.index(), names, numels, buffer)
-                    if state.error_feedback else None)
-        divisor, add_residual = float(world_size), residual is not None
-    else:
-        velocity, residual = _compensated(state, bucket, buffer, names, numels, world_size, state.error_feedback)
-        divisor, add_residual = 1.0, False
+    fused, velocity, residual = _acc_inputs(state, bucket, buffer, names, numels, world_size, fusable=True)
+    divisor, add_residual = (float(world_size), residual is not None) if fused else (1.0, False)
     acc_before = buffer.clone() if state.verify_conservation else None
     threshold = _sampled_threshold(buffer, residual if add_residual else None, divisor, k,
                                    state._generator(buffer.device))
     index_view = ops.payload_views(payload, k, value_dtype)[0][0]
-    values = torch.empty(k, dtype=value_dtype, device=buffer.device)
+    # Scratch for the values: the front of this bucket's gather buffer, idle until the
+    # all-gather below is issued (the last step's unpack has finished), so no allocation.
+    values = gathered[: k * value_dtype.itemsize].view(value_dtype)
     m = int(ops.ef_threshold_pack(buffer, residual, divisor, add_residual, threshold, index_view, values))
     # Compact to [m indices | m values | pad]: the values move from offset 4k down to 4m.
     nbytes = payload_nbytes(m, value_dtype)
@@ -781,20 +784,10 @@ def _sparse_threshold_variable(state, bucket, buffer, names, numels, world_size,
     if acc_before is not None:
         sent = _unpack_variable(send, [m], torch.empty_like(buffer), value_dtype)
         _check_conservation(acc_before, residual, sent, bucket.index(), state.step)
-    select_pack_seconds = time.perf_counter() - started
+    _count_sparse_call(state, buffer, m, nbytes, started)
     exchange_started = time.perf_counter()
     counts = state._mpi.allgather_counts(m)  # entries per rank
-    exchange_seconds = time.perf_counter() - exchange_started
-    state._count(
-        sparse_calls=1,
-        elements_total=buffer.numel(),
-        elements_sparse=buffer.numel(),
-        elements_sent=m,
-        bytes_dense=buffer.numel() * buffer.element_size(),
-        bytes_sent=nbytes,
-        seconds_select_pack=select_pack_seconds,
-        seconds_count_exchange=exchange_seconds,
-    )
+    state._count(seconds_count_exchange=time.perf_counter() - exchange_started)
 
     def unpack(fut: torch.futures.Future) -> torch.Tensor:
         unpack_started = time.perf_counter()
@@ -842,15 +835,7 @@ def _sparse_random(state, bucket, buffer, names, numels, group, world_size, ks, 
     if velocity is not None:
         velocity[indices] = 0
     state._emit("packed", bucket, names, numels, False, acc=acc, residual=residual, indices=indices, payload=values)
-    state._count(
-        sparse_calls=1,
-        elements_total=acc.numel(),
-        elements_sparse=acc.numel(),
-        elements_sent=k,
-        bytes_dense=acc.numel() * acc.element_size(),
-        bytes_sent=values.numel() * values.element_size(),
-        seconds_select_pack=time.perf_counter() - started,
-    )
+    _count_sparse_call(state, acc, k, values.numel() * values.element_size(), started)
 
     def scatter(fut: torch.futures.Future) -> torch.Tensor:
         buffer.zero_()

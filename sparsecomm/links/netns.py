@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from contextlib import contextmanager
 
 from sparsecomm.links.spec import Link
@@ -169,8 +170,6 @@ class EmulatedNetwork:
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
