@@ -94,7 +94,7 @@ def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path 
         return
     _FAULT_FIRED.append(step)
     if out_dir is not None:
-        (out_dir / "fault.json").write_text(json.dumps({**fault, "wall_time": time.time()}))
+        write_json_atomically(out_dir / "fault.json", {**fault, "wall_time": time.time()})
     if fault["kind"] == "bitflip":
         flip_bit(next(model.parameters()).data, 0, 30)  # an exponent bit: a silent, large change
     if fault["kind"] == "kill":
@@ -188,11 +188,16 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             }
             rows.append(row)
             _write(writer, row)
-            if recovering and out_dir is not None and (out_dir / "fault.json").exists():
-                fault = json.loads((out_dir / "fault.json").read_text())
-                counters.setdefault("recovery_seconds", time.time() - fault["wall_time"])
-                counters.setdefault("lost_steps", fault["detected_step"] - (step - 1) if "detected_step" in fault
-                                    else fault["step"] - (step - 1))
+            if recovering:
+                # Work lost: from the step the fault was noticed (a silent one when a check
+                # caught it, a crash at once) back to the step the run resumed from.
+                fault_record = out_dir / "fault.json" if out_dir is not None else None
+                fault = json.loads(fault_record.read_text()) if fault_record is not None and fault_record.exists() else None
+                noticed = counters.pop("detected_step", None) or (fault["step"] if fault is not None else None)
+                if noticed is not None:
+                    counters.setdefault("lost_steps", noticed - (step - 1))
+                if fault is not None:  # an injected fault knows when it struck
+                    counters.setdefault("recovery_seconds", time.time() - fault["wall_time"])
             recovering = False
             if step % config.eval_every == 0 or step == config.steps:
                 val_loss = task.val_loss(model)
@@ -205,14 +210,19 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                     if config.on_corruption == "stop":
                         raise
                     # Roll back to the last verified checkpoint and recompute from there.
-                    if out_dir is not None and (out_dir / "fault.json").exists():
-                        fault = json.loads((out_dir / "fault.json").read_text())
-                        (out_dir / "fault.json").write_text(json.dumps({**fault, "detected_step": step}))
+                    # Every rank raised at this step; only rank 0 amends the shared fault
+                    # record (atomically: the others may be reading it), the detection
+                    # step itself travels in the counters.
+                    fault_record = out_dir / "fault.json" if out_dir is not None else None
+                    if rank == 0 and fault_record is not None and fault_record.exists():
+                        fault = json.loads(fault_record.read_text())
+                        write_json_atomically(fault_record, {**fault, "detected_step": step})
                     if writer is not None:
                         writer.close()
                     kept = {k: counters[k] for k in ("rollbacks", "checkpoint_seconds", "num_checkpoints")}
                     step, counters, rows, evals = _resume(checkpoints, out_dir, rank)
-                    counters.update(kept, rollbacks=kept["rollbacks"] + 1, last_corruption=str(error)[:500])
+                    counters.update(kept, rollbacks=kept["rollbacks"] + 1, last_corruption=str(error)[:500],
+                                    detected_step=error.step)
                     writer, recovering = open_log(), True
                     continue
             if checkpoints is not None and step % config.checkpoint_every == 0:
