@@ -34,6 +34,7 @@ from sparsecomm.experiment.runner import _git_commit, run_experiment
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import check_emulation_possible, maybe_emulated
 from sparsecomm.links.probe import stream_throughput
+from sparsecomm.target import DENSE_ARM
 
 DEFAULT_ARMS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-dgc")
 
@@ -47,6 +48,7 @@ def _rows(run_dir: Path) -> list[dict]:
     built = ledger.build_ledger(run_dir)
     report = tolerance.check(run_dir) if len(built.arms) > 1 else None
     verdicts = {a.arm: a for a in report.arms} if report else {}
+    comm = {inputs.arm: inputs for inputs in costmodel.read_run(run_dir).arms}
     rows = []
     for a in built.arms:
         checked = verdicts.get(a.arm)
@@ -54,18 +56,15 @@ def _rows(run_dir: Path) -> list[dict]:
             "arm": a.arm,
             "runs_ok": a.num_ok,
             "step_seconds": a.step.value,
+            "comm_wait_seconds": comm[a.arm].comm_wait_s if a.arm in comm else None,
             "bytes_per_step": a.bytes_per_step.value,
             "steps_to_target": a.steps_to_target.value,
             "time_to_target_seconds": a.time_to_target.value,
-            "time_to_target_ratio": checked.time_ratio.geo_mean if checked else (1.0 if a.arm == "dense" else None),
+            "time_to_target_ratio": checked.time_ratio.geo_mean if checked else (1.0 if a.arm == DENSE_ARM else None),
             "time_ratio_range": [checked.time_ratio.min, checked.time_ratio.max] if checked else None,
             "verdict": checked.equivalence.verdict if checked else "(baseline)",
             "loss_diff": checked.equivalence.mean_diff if checked else None,
         })
-    comm = {r.arm: r for r in costmodel.read_run(run_dir).arms}
-    for row in rows:
-        inputs = comm.get(row["arm"])
-        row["comm_wait_seconds"] = inputs.comm_wait_s if inputs else None
     return rows
 
 
@@ -135,11 +134,11 @@ def _print_tables(results: list[dict], validations: list[dict]) -> None:
     for result in results:
         for row in result["arms"]:
             print(f"{result['link']:<9} {row['arm']:<11} {_fmt(row['step_seconds'], 1e3):>8} "
-                  f"{_fmt(row['comm_wait_seconds'], 1e3):>12} {_fmt(row['bytes_per_step'], 1e-3, '.1f') + ' kB':>10} "
+                  f"{_fmt(row['comm_wait_seconds'], 1e3):>12} {_fmt(row['bytes_per_step'], 1e-3, '.1f') + ' kB' if row['bytes_per_step'] is not None else 'n/a':>10} "
                   f"{_fmt(row['steps_to_target'], 1, '.0f'):>6} {_fmt(row['time_to_target_seconds']):>7} "
                   f"{_fmt(row['time_to_target_ratio'], 1, '.2f'):>9} {row['verdict']:>13}")
     print("\nwhere each arm reaches the target sooner than dense fp32 with verdict 'equivalent':")
-    arms = [row["arm"] for row in results[0]["arms"] if row["arm"] != "dense"] if results else []
+    arms = [row["arm"] for row in results[0]["arms"] if row["arm"] != DENSE_ARM] if results else []
     for arm in arms:
         wins = [r["link"] for r in results for row in r["arms"] if row["arm"] == arm and row["verdict"] == "equivalent"
                 and row["time_to_target_ratio"] is not None and row["time_to_target_ratio"] < 1]

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparsecomm.ledger import arm_ledger, format_value
-from sparsecomm.links import Link, parse_link
-from sparsecomm.results import RunSummary, load_experiment, load_runs
+from sparsecomm.links.spec import RATE_RANGE_BITS, Link, parse_link
+from sparsecomm.results import RunSummary, arms_configured_first, experiment_link, load_experiment, load_runs
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 # One TCP message over ethernet through the kernel and gloo: ~25 us is a typical one-way
@@ -74,7 +74,6 @@ MODEL_BOUNDARIES = ("step", "time_to_target")
 # Bisection stops when the bracket is this narrow (relative): the projected times at the
 # returned break-even then agree to ~1e-12 relative.
 _BISECT_RTOL = 1e-13
-_RATE_RANGE_BITS = (1e3, 1e13)  # the rates sparsecomm.links accepts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,9 +131,13 @@ class Modelled:
     def label(self) -> str:
         return f"[modelled, boundary: {self.boundary}]"
 
+    @property
+    def shown(self) -> str:
+        """The value with its unit, or ``n/a``; without the label."""
+        return "n/a" if self.value is None else format_value(self.value, self.unit)
+
     def __str__(self) -> str:
-        shown = "n/a" if self.value is None else format_value(self.value, self.unit)
-        return f"{shown} {self.label}"
+        return f"{self.shown} {self.label}"
 
     def to_json(self) -> dict:
         return {"value": self.value, "unit": self.unit, "boundary": self.boundary, "kind": "modelled",
@@ -235,7 +238,8 @@ def _arm_inputs(arm: str, runs: list[RunSummary], target: Target, world_size: in
     if not ok:
         return None
     hook = str(ok[0].extra.get("hook") or "")
-    stats = [s for s in (_hook_stats(r) for r in ok) if s is not None]
+    with_stats = [(r, s) for r in ok if (s := _hook_stats(r)) is not None]
+    stats = [s for _, s in with_stats]
     sparse = "topk_hook" in hook or (not hook and bool(stats))
     grad_bytes = _median([s["bytes_dense"] / s["elements_total"] for s in stats if s.get("elements_total")])
     grad_bytes = grad_bytes or GRAD_ELEMENT_BYTES
@@ -248,8 +252,7 @@ def _arm_inputs(arm: str, runs: list[RunSummary], target: Target, world_size: in
         ])
         unpack_rate = _median([
             s["elements_sent"] * r.extra.get("world_size", world_size) / s["seconds_unpack"]
-            for r, s in ((r, _hook_stats(r)) for r in ok)
-            if s is not None and s.get("elements_sent") and s.get("seconds_unpack")
+            for r, s in with_stats if s.get("elements_sent") and s.get("seconds_unpack")
         ])
     ledger = arm_ledger(arm, runs, target)
     return ArmInputs(
@@ -278,15 +281,14 @@ def read_run(run_dir: str | Path) -> RunInputs:
     config = experiment["config"]
     runs = load_runs(run_dir)
     target = resolve_target(experiment, runs)
-    order = list(config.get("arms") or [])
-    order += sorted({r.arm for r in runs} - set(order))
+    order = arms_configured_first(config.get("arms") or [], runs)
     sizes = {r.extra.get("world_size") for r in runs if r.status == "ok"} - {None}
     world_size = int(sizes.pop()) if len(sizes) == 1 else int(config["world_size"])
     arms = tuple(a for a in (_arm_inputs(name, runs, target, world_size) for name in order) if a is not None)
     if not arms:
         raise ValueError(f"{run_dir}: no finished run with step timings")
     buckets, source = _buckets_per_step(runs, config, max(a.bytes_dense for a in arms))
-    return RunInputs(str(run_dir), str(config.get("name", Path(run_dir).name)), str(config.get("link", "loopback")),
+    return RunInputs(str(run_dir), str(config.get("name", Path(run_dir).name)), experiment_link(experiment),
                      world_size, buckets, source, target, arms)
 
 
@@ -529,7 +531,7 @@ def break_even_rate(arm: ArmInputs, dense: ArmInputs, run: RunInputs, scenario: 
         at = scenario.with_rate(bits)
         return w_arm * project_arm(arm, run, at).step.value - w_dense * project_arm(dense, run, at).step.value
 
-    lo, hi = _RATE_RANGE_BITS
+    lo, hi = RATE_RANGE_BITS
     roots, wins = _crossings(f, lo, hi)
     return _describe("link rate", boundary, roots, wins, lo, hi, format_rate, "")
 
@@ -622,7 +624,7 @@ def format_projection(projection: Projection) -> str:
         lines.append(
             f"  {p.arm:<11} {p.mode:<16} {format_value(p.comm_s, 's'):>9} {format_value(p.unpack_s, 's'):>9} "
             f"{format_value(p.step.value, 's'):>9} {_speedup(p.step, dense and dense.step):>8} "
-            f"{(format_value(p.time_to_target.value, 's') if p.time_to_target.value is not None else 'n/a'):>14} "
+            f"{p.time_to_target.shown:>14} "
             f"{_speedup(p.time_to_target, dense and dense.time_to_target):>8}"
         )
         lines += [f"    note: {n}" for n in p.notes]
@@ -634,7 +636,7 @@ def format_projection(projection: Projection) -> str:
         for p in rows:
             lines.append(f"  {p.density:>8.3g} {p.mode:<16} {format_value(p.step.value, 's'):>9} "
                          f"{_speedup(p.step, dense and dense.step):>8} "
-                         f"{(format_value(p.time_to_target.value, 's') if p.time_to_target.value is not None else 'n/a'):>14}")
+                         f"{p.time_to_target.shown:>14}")
     if projection.break_even:
         lines += ["", f"break-even against dense at {scen.workers} workers [modelled]: where each arm is cheaper",
                   f"  (density: on {scen.link.name}; link rate: at the arm's measured density)"]

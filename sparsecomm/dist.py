@@ -100,15 +100,14 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             raise ValueError(f"{rank_var}={rank} must be smaller than {size_var}={world_size}")
         local_rank = _integer(env, local_rank_var, low=0) if local_rank_var in env else None
         if launcher == "slurm":
-            local_size = _slurm_local_size(env)
+            local_size, local_size_var = _slurm_local_size(env)
         else:
             local_size = _integer(env, local_size_var, low=1) if local_size_var in env else None
         if local_size is not None and local_size > world_size:
-            raise ValueError(f"the local world size {local_size} ({local_size_var or 'SLURM_TASKS_PER_NODE'}) "
-                             f"exceeds {size_var}={world_size}")
+            raise ValueError(f"the local world size {local_size} ({local_size_var}) exceeds {size_var}={world_size}")
         if local_rank is not None and local_size is not None and local_rank >= local_size:
             raise ValueError(f"{local_rank_var}={local_rank} must be smaller than the local world size "
-                             f"{local_size} ({local_size_var or 'SLURM_TASKS_PER_NODE'})")
+                             f"{local_size} ({local_size_var})")
         if launcher == "env" and "TORCHELASTIC_RUN_ID" in env:
             launcher = "torchrun"
         return LaunchInfo(launcher=launcher, rank=rank, world_size=world_size, local_rank=local_rank,
@@ -137,8 +136,9 @@ def _rendezvous(env: Mapping[str, str]) -> tuple[str | None, int | None]:
     return addr, number
 
 
-def _slurm_local_size(env: Mapping[str, str]) -> int | None:
-    """Tasks on this node: ``SLURM_TASKS_PER_NODE`` ("2(x3),1") at ``SLURM_NODEID``, if given."""
+def _slurm_local_size(env: Mapping[str, str]) -> tuple[int | None, str | None]:
+    """Tasks on this node and the variable they came from: ``SLURM_TASKS_PER_NODE``
+    ("2(x3),1") at ``SLURM_NODEID``, else ``SLURM_NTASKS_PER_NODE``; (None, None) if neither."""
     per_node = env.get("SLURM_TASKS_PER_NODE")
     if per_node is not None and "SLURM_NODEID" in env:
         counts = []
@@ -150,10 +150,10 @@ def _slurm_local_size(env: Mapping[str, str]) -> int | None:
         node = _integer(env, "SLURM_NODEID", low=0)
         if node >= len(counts):
             raise ValueError(f"SLURM_NODEID={node} but SLURM_TASKS_PER_NODE={per_node!r} lists {len(counts)} node(s)")
-        return counts[node]
+        return counts[node], "SLURM_TASKS_PER_NODE"
     if re.fullmatch(r"\d+", env.get("SLURM_NTASKS_PER_NODE", "").strip()):
-        return _integer(env, "SLURM_NTASKS_PER_NODE", low=1)
-    return None
+        return _integer(env, "SLURM_NTASKS_PER_NODE", low=1), "SLURM_NTASKS_PER_NODE"
+    return None, None
 
 
 def init_distributed(backend: str | None = None, *, timeout: timedelta | None = None) -> LaunchInfo:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsecomm.policy import format_policy
-from sparsecomm.results import RunSummary, load_experiment, load_runs
+from sparsecomm.results import RunSummary, arms_configured_first, experiment_link, load_experiment, load_runs
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 BOUNDARIES = ("step", "steps_to_target", "time_to_target", "end_to_end")
@@ -235,10 +235,9 @@ def build_ledger(run_dir: str | Path) -> Ledger:
     experiment = load_experiment(run_dir)
     runs = load_runs(run_dir)
     target = resolve_target(experiment, runs)
-    order = list(experiment["config"]["arms"])
-    order += sorted({r.arm for r in runs} - set(order))
+    order = arms_configured_first(experiment["config"]["arms"], runs)
     rate = experiment["config"].get("fault_rate_per_hour", 1.0)
-    link = experiment["config"].get("link", "loopback")
+    link = experiment_link(experiment)
     return Ledger(experiment, target, [arm_ledger(arm, runs, target, rate, link) for arm in order])
 
 
@@ -260,11 +259,12 @@ def _describe_link(link: str) -> str:
 def format_ledger(ledger: Ledger) -> str:
     config = ledger.experiment["config"]
     dense = next((a for a in ledger.arms if a.arm == DENSE_ARM), None)
+    link = experiment_link(ledger.experiment)
     lines = [
         format_policy(config["policy"]),
         ledger.target.describe(),
         f"experiment {config['name']}: task {config['task']}, {config['world_size']} ranks linked by "
-        f"{config.get('link', 'loopback')}, {config['steps']} steps, "
+        f"{link}, {config['steps']} steps, "
         f"seeds {config['seeds']}; figures are medians over finished seeds, [boundary] after each",
     ]
     if config.get("checkpoint_every"):
@@ -284,7 +284,6 @@ def format_ledger(ledger: Ledger) -> str:
     lines += [
         "",
     ]
-    link = config.get("link", "loopback")
     header = ["arm", "runs ok/failed"] + [f"{name} [{boundary} @{link}]" for name, boundary in (
         ("setup", "e2e"), ("step", "step"), ("sent/step", "step"), ("steps", "s2t"), ("step x steps", "e2e"),
         ("time", "t2t"), ("checkpoint", "e2e"), ("recovery", "e2e"), ("end-to-end", "e2e"))]

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from sparsecomm.results import RunSummary, load_experiment, load_runs, load_steps
+from sparsecomm.results import RunSummary, experiment_link, load_experiment, load_runs, load_steps
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
@@ -289,8 +289,11 @@ def ledger_annotation(values: dict[str, float | None]) -> str:
     return "; ".join(notes)
 
 
+LEDGER_TITLE = "time-to-quality ledger (median over seeds)"
+
+
 def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
-                      title: str = "time-to-quality ledger (median over seeds)",
+                      title: str = LEDGER_TITLE,
                       on_figure: Callable[[Figure], None] | None = None) -> Path:
     """Stacked horizontal bars of seconds per ledger segment, one bar per arm."""
     arms = arm_order(items)
@@ -338,12 +341,12 @@ def plot_run_dir(run_dir, out_dir, ledger_items: dict | None = None) -> list[Pat
         print(f"sparsecomm plot: no target line: {e}", file=sys.stderr)
         target = None
     out_dir = Path(out_dir)
-    link = experiment["config"].get("link", "loopback")
+    link = experiment_link(experiment)
     paths = [plot_time_to_loss(runs, target, out_dir / "time_to_loss.png", link=link),
              plot_loss_vs_step(runs, target, out_dir / "loss_vs_step.png")]
     if ledger_items is not None:
         paths.append(plot_ledger_items(ledger_items, out_dir / "ledger.png",
-                                       title=f"time-to-quality ledger (median over seeds), ranks linked by {link}"))
+                                       title=f"{LEDGER_TITLE}, ranks linked by {link}"))
     return paths
 
 

@@ -61,6 +61,17 @@ def load_experiment(run_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def experiment_link(experiment: dict) -> str:
+    """The link the experiment's ranks were joined by (``loopback`` when none was emulated)."""
+    return str(experiment["config"].get("link", "loopback"))
+
+
+def arms_configured_first(configured, runs) -> list[str]:
+    """The configured arms in their order, then any other arm found among ``runs``, sorted."""
+    order = list(configured)
+    return order + sorted({r.arm for r in runs} - set(order))
+
+
 def load_summary(path: Path) -> RunSummary:
     raw = json.loads(path.read_text())
     evals = tuple(Eval(int(s), float(t), float(v)) for s, t, v in raw.pop("evals", []))

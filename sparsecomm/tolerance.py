@@ -29,7 +29,7 @@ import numpy as np
 from scipy import stats
 
 from sparsecomm.policy import format_policy
-from sparsecomm.results import RunSummary, load_experiment, load_runs
+from sparsecomm.results import RunSummary, arms_configured_first, load_experiment, load_runs
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 MIN_SEEDS = 3
@@ -327,8 +327,7 @@ def check(
         tolerance = _check_delta(policy["quality_tolerance"])
     runs = load_runs(run_dir)
 
-    configured = list(config.get("arms") or [])
-    arm_names = configured + sorted({r.arm for r in runs} - set(configured))
+    arm_names = arms_configured_first(config.get("arms") or [], runs)
     if DENSE_ARM not in arm_names or not any(r.arm == DENSE_ARM for r in runs):
         raise ValueError(f"{run_dir}: no {DENSE_ARM!r} runs to compare against (arms: {arm_names or 'none'})")
     others = [a for a in arm_names if a != DENSE_ARM]

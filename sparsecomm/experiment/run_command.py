@@ -64,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                              "compare, not under an external launcher; set link to 'loopback'")
     except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
         parser.error(str(error))
-    from sparsecomm.experiment.runner import run_directory, write_snapshot
+    from sparsecomm.experiment.runner import finished_ok, run_directory, write_snapshot
     from sparsecomm.experiment.worker import run_rank
 
     out_dir = run_directory(config, args.out, args.arm, args.seed)
-    summary_path = out_dir / "summary.json"
-    if summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "ok":
+    if finished_ok(out_dir):
         if info.rank == 0:
             print(f"{args.arm} seed {args.seed}: finished earlier, skipped ({out_dir})")
         return 0

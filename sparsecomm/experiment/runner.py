@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.worker import write_json_atomically
+from sparsecomm.experiment.worker import result_line, write_json_atomically
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
@@ -148,16 +148,18 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
             for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
                 processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                   start_new_session=True))
-            while any(proc.poll() is None for proc in processes) and exit_code is None:
-                exit_code = next((proc.returncode for proc in processes if proc.returncode not in (None, 0)), None)
+            while True:
+                # Done when one rank failed (the others are killed below) or all succeeded.
+                codes = [proc.poll() for proc in processes]
+                exit_code = next((code for code in codes if code not in (None, 0)), None if None in codes else 0)
+                if exit_code is not None:
+                    break
                 if _stalled_for(steps_path, launched) > config.stall_timeout_s:
                     error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
                     break
                 time.sleep(0.2)
         finally:
             _kill(processes)
-    if exit_code is None:
-        exit_code = next((proc.returncode for proc in processes if proc.returncode != 0), 0)
     summary_path = out_dir / "summary.json"
     if error is None and exit_code == 0 and summary_path.exists():
         return json.loads(summary_path.read_text())
@@ -186,15 +188,21 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
     return experiment_dir
 
 
+def finished_ok(out_dir: Path) -> bool:
+    """Whether the run directory holds a finished, successful run (it is then skipped)."""
+    summary_path = out_dir / "summary.json"
+    return summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "ok"
+
+
 def _run_jobs(config, root, experiment_dir, jobs, network, progress) -> None:
     for number, (arm, seed) in enumerate(jobs, start=1):
         out_dir = run_directory(config, root, arm, seed)
         label = f"[{number}/{len(jobs)}] {arm} seed {seed}"
         summary_path = out_dir / "summary.json"
+        if finished_ok(out_dir):
+            progress(f"{label}: finished earlier, skipped ({out_dir.name})")
+            continue
         if summary_path.exists():
-            if json.loads(summary_path.read_text()).get("status") == "ok":
-                progress(f"{label}: finished earlier, skipped ({out_dir.name})")
-                continue
             # A failed attempt is retried; its record is kept beside the new one.
             summary_path.rename(out_dir / f"failed-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}.json")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,8 +210,7 @@ def _run_jobs(config, root, experiment_dir, jobs, network, progress) -> None:
         summary = _launch(config, experiment_dir, arm, seed, out_dir, network)
         took = time.perf_counter() - started
         if summary["status"] == "ok":
-            progress(f"{label}: final val loss {summary['evals'][-1][2]:.4f}, "
-                     f"{summary['median_step_seconds'] * 1e3:.1f} ms/step, {took:.0f} s")
+            progress(f"{label}: {result_line(summary)}, {took:.0f} s")
         else:
             progress(f"{label}: FAILED after {took:.0f} s: {summary['error'][:300]}")
         sys.stdout.flush()

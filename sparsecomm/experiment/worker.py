@@ -78,6 +78,16 @@ def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> 
     return loaded.step, counters, rows, evals
 
 
+FAULT_RECORD = "fault.json"  # in the run directory: the injected fault and when it struck
+
+
+def _read_fault_record(out_dir: Path | None) -> dict | None:
+    """The injected fault's record, if this run has one (written once, atomically, by the
+    rank the fault struck: safe to read from any rank)."""
+    path = out_dir / FAULT_RECORD if out_dir is not None else None
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
 _FAULT_FIRED = []  # a rolled-back run recomputes the fault step: fire once per process
 
 
@@ -94,7 +104,7 @@ def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path 
         return
     _FAULT_FIRED.append(step)
     if out_dir is not None:
-        write_json_atomically(out_dir / "fault.json", {**fault, "wall_time": time.time()})
+        write_json_atomically(out_dir / FAULT_RECORD, {**fault, "wall_time": time.time()})
     if fault["kind"] == "bitflip":
         flip_bit(next(model.parameters()).data, 0, 30)  # an exponent bit: a silent, large change
     if fault["kind"] == "kill":
@@ -191,8 +201,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             if recovering:
                 # Work lost: from the step the fault was noticed (a silent one when a check
                 # caught it, a crash at once) back to the step the run resumed from.
-                fault_record = out_dir / "fault.json" if out_dir is not None else None
-                fault = json.loads(fault_record.read_text()) if fault_record is not None and fault_record.exists() else None
+                fault = _read_fault_record(out_dir)
                 noticed = counters.pop("detected_step", None) or (fault["step"] if fault is not None else None)
                 if noticed is not None:
                     counters.setdefault("lost_steps", noticed - (step - 1))
@@ -210,13 +219,8 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                     if config.on_corruption == "stop":
                         raise
                     # Roll back to the last verified checkpoint and recompute from there.
-                    # Every rank raised at this step; only rank 0 amends the shared fault
-                    # record (atomically: the others may be reading it), the detection
-                    # step itself travels in the counters.
-                    fault_record = out_dir / "fault.json" if out_dir is not None else None
-                    if rank == 0 and fault_record is not None and fault_record.exists():
-                        fault = json.loads(fault_record.read_text())
-                        write_json_atomically(fault_record, {**fault, "detected_step": step})
+                    # Every rank raised at this step; the detection step travels in the
+                    # counters (the fault record has one writer: the rank it struck).
                     if writer is not None:
                         writer.close()
                     kept = {k: counters[k] for k in ("rollbacks", "checkpoint_seconds", "num_checkpoints")}
@@ -281,6 +285,11 @@ def _write(writer, row: dict) -> None:
         writer.flush()
 
 
+def result_line(summary: dict) -> str:
+    """How a finished run ended, in one line: final validation loss and step time."""
+    return f"final val loss {summary['evals'][-1][2]:.4f}, {summary['median_step_seconds'] * 1e3:.1f} ms/step"
+
+
 def write_json_atomically(path: Path, payload: dict) -> None:
     """Write to a temporary file and rename: a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -337,8 +346,7 @@ def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launc
         summary = train_run(config, arm, seed, out_dir, launch_wall_time)
         dist.barrier()  # no rank leaves while another still has a collective in flight
         if announce and dist.get_rank() == 0:
-            print(f"{arm} seed {seed}: final val loss {summary['evals'][-1][2]:.4f}, "
-                  f"{summary['median_step_seconds'] * 1e3:.1f} ms/step -> {out_dir}")
+            print(f"{arm} seed {seed}: {result_line(summary)} -> {out_dir}")
     finally:
         dist.destroy_process_group()
     # Skip interpreter teardown: gloo/DDP threads destroyed there occasionally abort the

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from sparsecomm.hooks.register import register_topk_hook
+from sparsecomm.hooks.validation import check_bool
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.integrations._common import import_framework
 
@@ -69,8 +70,7 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
     """
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
-    if not isinstance(strict_load, bool):
-        raise TypeError(f"strict_load must be True or False, got {strict_load!r}")
+    check_bool("strict_load", strict_load)
     ddp_model = _prepared_ddp(accelerator, model)
     handler = accelerator.ddp_handler
     if handler is not None and handler.comm_hook != accelerate_utils.DDPCommunicationHookType.NO:

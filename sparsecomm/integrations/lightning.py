@@ -28,6 +28,7 @@ the residual (one float per parameter per rank, plus velocities with momentum).
 import torch
 
 from sparsecomm.hooks.register import register_topk_hook
+from sparsecomm.hooks.validation import check_bool
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.integrations._common import check_state_options, gather_state_dicts, import_framework
 
@@ -59,9 +60,7 @@ class SparseCommCallback(pl.Callback):
     """
 
     def __init__(self, density: float = 0.01, *, strict_load: bool = True, **state_options):
-        if not isinstance(strict_load, bool):
-            raise TypeError(f"strict_load must be True or False, got {strict_load!r}")
-        self.strict_load = strict_load
+        self.strict_load = check_bool("strict_load", strict_load)
         self._options = check_state_options("SparseCommCallback", {"density": density, **state_options})
         self.state: TopKState | None = None
         # A checkpoint's hook state arrives (load_state_dict) before the strategy builds

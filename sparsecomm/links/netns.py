@@ -146,7 +146,7 @@ class EmulatedNetwork:
         """Delete every namespace this network created (their interfaces go with them)."""
         while self._created:
             name = self._created.pop()
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            _delete_namespace(name)
 
     def __enter__(self) -> "EmulatedNetwork":
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
@@ -196,10 +196,15 @@ def stale_namespaces() -> list[str]:
     return stale
 
 
+def _delete_namespace(name: str) -> None:
+    """Delete one namespace; its interfaces go with it (a missing one is no error)."""
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 def remove_stale_namespaces() -> list[str]:
     removed = stale_namespaces()
     for name in removed:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        _delete_namespace(name)
     return removed
 
 

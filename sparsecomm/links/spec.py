@@ -18,6 +18,7 @@ _LATENCY_PER_SECOND = {"us": 1e6, "ms": 1e3}
 _PATTERN = re.compile(r"^(?P<rate>\d+(?:\.\d+)?)(?P<unit>[kmgt]bit)(?:@(?P<lat>\d+(?:\.\d+)?)(?P<lat_unit>us|ms))?$")
 ACCEPTED = "'loopback' or a rate such as '1gbit', '10gbit', '2.5gbit', '100mbit' (units kbit/mbit/gbit/tbit), " \
            "optionally with a latency: '1gbit@100us', '10gbit@1ms'"
+RATE_RANGE_BITS = (1e3, 1e13)  # accepted rates, bit/s: 1kbit .. 10tbit
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def parse_link(text: str) -> Link:
     if match is None:
         raise ValueError(f"link must be {ACCEPTED}; got {text!r}")
     rate = float(match["rate"]) * _UNITS[match["unit"]]
-    if not 1e3 <= rate <= 1e13:
+    if not RATE_RANGE_BITS[0] <= rate <= RATE_RANGE_BITS[1]:
         raise ValueError(f"link rate must be between 1kbit and 10tbit; got {text!r}")
     latency = float(match["lat"]) / _LATENCY_PER_SECOND[match["lat_unit"]] if match["lat"] else 0.0
     if latency > 10.0:
