@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 # The hook API needs torch; it is imported on first use so that reading results
 # (ledger, tolerance checker, plots) works without importing torch at all.
-_HOOK_NAMES = ("DensitySchedule", "MomentumMismatchWarning", "TopKState", "dgc_optimizer", "register_topk_hook",
+_HOOK_NAMES = ("DenseFallbackWarning", "DensitySchedule", "MomentumMismatchWarning", "TopKState", "dgc_optimizer", "register_topk_hook",
                "topk_hook")
 
 

@@ -82,6 +82,16 @@ class ParameterMemory:
         self._entries = {name: t.detach().clone().reshape(-1) for name, t in entries.items()}
         self._flat = {}
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every entry by ``factor`` in place (one pass per bucket tensor)."""
+        in_flat = set()
+        for names, _, flat in self._flat.values():
+            flat.mul_(factor)
+            in_flat.update(names)
+        for name, entry in self._entries.items():
+            if name not in in_flat:  # loaded, not yet used by a bucket
+                entry.mul_(factor)
+
     def clear(self) -> None:
         self._entries = {}
         self._flat = {}

@@ -16,8 +16,9 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``state`` is not a
             TopKState.
-        ValueError: a hook is already registered on ``ddp_model`` (DDP allows one), or
-            both ``state`` and state keyword arguments were given.
+        ValueError: a hook is already registered on ``ddp_model`` (DDP allows one),
+            both ``state`` and state keyword arguments were given, or ``state`` has a
+            process group other than the DDP model's.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -42,9 +43,7 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
     elif not isinstance(state, TopKState):
         raise TypeError(f"state must be a sparsecomm.TopKState, got {type(state).__name__}")
     else:
-        state.bind(ddp_model)
-    if state.process_group is not None and state.process_group is not ddp_model.process_group:
-        raise ValueError("state.process_group differs from the DDP model's process group")
+        state.bind(ddp_model)  # also adopts the DDP model's process group when the state has none
     if optimizer is not None:
         state.check_optimizer(optimizer)
     ddp_model.register_comm_hook(state, topk_hook)

@@ -45,11 +45,11 @@ def check_choice(name: str, value, choices: tuple) -> object:
     return value
 
 
-def check_value_dtype(value) -> torch.dtype | None:
+def check_value_dtype(value, name: str = "value_dtype") -> torch.dtype | None:
     if value is None or value in VALUE_DTYPES:
         return value
     allowed = ", ".join(["None"] + [str(d) for d in VALUE_DTYPES])
-    raise ValueError(f"value_dtype must be one of {allowed}; got {value!r}")
+    raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
 def check_transport(transport, selector: str) -> str:

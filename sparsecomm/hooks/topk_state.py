@@ -1,0 +1,834 @@
+"""Configuration and per-rank memory of the top-k hook (:func:`sparsecomm.topk_hook`)."""
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from sparsecomm.comm import mpi_allgatherv
+from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.hooks.density_schedule import DensitySchedule
+from sparsecomm.hooks.events import HookEvent
+from sparsecomm.hooks.grad_scaler import ScaleTracker
+from sparsecomm.hooks.optimizer import warn_on_double_momentum
+from sparsecomm.hooks.parameter_memory import ParameterMemory
+from sparsecomm.hooks.rank_agreement import check_ranks_agree
+from sparsecomm.hooks.stats import HookStats
+from sparsecomm.hooks.step_journal import StepJournal
+from sparsecomm.hooks.unused_parameters import UnusedParameterAccounting
+from sparsecomm.hooks.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+    check_transport,
+    check_value_dtype,
+)
+
+SELECTOR_CHOICES = ("exact", "sampled", "random")
+K_SCOPES = ("bucket", "parameter")
+OVERFLOW_CHOICES = ("drop", "rollback")
+STATE_DICT_FORMAT = 1
+# Int32 indices on the wire bound the size of one bucket.
+MAX_BUCKET_NUMEL = 2**31 - 1
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class DenseFallbackWarning(UserWarning):
+    """Every bucket of a step went dense: at this density and world size sparse would send more."""
+
+
+class TopKState:
+    """Configuration and per-rank memory of :func:`topk_hook`.
+
+    Each step, every bucket of gradients is reduced either densely (allreduce) or
+    sparsely: the ``density`` fraction of entries with the largest magnitude (after
+    adding what earlier steps did not send) is all-gathered as (index, value) pairs.
+
+    Tuning, in order of importance:
+
+    1. ``density``: fraction of each bucket sent. 0.01 cuts traffic ~50x at 2 bytes of
+       index overhead per value; below ~0.001 convergence usually needs more steps.
+       When ``k * world_size * (index + value bytes)`` would not be smaller than the
+       dense buffer (density >= ~1/(2 world_size) for fp32), the hook reduces densely;
+       when that happens to every bucket of a step it warns once
+       (:class:`DenseFallbackWarning`), naming the density that would go sparse.
+    2. ``error_feedback``: keep what was not sent and add it next step. Crucial for
+       convergence (without it top-k is a biased compressor that drops most of the
+       gradient for good); costs one residual tensor the size of the gradients.
+    3. ``momentum``: DGC momentum correction. With SGD momentum, sparsifying the
+       gradient and then applying momentum lets stale residuals drive the update; instead
+       the hook keeps the velocity ``u = momentum * u + g`` itself, sends top-k of the
+       accumulated velocity, and zeroes both where sent. Use it with an optimizer without
+       momentum of its own (:func:`sparsecomm.dgc_optimizer` builds one;
+       :meth:`check_optimizer` warns about a mismatch). ``nesterov=True`` is DGC's
+       Nesterov variant: ``u = momentum * (u + g)``, accumulating ``u + g``. Requires
+       error feedback. ``local_clip_norm`` adds DGC's local gradient clipping: before
+       entering the velocity, each parameter's gradient on each rank is scaled down to an
+       L2 norm of at most ``local_clip_norm / sqrt(world_size)``.
+    4. ``warmup_steps``: dense steps at the start. At least 2 with error feedback,
+       because DDP rebuilds its buckets after the first iteration.
+    5. ``selector``: ``"exact"`` top-k, ``"sampled"`` (threshold estimated from a ~1%
+       sample, DGC style; one pass over the bucket instead of a sort), or ``"random"``
+       (random-k: same indices on all ranks, values allreduced; the cheap baseline).
+    6. ``value_dtype``: dtype of values on the wire (None: the bucket's dtype). A
+       narrower dtype's rounding error stays in the residual, so it is compensated too.
+    7. ``residual_dtype``: dtype of the residual and the velocity. None (default):
+       float32 for 16-bit buckets (bf16/fp16 models, ``fp16_compress_wrapper``), so error
+       feedback does not round small gradients away; the bucket's dtype otherwise.
+       Cost for a 16-bit model: 4 bytes per parameter per memory (residual, velocity)
+       instead of 2, plus one float32 scratch of the largest bucket.
+       ``residual_dtype=torch.bfloat16`` on a bf16 model keeps 2 bytes.
+    8. Overflow steps (``on_overflow``, ``grad_scaler``): a step whose gradient holds an
+       Inf or NaN is still reduced and delivered to every rank (non-finite entries rank
+       first and are sent), so the loop or ``torch.amp.GradScaler`` sees it and skips the
+       step; the hook's memories never take in a non-finite value (those entries become
+       0). ``"rollback"`` goes further: the memories are copied before each step and a
+       step whose reduced gradient is not finite is undone in them at the start of the
+       next one, exactly as the optimizer skipping it (cost: one more copy of the
+       memories, and one copy pass per step). ``"drop"`` (default without a scaler)
+       keeps the finite part of that step's update. With ``grad_scaler`` the memories
+       follow the scaler's scale (rescaled exactly when it changes) and ``on_overflow``
+       defaults to ``"rollback"``; a step the scaler skipped (its scale went down) is
+       undone too. :meth:`skip_step` undoes a step the loop skipped for its own reasons.
+    9. ``transport``: how the sparse payloads are all-gathered. ``"c10d"`` (default)
+       uses the process group (gloo/NCCL), every rank sending a payload of capacity k.
+       ``"mpi"`` uses MPI ``Iallgatherv`` (mpi4py; CPU tensors, the default process group,
+       launched by mpiexec): with ``selector="sampled"`` and ``k_scope="bucket"`` each
+       rank then sends only the entries above its sampled threshold (at most k), a
+       different number per rank, after a small blocking exchange of the sizes; other
+       selections send the same bytes as c10d (same results, bit for bit). Dense
+       allreduces (warm-up, fallback) always use the process group.
+    10. ``density_schedule``: start denser and reach ``density`` in stages (DGC's warm-up):
+       ``{"kind": "exponential", "steps": N, "stages": 4}`` (each stage sends about a
+       quarter of the previous one), a list of ``(first_step, density)`` pairs ending at
+       ``density``, or a :class:`~sparsecomm.hooks.density_schedule.DensitySchedule`.
+       ``stats()["density"]`` is the density of the current step.
+
+    At its first call the hook checks, with one small all-gather over the group, that
+    every rank runs it with the same settings and at the same step, and raises the same
+    ``ValueError`` on every rank otherwise.
+
+    Args:
+        process_group: group to reduce over; None means the DDP model's group when the
+            state is bound to a DDP model (``module=ddp_model``, or
+            :func:`register_topk_hook`), else the default group.
+        module: the DDP model (or its module) whose parameter names key the residuals.
+            Without it, parameters are named in the order the hook first sees them
+            (``param0``, ``param1``, ...), which is deterministic for a given model but
+            does not survive a change of model code; pass the DDP model for checkpoints,
+            process subgroups and ``find_unused_parameters``.
+        seed: seeds the random-k indices (shared by all ranks) and the sampled
+            selector's per-rank sample.
+        allow_dense_fallback: False forces the sparse path even when it sends more
+            bytes than dense (for tests and measurements).
+        k_scope: ``"bucket"`` picks the top k = ceil(density * numel) of each DDP bucket
+            (the largest entries wherever they are); ``"parameter"`` picks
+            ceil(density * numel) inside each parameter (layer-wise top-k), so the
+            selection does not depend on how DDP groups parameters into buckets
+            (``bucket_cap_mb``). Random-k always draws per parameter.
+        verify_conservation: check on every sparse call, bit for bit, that
+            ``sent + new_residual`` equals ``grad / world_size (+ velocity) + old_residual``
+            computed independently from the raw gradient and copies of the memories taken
+            before the step (and that the residual is 0 where that is not finite); raise
+            :class:`ConservationError` otherwise. Costs copies and extra passes; for
+            tests and audits. It checks the fast (fused) path itself.
+        transport: ``"c10d"`` or ``"mpi"`` (see 9. above; docs/mpi.md). ``"mpi"`` needs
+            mpi4py, CPU buckets, the default process group and a job started by mpiexec;
+            the first hook call checks that, on every rank, before any collective.
+        grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients the hook
+            reduces (see 8. above).
+        on_overflow: ``"drop"`` or ``"rollback"`` (see 8.); None: ``"rollback"`` with a
+            ``grad_scaler``, else ``"drop"``.
+    """
+
+    __slots__ = (
+        # The fields below are the hyperparameters users tune.
+        "density",
+        "error_feedback",
+        "momentum",
+        "nesterov",
+        "local_clip_norm",
+        "warmup_steps",
+        "selector",
+        "value_dtype",
+        "residual_dtype",  # None: float32 for 16-bit buckets, the bucket's dtype otherwise
+        "seed",
+        "density_schedule",  # DensitySchedule: density by step, ending at `density`
+        # Switches.
+        "allow_dense_fallback",
+        "verify_conservation",
+        "k_scope",
+        "transport",  # "c10d" | "mpi": who all-gathers the sparse payloads
+        "on_overflow",  # "drop" | "rollback": what an overflow step leaves in the memories
+        # The fields below are internal state.
+        "process_group",
+        "step",
+        "_param_names",  # id(parameter) -> name (ids belong to this process)
+        "_param_shapes",  # name -> (numel, dtype) of the bound module's parameters
+        "_bound_module_id",  # id of the module the names came from, None if unbound
+        "_names_from_module",  # True once names came from a module (an unpickled state must be re-bound)
+        "_residuals",  # ParameterMemory of error-feedback residuals
+        "_velocities",  # ParameterMemory of momentum-correction velocities
+        "_buffers",  # bucket index -> (k, value dtype, payload, gathered): reused every step
+        "_scratch",  # float32 scratch of the largest 16-bit bucket (wide memories), or None
+        "_sample_generator",  # per-rank generator for the sampled selector
+        "_stats",  # HookStats
+        "_bypass",  # True while rebuild_buckets() runs a pass that must change nothing
+        "_observers",  # callables receiving HookEvents (monitors, fault injectors)
+        "_pending",  # collectives issued whose result has not been delivered yet
+        "_rank",  # this process's rank in the group, cached on first use
+        "_mpi",  # MPIAllgatherv, built by the first hook call when transport == "mpi"
+        "_step_open",  # a bucket of the current step arrived and its last one has not
+        "_settled",  # the last finished step's overflow, unused parameters, scale are dealt with
+        "_agreed",  # the ranks' settings were compared (first hook call)
+        "_journal",  # StepJournal (on_overflow="rollback"), else None
+        "_scale",  # ScaleTracker of the grad_scaler, else None
+        "_unused",  # UnusedParameterAccounting of the bound DDP model, else None
+        "_fallback_bound",  # largest density that would have gone sparse this step, for the warning
+        "_warned_all_dense",  # DenseFallbackWarning was given
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        density: float = 0.01,
+        error_feedback: bool = True,
+        momentum: float = 0.0,
+        warmup_steps: int = 2,
+        selector: str = "exact",
+        value_dtype: torch.dtype | None = None,
+        seed: int = 0,
+        module: torch.nn.Module | None = None,
+        allow_dense_fallback: bool = True,
+        verify_conservation: bool = False,
+        k_scope: str = "bucket",
+        density_schedule=None,
+        nesterov: bool = False,
+        local_clip_norm: float | None = None,
+        transport: str = "c10d",
+        residual_dtype: torch.dtype | None = None,
+        grad_scaler=None,
+        on_overflow: str | None = None,
+    ):
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, "
+                f"got {type(process_group).__name__}"
+            )
+        self.density = check_real("density", density, 0.0, 1.0, low_open=True, high_open=False)
+        self.error_feedback = check_bool("error_feedback", error_feedback)
+        self.momentum = check_real("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.selector = check_choice("selector", selector, SELECTOR_CHOICES)
+        self.value_dtype = check_value_dtype(value_dtype)
+        self.residual_dtype = check_value_dtype(residual_dtype, name="residual_dtype")
+        self.seed = check_int("seed", seed, 0)
+        self.allow_dense_fallback = check_bool("allow_dense_fallback", allow_dense_fallback)
+        self.verify_conservation = check_bool("verify_conservation", verify_conservation)
+        self.k_scope = check_choice("k_scope", k_scope, K_SCOPES)
+        self.density_schedule = _resolve_schedule(density_schedule, self.density)
+        self.nesterov = check_bool("nesterov", nesterov)
+        self.local_clip_norm = (None if local_clip_norm is None else
+                                check_real("local_clip_norm", local_clip_norm, 0.0, math.inf, low_open=True,
+                                           high_open=True))
+        self._scale = None if grad_scaler is None else ScaleTracker(grad_scaler)
+        if on_overflow is None:
+            on_overflow = "drop" if grad_scaler is None else "rollback"
+        self.on_overflow = check_choice("on_overflow", on_overflow, OVERFLOW_CHOICES)
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
+        if self.error_feedback and self.warmup_steps < 2:
+            raise ValueError(
+                f"warmup_steps must be >= 2 when error_feedback=True, got {self.warmup_steps}: "
+                "DDP rebuilds its buckets after the first iteration, so the hook reduces "
+                "densely until then"
+            )
+        if self.momentum > 0 and not self.error_feedback:
+            raise ValueError(
+                f"momentum={self.momentum} (momentum correction) requires error_feedback=True"
+            )
+        if self.verify_conservation and not self.error_feedback:
+            raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
+        self.transport = check_transport(transport, self.selector)
+        self.process_group = process_group
+        self.step = 0
+        self._param_names: dict[int, str] = {}
+        self._param_shapes: dict[str, tuple[int, torch.dtype]] = {}
+        self._bound_module_id: int | None = None
+        self._names_from_module = False
+        self._residuals = ParameterMemory()
+        self._velocities = ParameterMemory()
+        self._buffers: dict[int, tuple] = {}
+        self._scratch = None
+        self._sample_generator: torch.Generator | None = None
+        self._stats = HookStats()
+        self._bypass = False
+        self._observers = []
+        self._pending = 0
+        self._rank = None
+        self._mpi = None
+        self._step_open = False
+        self._settled = True
+        self._agreed = False
+        self._journal = StepJournal() if self.on_overflow == "rollback" else None
+        self._unused = None
+        self._fallback_bound = None
+        self._warned_all_dense = False
+        if module is not None:
+            self.bind(module)
+        if self.transport == "mpi" and dist.is_initialized():
+            # Fail at construction when we can (every rank reaches the same verdict here).
+            comm = mpi_allgatherv.import_mpi().COMM_WORLD
+            mpi_allgatherv.check_matches_process_group(self._group(), comm, compare_ranks=False)
+
+    # ----- parameter names -------------------------------------------------------------
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Name residuals after ``module``'s parameters (a DDP model or the module it wraps).
+
+        A DDP model also lends its process group (when the state has none) and, with
+        ``find_unused_parameters``/``static_graph``, its record of which parameters no
+        rank used (see :mod:`sparsecomm.hooks.unused_parameters`).
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        ddp = module if _is_ddp(module) else None
+        inner = module.module if ddp is not None else module
+        if self._bound_module_id is not None and self._bound_module_id != id(inner):
+            raise ValueError(
+                "this TopKState is already bound to another module; use one TopKState per DDP model"
+            )
+        if self._bound_module_id is None and self._param_names:
+            raise ValueError("bind() must be called before the hook first runs")
+        shapes = {name: (p.numel(), p.dtype) for name, p in inner.named_parameters()}
+        foreign = sorted(set(self._residuals.names()) - set(shapes))
+        if foreign:
+            raise ValueError(
+                f"this TopKState holds residuals of {len(foreign)} parameter(s) the module does not have "
+                f"(first: {foreign[:3]}): it belongs to another model"
+            )
+        if ddp is not None:
+            if self.process_group is None:
+                self.process_group = ddp.process_group  # reduce where DDP reduces (subgroups)
+            elif self.process_group is not ddp.process_group:
+                raise ValueError("state.process_group differs from the DDP model's process group")
+            if UnusedParameterAccounting.applies_to(ddp):
+                self._unused = UnusedParameterAccounting(ddp)
+        self._bound_module_id = id(inner)
+        self._names_from_module = True
+        self._param_names = {id(p): name for name, p in inner.named_parameters()}
+        self._param_shapes = shapes
+
+    def _bucket_layout(self, bucket: dist.GradBucket) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        names, numels = [], []
+        for param in bucket.parameters():
+            name = self._param_names.get(id(param))
+            if name is None:
+                if self._bound_module_id is not None:
+                    raise ValueError(
+                        "the hook saw a parameter that is not in the module bound to this "
+                        "TopKState: register the state on the DDP model it was bound to"
+                    )
+                if self._names_from_module:
+                    raise ValueError(
+                        "this TopKState was unpickled (or copied) from a state bound to a model: bind it to "
+                        "this process's model first, with state.bind(ddp_model) or "
+                        "sparsecomm.register_topk_hook(ddp_model, state), so its residuals find their parameters"
+                    )
+                name = self._param_names[id(param)] = f"param{len(self._param_names)}"
+            names.append(name)
+            numels.append(param.numel())
+        return tuple(names), tuple(numels)
+
+    # ----- observers ---------------------------------------------------------------------
+
+    def add_observer(self, observer) -> None:
+        """Call ``observer(event)`` with a :class:`~sparsecomm.hooks.events.HookEvent` at
+        every stage of every bucket (see :mod:`sparsecomm.hooks.events`).
+
+        An observer that does not read ``acc`` of the ``packed`` stage should say so with
+        an attribute ``needs_acc = False``: the hook then keeps its fused kernel (which
+        never materialises acc) and passes ``acc=None``. Any other observer makes the hook
+        compensate the bucket in place first (same results, bit for bit, but slower);
+        ``stats()["fused_calls"]`` counts the sparse calls that took the fused path.
+        """
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {type(observer).__name__}")
+        self._observers.append(observer)
+
+    def remove_observer(self, observer) -> None:
+        self._observers.remove(observer)
+
+    @property
+    def pending_collectives(self) -> int:
+        """Buckets sent but not yet delivered: non-zero means the step is not finished."""
+        return self._pending
+
+    def _emit(self, stage, bucket, names, numels, dense, step=None, **tensors) -> None:
+        if not self._observers:
+            return
+        if self._rank is None:
+            self._rank = dist.get_rank(self._group())
+        step = self.step if step is None else step
+        event = HookEvent(stage, step, self._rank, bucket.index(), names, numels, dense, tensors)
+        for observer in self._observers:
+            observer(event)
+
+    def _observers_need_acc(self) -> bool:
+        return any(getattr(observer, "needs_acc", True) for observer in self._observers)
+
+    # ----- process group ---------------------------------------------------------------
+
+    def _group(self) -> dist.ProcessGroup:
+        if self.process_group is not None:
+            return self.process_group
+        if not dist.is_initialized():
+            raise RuntimeError("TopKState needs torch.distributed to be initialised (init_process_group)")
+        return dist.group.WORLD
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        group = self._group()
+        return dist.get_rank(group), dist.get_world_size(group)
+
+    def _mpi_transport(self) -> mpi_allgatherv.MPIAllgatherv:
+        """The MPI transport, built and checked on the first hook call (before any collective)."""
+        if self._mpi is None:
+            MPI = mpi_allgatherv.import_mpi()
+            # Includes an all-gather over MPI (every rank's first hook call), so all ranks
+            # raise alike.
+            mpi_allgatherv.check_matches_process_group(self._group(), MPI.COMM_WORLD)
+            self._mpi = mpi_allgatherv.MPIAllgatherv(MPI.COMM_WORLD)
+        return self._mpi
+
+    # ----- steps -------------------------------------------------------------------------
+
+    def _begin_step(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The first bucket of a step arrived: settle the last step, then check the ranks agree."""
+        self._settle()
+        if not self._agreed:
+            check_ranks_agree(self, group, device)  # one small all-gather, in the hook body
+            self._agreed = True
+        if self._journal is not None:
+            self._journal.start_step()
+        self._fallback_bound = None
+        self._step_open = True
+        self._settled = False
+
+    def _end_step(self) -> None:
+        """The last bucket of the step was issued (its collectives may still be in flight)."""
+        self.step += 1
+        self._step_open = False
+
+    def _close_step_view(self) -> None:
+        """Every collective of the step completed: its counters become ``stats()["last_step"]``."""
+        self._stats.close_step(self.step - 1)
+        last = self._stats.last_step
+        buckets = last["sparse_calls"] + last["warmup_calls"] + last["fallback_calls"]
+        if (not self._warned_all_dense and self._fallback_bound is not None and buckets
+                and last["fallback_calls"] == buckets):
+            self._warned_all_dense = True
+            _, world_size = self._rank_and_world_size()
+            warnings.warn(
+                f"topk_hook: every bucket of step {last['step']} was reduced densely: with {world_size} ranks "
+                f"an all-gather of the top {self.current_density():g} of each bucket would send more bytes than a "
+                f"dense allreduce. Sparse reduction needs density < {self._fallback_bound:.3g} here (about "
+                f"1/(2 x world size) for float32); lower density, or pass allow_dense_fallback=False to force "
+                "the sparse path",
+                DenseFallbackWarning,
+                stacklevel=2,
+            )
+
+    def _settle(self) -> None:
+        """Finish the last step's bookkeeping once every rank knows how it ended.
+
+        Runs at the start of the next step (and before a state_dict or skip_step()):
+        undoes a skipped step (rollback), gives unused parameters their sent entries back,
+        and brings the memories to the scaler's current scale. Idempotent.
+        """
+        if self._settled or self._pending:
+            return
+        self._settled = True
+        skipped = False
+        if self._journal is not None:
+            skipped = self._journal.skip_requested or self._journal.overflowed() or (
+                self._scale is not None and self._scale.decreased())
+            if skipped:
+                self._journal.undo()
+                self.step -= 1  # the step never happened, as for the optimizer
+                self._stats.count(skipped_steps=1)
+        if self._unused is not None:
+            if skipped:
+                self._unused.forget()
+            else:
+                restored = self._unused.give_back(self._residuals, self._param_names)
+                if restored:
+                    self._stats.count(unused_restored=restored)
+        if self._scale is not None:
+            factor = self._scale.factor()
+            if factor is not None:
+                self._residuals.scale_(factor)
+                self._velocities.scale_(factor)
+
+    def skip_step(self) -> None:
+        """The loop skipped the step that just finished (for reasons the hook cannot see,
+        e.g. a loss spike guard): undo what it did to the hook's memories and step count.
+
+        Call it after the step's ``backward()`` and before the next one. Needs
+        ``on_overflow="rollback"`` (the memories are copied before each step); Inf/NaN
+        steps and steps a ``grad_scaler`` skipped are undone without it.
+        """
+        if self._journal is None:
+            raise ValueError(
+                "skip_step() needs TopKState(on_overflow='rollback') (or a grad_scaler): only then does the "
+                "hook keep copies of its memories from before the step; reset_residuals() restarts them instead"
+            )
+        if self._pending:
+            raise RuntimeError(f"skip_step() with {self._pending} collective(s) in flight: call it after backward()")
+        if self._step_open or self._settled:
+            raise RuntimeError("skip_step(): no finished step to skip (call it after backward(), before the next one)")
+        self._journal.skip_requested = True
+        self._settle()
+
+    def reset_residuals(self) -> None:
+        """Zero every residual and velocity (error feedback restarts from nothing)."""
+        if self._pending:
+            raise RuntimeError(f"reset_residuals() with {self._pending} collective(s) in flight")
+        self._residuals.clear()
+        self._velocities.clear()
+        if self._journal is not None:
+            self._journal.forget()
+        if self._unused is not None:
+            self._unused.forget()
+
+    # ----- stats -----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since construction (or the last load), for this rank.
+
+        Bytes sent are what this rank contributes to each collective: the payload of an
+        all-gather (``k`` indices + values) or the buffer of an allreduce. Bytes received
+        are the other ranks' data this rank takes in: their payloads for an all-gather
+        (exact), ``2 (p-1)/p`` x the buffer for an allreduce (what a ring algorithm, as
+        gloo's and NCCL's, moves per rank). ``effective_density`` = elements sent /
+        elements reduced in sparse calls; ``compression`` = bytes_sent / bytes_dense over
+        all calls. ``fused_calls``: sparse calls that ran the fused kernel (acc never
+        materialised); the rest compensated the bucket first (momentum, clipping,
+        observers reading acc). ``last_step`` holds the same counters for the last step
+        whose collectives all completed (with its ``step`` number), or None. Times are
+        host wall-clock (on CUDA they exclude kernel time unless something synchronises).
+        ``skipped_steps`` counts steps undone by rollback (counted when the next step
+        starts).
+        """
+        s = dict(self._stats.totals)
+        s["steps"] = self.step
+        s["density"] = self.current_density()
+        s["effective_density"] = s["elements_sent"] / s["elements_sparse"] if s["elements_sparse"] else None
+        s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
+        s["transport"] = self.transport
+        s["last_step"] = None if self._stats.last_step is None else dict(self._stats.last_step)
+        return s
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Warn if momentum correction is on and ``optimizer`` applies momentum too (True if so)."""
+        return warn_on_double_momentum(self.momentum, optimizer)
+
+    def current_density(self) -> float:
+        """The density this step sends (the schedule's value at ``self.step``)."""
+        return self.density_schedule(self.step)
+
+    def _count(self, **increments) -> None:
+        self._stats.count(**increments)
+
+    # ----- checkpointing ---------------------------------------------------------------
+
+    def _config(self) -> dict:
+        return {
+            "density": self.density,
+            "density_schedule": self.density_schedule.to_list(),
+            "error_feedback": self.error_feedback,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "local_clip_norm": self.local_clip_norm,
+            "warmup_steps": self.warmup_steps,
+            "selector": self.selector,
+            "value_dtype": None if self.value_dtype is None else str(self.value_dtype),
+            "seed": self.seed,
+            "k_scope": self.k_scope,
+        }
+
+    def state_dict(self) -> dict:
+        """This rank's state, with every per-rank entry under ``rank{r}.``.
+
+        ``rank{r}.residual.{name}``, ``rank{r}.velocity.{name}``, ``rank{r}.stats``,
+        ``rank{r}.sample_generator`` and ``rank{r}.sample_generator_device`` differ per
+        rank; ``format``, ``world_size``, ``step``, ``config`` and ``memory_scale`` (the
+        grad scaler's scale the memories are in, None without a scaler) are the same on
+        every rank. Rank-qualified keys matter for torch.distributed.checkpoint, which
+        treats an unqualified key saved by every rank as replicated and hands rank 0's
+        value to all. With a bound module and error feedback, every parameter has a
+        residual entry (zeros before the first sparse step), so the dict is also a
+        complete template for DCP to load into. Refused while a collective is in flight.
+        The last step is settled first (a skipped step is undone), so the dict is what
+        the next step starts from.
+        """
+        if self._pending:
+            raise RuntimeError(
+                f"TopKState.state_dict() with {self._pending} collective(s) in flight: the "
+                "residuals are mid-update; save between steps (after optimizer.step())"
+            )
+        self._settle()
+        rank, world_size = self._rank_and_world_size()
+        prefix = f"rank{rank}."
+        sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self._config(),
+              "memory_scale": None if self._scale is None else self._scale.memory_scale}
+        sd[f"{prefix}stats"] = dict(self._stats.totals)
+        memories = [("residual", self._residuals, self.error_feedback), ("velocity", self._velocities, self.momentum > 0)]
+        for kind, memory, used in memories:
+            entries = memory.state_dict()
+            if used:
+                for name, (numel, dtype) in self._param_shapes.items():
+                    entries.setdefault(name, torch.zeros(numel, dtype=self._memory_dtype(dtype)))
+            for name, tensor in sorted(entries.items()):
+                sd[f"{prefix}{kind}.{name}"] = tensor
+        if self._sample_generator is not None:
+            sd[f"{prefix}sample_generator"] = self._sample_generator.get_state()
+            sd[f"{prefix}sample_generator_device"] = str(self._sample_generator.device)
+        return sd
+
+    def load_state_dict(self, state_dict: dict, *, strict: bool = True) -> None:
+        """Restore this rank's state from ``state_dict`` (made by :meth:`state_dict`).
+
+        Strict (default): refuses another rank's state, a different world size, a
+        different configuration and, for a bound state, a residual missing for any
+        parameter; every message gives both values. Lenient (``strict=False``): in those
+        cases the residuals and velocities are reset to zero with a warning, and
+        ``stats()["residual_reset"]`` becomes True so the ledger can report it (error
+        feedback then restarts from nothing; convergence usually survives an occasional
+        reset, DeepSpeed's 1-bit optimizers always reset). Memories saved under a grad
+        scaler come back in the units of this state's scaler (or unscaled without one).
+        The sampled selector's generator comes back on the device it was saved from.
+        """
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
+            raise ValueError(
+                f"state_dict is not a TopKState state dict of format {STATE_DICT_FORMAT} "
+                f"(got format {state_dict.get('format') if isinstance(state_dict, dict) else type(state_dict).__name__!r})"
+            )
+        if self._pending:
+            raise RuntimeError(f"TopKState.load_state_dict() with {self._pending} collective(s) in flight")
+        rank, world_size = self._rank_and_world_size()
+        prefix = f"rank{rank}."
+        problems = []
+        if state_dict["world_size"] != world_size:
+            problems.append(
+                f"state_dict was saved with world_size={state_dict['world_size']}, this job has world_size={world_size}"
+            )
+        saved_ranks = sorted({int(k.split(".", 1)[0][4:]) for k in state_dict if k.startswith("rank") and "." in k})
+        if rank not in saved_ranks:
+            problems.append(
+                f"state_dict holds the state of rank(s) {saved_ranks}, this is rank {rank}: "
+                "every rank's residual differs; save and load each rank's own state dict"
+            )
+        if state_dict["config"] != self._config():
+            diffs = {
+                key: (state_dict["config"].get(key), value)
+                for key, value in self._config().items()
+                if state_dict["config"].get(key) != value
+            }
+            problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
+        memories = {"residual": {}, "velocity": {}}
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and key.split(".", 2)[1] in memories:
+                _, kind, name = key.split(".", 2)
+                memories[kind][name] = value
+        if self.error_feedback and not problems:
+            missing = sorted(set(self._param_shapes) - set(memories["residual"]))
+            if missing:
+                problems.append(f"rank {rank}'s residuals are missing for {len(missing)} parameter(s): {missing[:5]}")
+        generator_state = state_dict.get(f"{prefix}sample_generator")
+        generator_device = state_dict.get(f"{prefix}sample_generator_device", "cpu")
+        if generator_state is not None and not problems:
+            generator_device = _usable_device(generator_device, problems)
+        reset = bool(problems)
+        if reset and strict:
+            raise ValueError("; ".join(problems) + "; pass strict=False to reset the residuals instead")
+        if reset:
+            warnings.warn(
+                "TopKState.load_state_dict(strict=False): resetting error-feedback residuals: " + "; ".join(problems),
+                stacklevel=2,
+            )
+            memories = {"residual": {}, "velocity": {}}
+        self._residuals.load_state_dict(memories["residual"])
+        self._velocities.load_state_dict(memories["velocity"])
+        self._load_memory_scale(None if reset else state_dict.get("memory_scale"))
+        self._sample_generator = None
+        if generator_state is not None and not reset:
+            self._sample_generator = torch.Generator(device=generator_device).set_state(generator_state)
+        self.step = state_dict["step"]
+        self._stats = HookStats(state_dict.get(f"{prefix}stats", {}))
+        self._stats.totals["residual_reset"] = reset or bool(self._stats.totals.get("residual_reset"))
+        self._buffers = {}
+        self._forget_step()
+
+    def _load_memory_scale(self, saved_scale: float | None) -> None:
+        """Memories saved in units of a scaler's ``saved_scale``: keep them in this state's units."""
+        if self._scale is not None:
+            self._scale.memory_scale = 1.0 if saved_scale is None else float(saved_scale)
+        elif saved_scale is not None and saved_scale != 1.0:
+            self._residuals.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
+            self._velocities.scale_(1.0 / saved_scale)
+
+    def _forget_step(self) -> None:
+        """Memories were replaced: nothing of the last step is left to settle or undo."""
+        self._settled, self._step_open, self._agreed = True, False, False
+        if self._journal is not None:
+            self._journal.forget()
+        if self._unused is not None:
+            self._unused.forget()
+
+    def __getstate__(self) -> dict:
+        """Everything but what belongs to this process: the process group, the ids of its
+        parameters, communicators, observers, the DDP model (as PowerSGDState drops its group)."""
+        if self._pending:
+            raise RuntimeError(
+                f"cannot pickle a TopKState with {self._pending} collective(s) in flight: "
+                "save between steps, after backward() and optimizer.step() returned"
+            )
+        self._settle()
+        state = {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
+        state["_mpi"] = None  # a communicator and a thread of this process
+        state["_observers"] = []  # observers belong to this process (monitors, injectors)
+        state["_rank"] = None
+        state["_param_names"] = {}  # keyed by id(): meaningless in another process
+        state["_bound_module_id"] = None
+        state["_unused"] = None  # holds the DDP model; bind() again in the new process
+        state["_scale"] = None if self._scale is None else self._scale.memory_scale  # the scaler is the loop's
+        if self._sample_generator is not None:
+            state["_sample_generator"] = (self._sample_generator.get_state(), str(self._sample_generator.device))
+        state["_buffers"] = {}
+        state["_scratch"] = None
+        state["_journal"] = None if self._journal is None else StepJournal()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        generator = state.pop("_sample_generator")
+        memory_scale = state.pop("_scale", None)
+        if "_names_from_module" not in state:  # pickles from before ids were dropped
+            state["_names_from_module"] = state.get("_bound_module_id") is not None
+            state["_param_names"], state["_bound_module_id"] = {}, None
+        state = _PICKLE_DEFAULTS | state  # pickles from before these fields existed
+        if not isinstance(state["_stats"], HookStats):
+            state["_stats"] = HookStats(state["_stats"])
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.process_group = None
+        self._scale = None
+        # The memories are in units of the old scaler's scale; with no scaler here they
+        # are brought to unscaled units (pass the new scaler with set_grad_scaler()).
+        self._load_memory_scale(memory_scale)
+        self._sample_generator = None
+        if generator is not None:
+            generator_state, device = generator if isinstance(generator, tuple) else (generator, "cpu")
+            self._sample_generator = torch.Generator(device=_usable_device(device)).set_state(generator_state)
+
+    def set_grad_scaler(self, grad_scaler) -> None:
+        """Attach a ``torch.amp.GradScaler`` after construction (e.g. to an unpickled state);
+        the memories are taken to be unscaled and follow the scaler from the next step."""
+        if self._pending:
+            raise RuntimeError(f"set_grad_scaler() with {self._pending} collective(s) in flight")
+        self._scale = ScaleTracker(grad_scaler)
+        self._scale.memory_scale = 1.0
+        if self._journal is None:
+            self.on_overflow, self._journal = "rollback", StepJournal()
+
+    # ----- hot-path helpers ------------------------------------------------------------
+
+    def _memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the residual and velocity of a bucket of ``bucket_dtype``."""
+        if self.residual_dtype is not None:
+            return self.residual_dtype
+        return torch.float32 if bucket_dtype in HALF_DTYPES else bucket_dtype
+
+    def _wide_copy(self, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``buffer`` converted to ``dtype`` in the shared scratch (used within one hook call only)."""
+        if self._scratch is None or self._scratch.numel() < buffer.numel() or self._scratch.dtype != dtype \
+                or self._scratch.device != buffer.device:
+            size = max(buffer.numel(), 0 if self._scratch is None else self._scratch.numel())
+            self._scratch = torch.empty(size, dtype=dtype, device=buffer.device)
+        wide = self._scratch[: buffer.numel()]
+        wide.copy_(buffer)
+        return wide
+
+    def _wire_buffers(self, bucket_index: int, k: int, value_dtype: torch.dtype, world_size: int, device):
+        """Payload and gather buffers for a bucket, allocated once per layout."""
+        cached = self._buffers.get(bucket_index)
+        if cached is not None and cached[:2] == (k, value_dtype) and cached[2].device == device:
+            return cached[2], cached[3]
+        nbytes = payload_nbytes(k, value_dtype)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        gathered = torch.empty(world_size * nbytes, dtype=torch.uint8, device=device)
+        self._buffers[bucket_index] = (k, value_dtype, payload, gathered)
+        return payload, gathered
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self._sample_generator is None or self._sample_generator.device != device:
+            if self._sample_generator is not None:
+                raise RuntimeError(
+                    f"the sampled selector's generator lives on {self._sample_generator.device} (restored from a "
+                    f"checkpoint or pickle) but the gradients are on {device}: restore the state on the device it "
+                    "was saved from"
+                )
+            rank, _ = self._rank_and_world_size()
+            self._sample_generator = torch.Generator(device=device).manual_seed(
+                self.seed * 1_000_003 + rank
+            )
+        return self._sample_generator
+
+
+# Fields that pickles of older versions do not have, with the value that keeps their behaviour.
+_PICKLE_DEFAULTS = {
+    "transport": "c10d", "_mpi": None, "residual_dtype": None, "on_overflow": "drop", "_journal": None,
+    "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
+    "_unused": None, "_fallback_bound": None, "_warned_all_dense": False,
+}
+
+
+def _usable_device(device: str, problems: list | None = None) -> str:
+    """``device`` if this process can hold a generator there; else an error (or a problem noted)."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        message = (f"the sampled selector's generator was saved on {device}, which this process does not have; "
+                   "restore the state on a machine with that device")
+        if problems is None:
+            raise ValueError(message)
+        problems.append(message)
+        return "cpu"
+    return device
+
+
+def _resolve_schedule(spec, density: float) -> DensitySchedule:
+    """``density_schedule`` argument -> DensitySchedule ending at ``density``."""
+    if spec is None:
+        return DensitySchedule.constant(density)
+    if isinstance(spec, DensitySchedule):
+        if spec.target != density:
+            raise ValueError(f"density_schedule must end at density={density}, but it ends at {spec.target}")
+        return spec
+    if isinstance(spec, dict):
+        if spec.get("kind") != "exponential" or not set(spec) <= {"kind", "steps", "stages"} or "steps" not in spec:
+            raise ValueError(
+                "density_schedule as a dict must be {'kind': 'exponential', 'steps': N[, 'stages': S]}, "
+                f"got {spec!r}"
+            )
+        return DensitySchedule.exponential(density, spec["steps"], spec.get("stages", 4))
+    if isinstance(spec, (list, tuple)):
+        return DensitySchedule.piecewise(spec, density)
+    raise TypeError(
+        "density_schedule must be None, a DensitySchedule, {'kind': 'exponential', 'steps': N} "
+        f"or a list of (first_step, density) pairs, got {type(spec).__name__}"
+    )
+
+
+def _is_ddp(module) -> bool:
+    return isinstance(module, torch.nn.parallel.DistributedDataParallel)
