@@ -233,6 +233,8 @@ def _ddp_features_worker(rank, world_size, feature):
         model, ddp_kwargs = _Branchy(), {"find_unused_parameters": True}
     elif feature == "static_graph":
         model, ddp_kwargs = _mlp(), {"static_graph": True}
+    elif feature == "gradient_as_bucket_view":
+        model, ddp_kwargs = _mlp(), {"gradient_as_bucket_view": True}
     else:
         model, ddp_kwargs = _mlp(), {}
     ddp = DDP(model, **ddp_kwargs)
@@ -251,7 +253,7 @@ def _ddp_features_worker(rank, world_size, feature):
     return state.stats(), _params(model)
 
 
-@pytest.mark.parametrize("feature", ["no_sync", "find_unused_parameters", "static_graph"])
+@pytest.mark.parametrize("feature", ["no_sync", "find_unused_parameters", "static_graph", "gradient_as_bucket_view"])
 def test_ddp_features(feature):
     (stats, params0), (_, params1) = run_on_ranks(_ddp_features_worker, feature)
     # Steps count optimizer steps (synchronising backwards), not micro-batches.
@@ -439,7 +441,8 @@ def _training_worker(rank, world_size, k_scope, observed):
         optimizer.zero_grad()
         ddp(x).pow(2).mean().backward()
         optimizer.step()
-    return _params(ddp.module), state.state_dict(), sparsecomm.ops.implementation("ef_topk_pack", "cpu").__module__
+    return (_params(ddp.module), state.state_dict(), sparsecomm.ops.implementation("ef_topk_pack", "cpu").__module__,
+            state.stats())
 
 
 @pytest.mark.parametrize("k_scope, observed", [("bucket", False), ("parameter", True)],
@@ -453,10 +456,14 @@ def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, o
     for kernels in ("native", "reference"):
         monkeypatch.setenv("SPARSECOMM_KERNELS", kernels)  # inherited by the spawned ranks
         results[kernels] = run_on_ranks(_training_worker, k_scope, observed)
-    for (native_params, native_state, native_impl), (ref_params, ref_state, ref_impl) in zip(
+    for (native_params, native_state, native_impl, native_stats), (ref_params, ref_state, ref_impl, ref_stats) in zip(
         results["native"], results["reference"]
     ):
         assert (native_impl, ref_impl) == ("sparsecomm.ops.native", "sparsecomm.ops.reference")
+        # Both went through the kernels being compared: 4 sparse steps, on the fused path
+        # unless an observer made the hook compensate first.
+        for stats in (native_stats, ref_stats):
+            assert stats["sparse_calls"] == 4 and stats["fused_calls"] == (0 if observed else 4)
         assert all(torch.equal(a, b) for a, b in zip(native_params, ref_params))
         assert native_state.keys() == ref_state.keys()
         assert all(torch.equal(native_state[key], ref_state[key]) for key in native_state

@@ -10,10 +10,12 @@ Stages and their tensors:
 
 - ``gradient``: ``gradient`` = the local bucket gradient as DDP filled it (a sum over
   the local batch, not yet divided by world size).
-- ``packed``: ``acc`` = grad / world_size (+ velocity) + old residual; ``residual`` = the
-  new residual (None without error feedback); ``indices`` = what was selected (None on the
-  dense path); ``payload`` = the bytes about to be sent (the dense buffer on the dense
-  path, the values for random-k).
+- ``packed``: ``acc`` = grad / world_size (+ velocity) + old residual, or None when the
+  fused kernel formed it without writing it (only when every observer has
+  ``needs_acc = False``); ``residual`` = the new residual (None without error feedback);
+  ``indices`` = what was selected (None on the dense path); ``payload`` = the bytes about
+  to be sent (the dense buffer on the dense path, the values for random-k); ``values`` =
+  the sent values in the wire dtype (sparse paths only).
 - ``reduced``: ``reduced`` = the averaged bucket every rank receives.
 """
 from dataclasses import dataclass, field

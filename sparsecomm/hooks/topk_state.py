@@ -724,6 +724,7 @@ class TopKState:
             setattr(self, name, value)
         self.process_group = None
         self._scale = None
+        self._agreed = False  # a new process: compare the ranks again at the first call
         # The memories are in units of the old scaler's scale; with no scaler here they
         # are brought to unscaled units (pass the new scaler with set_grad_scaler()).
         self._load_memory_scale(memory_scale)

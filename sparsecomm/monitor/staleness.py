@@ -58,6 +58,10 @@ class StalenessMonitor:
         world_size: divisor of the gradient for ``ratio``; None reads the default group's.
     """
 
+    # Reads only the residual, the indices and the sent values: the hook keeps its fused
+    # kernel while this monitor watches (see TopKState.add_observer).
+    needs_acc = False
+
     def __init__(self, limit_steps: int, *, every: int = 1, action: str = "record", world_size: int | None = None):
         if not isinstance(limit_steps, int) or isinstance(limit_steps, bool) or limit_steps < 1:
             raise ValueError(f"limit_steps must be an integer >= 1 (steps), got {limit_steps!r}")
@@ -96,7 +100,13 @@ class StalenessMonitor:
             self._squares["gradient"] += _square(tensors["gradient"])
             return
         residual = tensors.get("residual")
-        self._squares["acc"] += _square(tensors["acc"])
+        if tensors.get("acc") is not None:
+            self._squares["acc"] += _square(tensors["acc"])
+        elif residual is not None:
+            # The fused kernel never materialises acc; top-k splits it into the sent and
+            # the kept entries, so its squared norm is the sum of theirs (exact for a wire
+            # as wide as the bucket, up to the tiny rounding remainders otherwise).
+            self._squares["acc"] += _square(residual) + _square(tensors["values"])
         if residual is None:
             return  # no error feedback: nothing is ever held back
         self._squares["residual"] += _square(residual)
@@ -126,7 +136,7 @@ class StalenessMonitor:
         cached = self._flats.get(event.bucket_index)
         if cached is not None and cached[0] == event.names:
             return cached[1]
-        device = event.tensors["acc"].device
+        device = event.tensors["residual"].device
         parts = [
             self._ages[name].to(device) if name in self._ages else torch.zeros(numel, dtype=torch.int32, device=device)
             for name, numel in zip(event.names, event.numels)
