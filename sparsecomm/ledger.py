@@ -136,6 +136,7 @@ class ArmLedger:
     residual_reset: bool = False  # some run restored without its error-feedback state
     unverified: tuple[str, ...] = ()  # reasons runs were marked unverified (residual staleness)
     rollbacks: int = 0  # corruptions detected and rolled back, all seeds
+    hook_path: tuple[int, int] | None = None  # (fused, all) sparse calls of the top-k hook, all seeds
 
     @property
     def end_to_end(self) -> Figure:
@@ -202,7 +203,18 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         residual_reset=any(r.extra.get("residual_reset") for r in ok),
         unverified=tuple(sorted({r.extra["unverified_reason"] for r in ok if r.extra.get("unverified_reason")})),
         rollbacks=sum(r.extra.get("rollbacks") or 0 for r in ok),
+        hook_path=_hook_path(ok),
     )
+
+
+def _hook_path(ok: list[RunSummary]) -> tuple[int, int] | None:
+    """(sparse calls on the fused kernel, all sparse calls) of the top-k hook, or None
+    when the arm has no such hook (or its runs predate the count)."""
+    stats = [r.extra.get("hook_stats") or {} for r in ok]
+    if not stats or not all("fused_calls" in s for s in stats):
+        return None
+    sparse = sum(s.get("sparse_calls", 0) for s in stats)
+    return (sum(s["fused_calls"] for s in stats), sparse) if sparse else None
 
 
 def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float, link: str) -> Figure:
@@ -281,6 +293,11 @@ def format_ledger(ledger: Ledger) -> str:
             lines.append(f"UNVERIFIED {a.arm}: {'; '.join(a.unverified)}")
         if a.rollbacks:
             lines.append(f"{a.arm}: {a.rollbacks} detected corruption(s) rolled back to the last verified checkpoint")
+        if a.hook_path is not None:
+            fused, sparse = a.hook_path
+            why = ("" if fused == sparse else ": the others formed acc in the bucket first (momentum correction, "
+                   "local clipping, or an observer reading it); same bits, slower")
+            lines.append(f"{a.arm}: hook path: fused kernel in {fused} of {sparse} sparse calls{why}")
     lines += [
         "",
     ]

@@ -127,3 +127,14 @@ def test_checkpoint_and_recovery_items_when_measured(tmp_path):
     topk = build_ledger(run_dir).arm("topk-ef")
     assert topk.checkpoint.value is None and topk.recovery.value is None
     assert "UNVERIFIED topk-ef: max residual age 1200 > staleness limit 1000" in format_ledger(build_ledger(run_dir))
+
+
+def test_the_ledger_says_which_hook_path_ran(tmp_path):
+    extra = {"topk-ef": {"hook_stats": {"sparse_calls": 40, "fused_calls": 40}},
+             "topk-dgc": {"hook_stats": {"sparse_calls": 40, "fused_calls": 0}},
+             "dense": {"hook_stats": None}}
+    curves = {**_curves(), **{("topk-dgc", seed): c for (arm, seed), c in _curves().items() if arm == "topk-ef"}}
+    text = format_ledger(build_ledger(write_run_dir(tmp_path / "exp", curves, target_loss=1.5, summary_extra=extra)))
+    assert "topk-ef: hook path: fused kernel in 120 of 120 sparse calls" in text  # 3 seeds x 40
+    assert "topk-dgc: hook path: fused kernel in 0 of 120 sparse calls: the others formed acc in the bucket first" in text
+    assert "dense: hook path" not in text
