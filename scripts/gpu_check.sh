@@ -4,7 +4,8 @@
 # Expected runtime on an H200 box (16 cores): build ~2-4 min (nvcc compiles 4 .cu files with
 # 9 dtype pairs each, plus the CPU sources; only sm_90 unless TORCH_CUDA_ARCH_LIST says
 # otherwise), tests ~2-3 min (tests/test_kernels_cuda.py runs its oracle on CPU copies,
-# including a few 2^24-element cases; tests/test_kernels_triton.py compiles Triton kernels),
+# including a few 2^24-element cases; tests/test_kernels_triton.py compiles Triton kernels;
+# tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one GPU),
 # benchmark ~1 min. About 6-8 minutes in all: leave room in the device budget for one rerun.
 # A failed build stops the script; the benchmark runs even if tests fail; the exit status is
 # non-zero if the build, a test or the benchmark failed.
@@ -53,7 +54,7 @@ PY
 
 status=0
 stamp "tests"
-"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py || status=$?
+"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_hook_cuda.py || status=$?
 
 stamp "benchmark"
 "$PYTHON" experiments/bench_kernels.py --device cuda --sizes 1e6 25e6 100e6 --densities 0.001 0.01 || status=$?
