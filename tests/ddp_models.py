@@ -33,3 +33,27 @@ def memories_finite(state) -> bool:
 
 def all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def backward_error(ddp, x) -> str:
+    """The message of the error the hook raised in this backward ('' if none)."""
+    try:
+        ddp(x).float().pow(2).mean().backward()
+    except Exception as error:  # DDP re-raises the hook's error from backward()
+        return str(error)
+    return ""
+
+
+def autocast_fp16_scaler_loop(ddp, optimizer, scaler, batches, device_type: str) -> int:
+    """fp16 autocast + GradScaler steps over ``batches``; returns how many the scaler skipped."""
+    skipped = 0
+    for x in batches:
+        optimizer.zero_grad()
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = ddp(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return skipped

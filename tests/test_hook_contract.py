@@ -14,18 +14,10 @@ import sparsecomm
 from sparsecomm import TopKState, topk_hook
 from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
 from sparsecomm.monitor import StalenessMonitor
-from ddp_models import mlp, params, rank_data
+from ddp_models import backward_error, mlp, params, rank_data
 from multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _backward_error(ddp, x) -> str:
-    try:
-        ddp(x).pow(2).mean().backward()
-    except Exception as error:  # DDP re-raises the hook's error from backward()
-        return str(error)
-    return ""
 
 
 # ----- ranks that disagree ------------------------------------------------------------------
@@ -39,17 +31,17 @@ def _disagreeing_worker(rank, world_size):
                           ("k_scope", {"density": 0.05, "k_scope": ("bucket", "parameter")[rank]})]:
         ddp = DDP(mlp())
         sparsecomm.register_topk_hook(ddp, **kwargs)
-        messages[label] = _backward_error(ddp, x)
+        messages[label] = backward_error(ddp, x)
     # A rank resumed from another step than its peers (warm-up and schedules would differ).
     ddp = DDP(mlp())
     state = sparsecomm.register_topk_hook(ddp, density=0.05)
     saved = state.state_dict()
     saved["step"] = 7 * rank
     state.load_state_dict(saved)
-    messages["step"] = _backward_error(ddp, x)
+    messages["step"] = backward_error(ddp, x)
     ddp = DDP(mlp())
     sparsecomm.register_topk_hook(ddp, density=0.05)
-    messages["agreeing"] = _backward_error(ddp, x)
+    messages["agreeing"] = backward_error(ddp, x)
     return messages
 
 
@@ -88,7 +80,7 @@ def _pickle_worker(rank, world_size, workdir, phase):
         weights, state = pickle.load(f)
     unbound = DDP(mlp())
     unbound.register_comm_hook(pickle.loads(pickle.dumps(state)), topk_hook)
-    refusal = _backward_error(unbound, torch.ones(2, 32))
+    refusal = backward_error(unbound, torch.ones(2, 32))
     model = mlp()
     model.load_state_dict(weights)
     ddp = DDP(model)
@@ -207,7 +199,7 @@ def _wrong_divisor_worker(rank, world_size, where):
     sparsecomm.register_topk_hook(ddp, density=0.05, momentum=0.9 if where == "hook" else 0.0,
                                   verify_conservation=True)
     for step, x in enumerate(rank_data(rank, 4, (8, 32))):
-        message = _backward_error(ddp, x)
+        message = backward_error(ddp, x)
         if message:
             return step, message
     return None, ""

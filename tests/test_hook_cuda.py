@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm import TopKState
-from ddp_models import memories_finite, mlp, rank_data
+from ddp_models import autocast_fp16_scaler_loop, memories_finite, mlp, rank_data
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")]
@@ -40,16 +40,7 @@ def test_fp16_autocast_grad_scaler_on_cuda(nccl_group):
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)
     state = sparsecomm.register_topk_hook(ddp, density=0.05, grad_scaler=scaler)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    skipped = 0
-    for x in _cuda_batches(30, (16, 64)):
-        optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = ddp(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        skipped += scaler.get_scale() < before
+    skipped = autocast_fp16_scaler_loop(ddp, optimizer, scaler, _cuda_batches(30, (16, 64)), "cuda")
     stats = state.stats()
     assert skipped >= 3 and stats["skipped_steps"] == skipped and stats["sparse_calls"] > 0
     assert memories_finite(state)

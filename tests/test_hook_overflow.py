@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from ddp_models import all_finite, memories_finite, mlp, params, rank_data
+from ddp_models import all_finite, autocast_fp16_scaler_loop, memories_finite, mlp, params, rank_data
 from multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -184,14 +184,7 @@ def _autocast_fp16_worker(rank, world_size, use_hook):
     evaluation = rank_data(0, 1, (64, 64), seed=7)[0]
     skipped, losses = 0, []
     for x in rank_data(rank, 30, (16, 64)):
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ddp(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        skipped += scaler.get_scale() < before
+        skipped += autocast_fp16_scaler_loop(ddp, optimizer, scaler, [x], "cpu")
         with torch.no_grad():
             losses.append(float(model(evaluation).pow(2).mean()))
     stats = None if state is None else state.stats()

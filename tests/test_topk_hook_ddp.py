@@ -19,6 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm import TopKState, topk_hook
+from ddp_models import backward_error
+from ddp_models import grads as _grads
+from ddp_models import mlp as _mlp
+from ddp_models import params as _params
+from ddp_models import rank_data as _rank_data
 from multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,28 +35,6 @@ CALLS = []
 def recording_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     CALLS.append((bucket.index(), bucket.buffer().numel(), bucket.is_last()))
     return topk_hook(state, bucket)
-
-
-def _rank_data(rank, steps, shape):
-    """Different inputs on every rank (same on a rank across runs)."""
-    generator = torch.Generator().manual_seed(1000 + rank)
-    return [torch.randn(*shape, generator=generator) for _ in range(steps)]
-
-
-def _mlp(width=32, depth=3, out=4):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, out))
-
-
-def _grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
 
 
 # ----- density 1 equals allreduce ---------------------------------------------------------
@@ -473,11 +456,7 @@ def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, o
 def _fp16_with_bf16_wire_worker(rank, world_size):
     ddp = DDP(_mlp().half())
     sparsecomm.register_topk_hook(ddp, density=0.1, value_dtype=torch.bfloat16)
-    try:
-        ddp(_rank_data(rank, 1, (8, 32))[0].half()).float().pow(2).mean().backward()
-    except Exception as error:  # DDP re-raises the hook's error from backward()
-        return str(error)
-    return ""
+    return backward_error(ddp, _rank_data(rank, 1, (8, 32))[0].half())
 
 
 def test_float16_gradients_with_bfloat16_values_are_refused_on_the_first_call():
