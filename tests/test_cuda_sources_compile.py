@@ -7,16 +7,27 @@ missing, ``-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE`` (c10's own switch) skips the inc
 sources avoid ``ATen/cuda/CUDAContext.h`` on purpose: it includes cuBLAS/cuSPARSE headers,
 which a bare nvcc toolkit does not have.
 
-Flags mirror what torch's BuildExtension gives a CUDAExtension: ``COMMON_NVCC_FLAGS``
-(``-D__CUDA_NO_HALF_OPERATORS__`` ... ``--expt-relaxed-constexpr``), ``-fPIC``,
-``-DTORCH_EXTENSION_NAME=_C`` and the running torch's ``_GLIBCXX_USE_CXX11_ABI``; the target
-is ``sm_90`` (H100/H200). The language standard is C++17 (torch 2.13's own BuildExtension
-uses C++20, under which the sources compile as well; torch's headers only warn under C++17).
+Flags mirror what ``setup.py`` builds with (a CUDAExtension under torch's BuildExtension):
+setup.py's own nvcc flags (``-O3 --expt-relaxed-constexpr -lineinfo``, kept in sync by
+``test_nvcc_flags_match_setup_py``), BuildExtension's ``COMMON_NVCC_FLAGS``
+(``-D__CUDA_NO_HALF_OPERATORS__`` ...), ``-fPIC``, ``-DTORCH_API_INCLUDE_EXTENSION_H``,
+``-DTORCH_EXTENSION_NAME=_C``, ``-std=c++20`` (what BuildExtension adds when setup.py names
+no standard), setup.py's ``csrc/cpu`` include directory and the running torch's
+``_GLIBCXX_USE_CXX11_ABI``; the target is ``sm_90`` (H100/H200).
+
+Besides the exit status, the sm_90 device code is checked: nvcc keeps its intermediate
+files (``--keep``, no extra compile), and every ``__global__`` kernel a source defines must
+be a function in its ``.sm_90.cubin`` (an ELF file, read here without CUDA's binutils). A
+kernel template that no launch instantiates, or one compiled out by a preprocessor guard,
+compiles "fine" but ships no device code.
+
 The files compile in parallel, objects go to ``tmp_path``; on a loaded 2-core machine this
 takes about 1.5-2 minutes.
 """
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sysconfig
 import time
@@ -29,24 +40,106 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
 NVCC = shutil.which("nvcc")
-STD = "c++17"
+STD = "c++20"
 ARCH = "sm_90"
+SETUP_NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")  # setup.py's extra["nvcc"] without DEBUG=1
+KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
+EM_CUDA = 190  # ELF e_machine of a cubin
 
 
-def _nvcc_command(source: Path, obj: Path) -> list[str]:
+def _nvcc_command(source: Path, obj: Path, keep_dir: Path | None = None) -> list[str]:
     from torch.utils import cpp_extension
 
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(ROOT / "csrc" / "cpu")]
     command = [NVCC, "-c", str(source), "-o", str(obj), f"-std={STD}", f"-arch={ARCH}",
-               "-DTORCH_EXTENSION_NAME=_C", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               "-Xcompiler", "-fPIC"]
-    command += [flag for flag in cpp_extension.COMMON_NVCC_FLAGS if flag not in command]
-    if "--expt-relaxed-constexpr" not in command:
-        command.append("--expt-relaxed-constexpr")
+               "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Xcompiler", "-fPIC"]
+    for flag in [*cpp_extension.COMMON_NVCC_FLAGS, *SETUP_NVCC_FLAGS]:
+        if flag not in command:
+            command.append(flag)
     if not any(Path(path, "c10", "cuda", "impl", "cuda_cmake_macros.h").exists() for path in includes):
         command.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")  # CPU wheel: the generated header is missing
     command += [f"-I{path}" for path in includes]
+    if keep_dir is not None:
+        command += ["--keep", "--keep-dir", str(keep_dir)]
     return command
+
+
+def kernels_defined(source: Path) -> set[str]:
+    """Names of the ``__global__`` functions a source defines (comments stripped)."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source.read_text(), flags=re.S)
+    return set(KERNEL.findall(text))
+
+
+def elf_functions(path: Path) -> tuple[int, list[str]]:
+    """(e_machine, names of the defined function symbols) of a little-endian ELF64 file."""
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path} is not a little-endian ELF64 file"
+    machine = struct.unpack_from("<H", data, 18)[0]
+    shoff, = struct.unpack_from("<Q", data, 40)
+    shentsize, shnum = struct.unpack_from("<HH", data, 58)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[link]
+        for i in range(size // entsize):
+            name, info, _, shndx, _, sym_size = struct.unpack_from("<IBBHQQ", data, offset + i * entsize)
+            if info & 0xF == 2 and shndx != 0 and sym_size > 0:  # STT_FUNC, defined, with code
+                start = strtab[4] + name
+                names.append(data[start:data.index(b"\0", start)].decode())
+    return machine, names
+
+
+def missing_kernels(kernels: set[str], functions: list[str]) -> list[str]:
+    """Kernels with no function in the cubin; a mangled name holds ``<len><name>``."""
+    return sorted(k for k in kernels if not any(f"{len(k)}{k}" in f for f in functions))
+
+
+def _inspect(source: Path, keep: Path, result: subprocess.CompletedProcess, seconds: float, out_dir: Path) -> str:
+    """Why one compiled source fails the checks, or '' when it passes."""
+    name = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source
+    if result.returncode != 0:
+        return (f"{name} (exit {result.returncode}, {seconds:.0f}s):\n{' '.join(result.args)}\n"
+                f"{result.stderr[-6000:]}{result.stdout[-2000:]}")
+    if not (out_dir / f"{source.stem}.o").stat().st_size > 0:
+        return f"{name}: empty object file"
+    cubins = sorted(keep.glob(f"*.{ARCH}.cubin"))
+    if len(cubins) != 1:
+        return f"{name}: expected one {ARCH} cubin among nvcc's kept files, got {cubins}"
+    machine, functions = elf_functions(cubins[0])
+    kernels = kernels_defined(source)
+    missing = missing_kernels(kernels, functions)
+    if machine != EM_CUDA or not kernels or missing:
+        return (f"{name}: {ARCH} cubin (e_machine {machine}) lacks kernels {missing} of {sorted(kernels)};"
+                f" its functions: {functions}")
+    return ""
+
+
+def compile_and_inspect(sources: list[Path], out_dir: Path) -> list[str]:
+    """Compile every source in parallel; one message per source that fails a check."""
+
+    def compile_one(source: Path):
+        keep = out_dir / f"{source.stem}-keep"
+        keep.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        result = subprocess.run(_nvcc_command(source, out_dir / f"{source.stem}.o", keep), capture_output=True,
+                                text=True, cwd=ROOT)
+        return source, keep, result, time.monotonic() - started
+
+    workers = max(1, min(len(sources), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(compile_one, sources))
+    failures = []
+    for source, keep, result, seconds in results:
+        try:
+            failure = _inspect(source, keep, result, seconds, out_dir)
+        finally:
+            shutil.rmtree(keep, ignore_errors=True)  # nvcc's kept files: ~30 MB per source
+        if failure:
+            failures.append(failure)
+    return failures
 
 
 def test_cuda_sources_exist():
@@ -54,21 +147,23 @@ def test_cuda_sources_exist():
     assert {"ef_topk_pack.cu", "ef_threshold_pack.cu", "topk_threshold.cu", "unpack_add.cu"} <= names, names
 
 
+def test_nvcc_flags_match_setup_py():
+    line = next(line for line in (ROOT / "setup.py").read_text().splitlines() if 'extra["nvcc"] =' in line)
+    assert set(re.findall(r'"(-[^"]*)"', line)) - {"-O0", "-g"} == set(SETUP_NVCC_FLAGS), line  # -O0 -g: DEBUG=1
+
+
+def test_kernel_and_symbol_matching():
+    assert "unpack_row_kernel" in kernels_defined(ROOT / "csrc" / "cuda" / "unpack_add.cu")
+    # A templated kernel in an anonymous namespace: the namespace's name ends in digits (8003)
+    # right before the kernel's length prefix (17).
+    mangled = ("_ZN15sparsecomm_cuda51_GLOBAL__N__c58f3e24_13_unpack_add_cu_c6f89d73_8003"
+               "17unpack_row_kernelIffEEvPKilPKT0_llPT_l")
+    assert missing_kernels({"unpack_row_kernel"}, [mangled]) == []
+    assert missing_kernels({"row_kernel", "unpack_row"}, [mangled]) == ["row_kernel", "unpack_row"]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.timeout(900)
 def test_cuda_sources_compile(tmp_path):
-    def compile_one(source: Path):
-        started = time.monotonic()
-        result = subprocess.run(_nvcc_command(source, tmp_path / f"{source.stem}.o"), capture_output=True, text=True,
-                                cwd=ROOT)
-        return source, result, time.monotonic() - started
-
-    workers = max(1, min(len(CUDA_SOURCES), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(compile_one, CUDA_SOURCES))
-    failures = [f"{source.relative_to(ROOT)} (exit {result.returncode}, {seconds:.0f}s):\n"
-                f"{' '.join(result.args)}\n{result.stderr[-6000:]}{result.stdout[-2000:]}"
-                for source, result, seconds in results if result.returncode != 0]
+    failures = compile_and_inspect(CUDA_SOURCES, tmp_path)
     assert not failures, "nvcc failed:\n\n" + "\n\n".join(failures)
-    for source, _, _ in results:
-        assert (tmp_path / f"{source.stem}.o").stat().st_size > 0

@@ -8,6 +8,7 @@ import pytest
 from scipy import stats
 
 from run_dir_fixture import write_run_dir
+from tost_oracle import paired_diffs, scipy_tost_verdict
 from sparsecomm import tolerance
 from sparsecomm.policy import format_policy
 from sparsecomm.tolerance import (
@@ -62,11 +63,27 @@ def test_two_seeds_inconclusive_even_if_tiny():
 
 @pytest.mark.parametrize("shift", [0.0, 0.01, 0.3])
 def test_zero_variance_never_equivalent(shift):
-    # Identical differences on every seed; 0.01 is not bit-identical after rounding either.
+    # Identical differences on every seed (DENSE lies in one binade, so these shifts are exact:
+    # sd 0). A shift of 0 is an arm identical to dense, e.g. nothing was actually compared.
     e = equivalence(DENSE, shifted(shift, noise=[0.0] * 5), 0.05)
     assert e.verdict == "inconclusive"
     assert e.reason == ZERO_VARIANCE_REASON
     assert e.p_tost is None and e.ci_low is None
+
+
+@pytest.mark.parametrize("shift", [0.01, 0.1, 0.3])
+def test_rounding_level_spread_counts_as_zero_variance(shift):
+    # Losses in different binades: (x + shift) - x is the shift only up to one ulp of x, so
+    # the differences have a sd of ~1e-16 (> 0) although every seed moved by the same amount.
+    # A t-test on that divides by rounding noise (CI ~ +-1e-16: "equivalent" at any delta);
+    # the documented rule calls it zero variance, never equivalent.
+    dense = {0: 0.3, 1: 0.6, 2: 1.2, 3: 2.4, 4: 4.8}
+    arm = {s: x + shift for s, x in dense.items()}
+    diffs = np.array(paired_diffs(dense, arm))
+    assert 0 < np.std(diffs, ddof=1) < 1e-15  # the precondition: rounding noise, not exact zero
+    e = equivalence(dense, arm, 0.05)
+    assert e.verdict == "inconclusive" and e.reason == ZERO_VARIANCE_REASON
+    assert e.mean_diff == pytest.approx(shift, abs=1e-15)
 
 
 def test_ci_crossing_bound_inconclusive():
@@ -101,7 +118,80 @@ def test_exact_ci_and_p_against_scipy():
     assert e.ci_low == pytest.approx(lo, rel=1e-12)
     assert e.ci_high == pytest.approx(hi, rel=1e-12)
     assert e.p_tost == pytest.approx(max(p_lower, p_upper), rel=1e-12)
-    assert e.verdict == ("equivalent" if -delta < lo and hi < delta else "inconclusive")
+    # Worked by hand: d = [.02, -.01, .04, .02, -.01, .04], mean 0.1/6 = 0.016667, sum of squared
+    # deviations 0.0025333, sd sqrt(0.0025333/5) = 0.022509, se 0.022509/sqrt(6) = 0.0091894;
+    # t(0.95, df 5) = 2.015048 (table), half-width 0.018517: CI [-0.00185, 0.03518] inside +-0.04.
+    assert (e.ci_low, e.ci_high) == (pytest.approx(-0.0018503, abs=1e-6), pytest.approx(0.0351836, abs=1e-6))
+    assert e.verdict == "equivalent"
+
+
+# Hand-worked TOST cases. Differences d = m + u * (-2, -1, 0, 1, 2) (n = 5): mean m, sd u*sqrt(2.5),
+# se u/sqrt(2); t(0.95, df 4) = 2.131847 and t(0.90, df 4) = 1.533206 (tables), so the 90% CI is
+# m +- 1.507445 u and the 80% CI (alpha 0.10) m +- 1.084137 u. Or d = m + u * (-1, 0, 1) (n = 3):
+# se u/sqrt(3), t(0.95, df 2) = 2.919986, 90% CI m +- 1.685855 u.
+FIVE, THREE = (-2, -1, 0, 1, 2), (-1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "m, u, pattern, delta, alpha, lo, hi, verdict",
+    [
+        (0.0, 0.01, FIVE, 0.05, 0.05, -0.0150745, 0.0150745, "equivalent"),  # centred, narrow
+        (0.03, 0.01, FIVE, 0.05, 0.05, 0.0149255, 0.0450745, "equivalent"),  # off-centre, still inside
+        (0.045, 0.01, FIVE, 0.05, 0.05, 0.0299255, 0.0600745, "inconclusive"),  # crosses +delta
+        (0.0, 0.04, FIVE, 0.05, 0.05, -0.0602978, 0.0602978, "inconclusive"),  # too noisy: crosses both
+        (0.06, 0.01, FIVE, 0.05, 0.05, 0.0449255, 0.0750745, "inconclusive"),  # mean above delta, not shown
+        (0.10, 0.01, FIVE, 0.05, 0.05, 0.0849255, 0.1150745, "worse"),
+        (-0.10, 0.01, FIVE, 0.05, 0.05, -0.1150745, -0.0849255, "better"),
+        (0.035, 0.01, FIVE, 0.05, 0.05, 0.0199255, 0.0500745, "inconclusive"),  # 90% CI just crosses
+        (0.035, 0.01, FIVE, 0.05, 0.10, 0.0241586, 0.0458414, "equivalent"),  # the 80% CI does not
+        (0.03, 0.01, THREE, 0.05, 0.05, 0.0131414, 0.0468586, "equivalent"),  # the minimum of 3 seeds
+        (0.03, 0.01, THREE, 0.04, 0.05, 0.0131414, 0.0468586, "inconclusive"),  # tighter delta
+    ],
+)
+def test_hand_worked_tost(m, u, pattern, delta, alpha, lo, hi, verdict):
+    dense = {s: 1.5 + 0.01 * s for s in range(len(pattern))}
+    arm = {s: dense[s] + m + u * k for s, k in enumerate(pattern)}
+    e = equivalence(dense, arm, delta, alpha=alpha)
+    assert e.mean_diff == pytest.approx(m, abs=1e-12)
+    assert e.ci_low == pytest.approx(lo, abs=2e-7) and e.ci_high == pytest.approx(hi, abs=2e-7)
+    assert e.verdict == verdict, e.reason
+    assert e.no_loss == (verdict in ("equivalent", "better"))
+
+
+def test_hand_worked_p_tost():
+    # m = 0, u = 0.01, n = 5: se = 0.0070711, both one-sided t statistics are 0.05 / se = 7.0711.
+    arm = {s: DENSE[s] + 0.01 * k for s, k in zip(sorted(DENSE), FIVE)}
+    e = equivalence(DENSE, arm, 0.05)
+    assert e.p_tost == pytest.approx(float(stats.t.sf(0.05 / (0.01 / math.sqrt(2)), 4)), rel=1e-9)
+    assert e.p_tost == pytest.approx(0.0010553, rel=1e-4)
+
+
+def test_tiny_but_real_variance_is_judged():
+    # sd 1.6e-6 on losses of ~1.5 is far above rounding noise (~1e-16): a real, very precise
+    # estimate, so the CI (+-1.5e-6) lies inside the bounds. Only rounding-level spread is "zero".
+    arm = {s: DENSE[s] + 1e-6 * k for s, k in zip(sorted(DENSE), FIVE)}
+    e = equivalence(DENSE, arm, 0.05)
+    assert e.verdict == "equivalent", e.reason
+    assert e.ci_high == pytest.approx(1.507445e-6, rel=1e-3)
+
+
+def test_verdicts_agree_with_scipy_one_sided_t_tests():
+    # The code decides from the CI; the oracle from scipy's one-sided t-test p-values.
+    rng = np.random.default_rng(1234)
+    seen = set()
+    for _ in range(300):
+        n = int(rng.integers(3, 11))
+        dense = {s: float(1.5 + 0.05 * rng.standard_normal()) for s in range(n)}
+        diffs = rng.uniform(-0.12, 0.12) + rng.uniform(0.002, 0.08) * rng.standard_normal(n)
+        arm = {s: dense[s] + float(diffs[s]) for s in range(n)}
+        alpha = float(rng.choice([0.01, 0.05, 0.1]))
+        e = equivalence(dense, arm, 0.05, alpha=alpha)
+        if min(abs(end - b) for end in (e.ci_low, e.ci_high) for b in (-0.05, 0.05)) < 1e-9:
+            continue  # on a bound to rounding: either answer is right
+        expected = scipy_tost_verdict(paired_diffs(dense, arm), 0.05, alpha)
+        assert e.verdict == expected, (n, alpha, diffs, e.reason)
+        seen.add(expected)
+    assert seen == {"equivalent", "worse", "better", "inconclusive"}  # every branch was exercised
 
 
 @pytest.mark.parametrize("delta", [0, -0.1, math.nan, math.inf])
