@@ -441,6 +441,35 @@ def test_select_and_pack_sends_nan():
     assert math.isnan(sent[1].item())
 
 
+@pytest.mark.parametrize("acc_dtype, value_dtype", EF_DTYPES)
+def test_select_and_pack_non_finite_acc_leaves_zero_residual(acc_dtype, value_dtype):
+    # Hand-worked: Inf/NaN are sent unchanged, and leave +0 in the residual whether sent or
+    # not (Inf - Inf = NaN kept there would be selected and sent again on every later step).
+    inf, nan = float("inf"), float("nan")
+
+    def run(acc, k, selector):
+        acc = torch.tensor(acc, dtype=acc_dtype)
+        payload = torch.empty(payload_nbytes(k, value_dtype), dtype=torch.uint8)
+        residual = torch.full_like(acc, 7.0)
+        indices = select_and_pack(acc, k, selector, payload, value_dtype, residual_out=residual, generator=_gen(0))
+        sent = unpack_add(payload, torch.empty_like(acc), k, value_dtype)
+        return sorted(indices.tolist()), sent, residual.float().view(torch.int32).tolist()  # bits: -0.0 != +0.0
+
+    def bits(values):
+        return torch.tensor(values).view(torch.int32).tolist()
+
+    indices, sent, residual = run([inf, 1.0], 1, topk_indices)
+    assert indices == [0] and sent[0].item() == inf and residual == bits([0.0, 1.0])
+    indices, sent, residual = run([nan, -inf, 2.0, 3.0], 1, topk_indices)  # -Inf is not sent
+    assert indices == [0] and math.isnan(sent[0].item()) and residual == bits([0.0, 0.0, 2.0, 3.0])
+    # A selector that ignores magnitudes (random-k, sampled): non-finite entries it does not
+    # pick leave +0 all the same.
+    indices, sent, residual = run([nan, inf, 2.0, 3.0], 1, lambda acc, k, generator: torch.tensor([2]))
+    assert indices == [2] and sent.tolist() == [0.0, 0.0, 2.0, 0.0] and residual == bits([0.0, 0.0, 0.0, 3.0])
+    indices, sent, residual = run([nan] * 5, 2, SELECTORS["sampled"])
+    assert len(indices) <= 2 and residual == bits([0.0] * 5)
+
+
 # ----- dispatch (read-only) -------------------------------------------------------------
 
 
@@ -469,6 +498,7 @@ def test_narrow_wire_dtype_saturates_and_keeps_the_excess_in_the_residual():
     inf_acc = torch.tensor([float("inf"), 1.0])
     select_and_pack(inf_acc, 1, topk_indices, payload, torch.float16, residual_out=residual[:2])
     assert unpack_add(payload, torch.empty(2), 1, torch.float16)[0].item() == float("inf")
+    assert residual[:2].tolist() == [0.0, 1.0]  # not Inf - Inf = NaN
 
 
 def test_per_parameter_selection_takes_k_inside_each_slice():

@@ -28,9 +28,10 @@ def _poison(kind, model):
     """Make this rank's next backward produce non-finite gradients; returns an undo()."""
     if kind == "nan-everywhere":  # an Inf input: NaN/Inf in almost every gradient entry
         return None
-    first = next(model.parameters())  # one Inf entry only (k is far larger than 1)
-    handle = first.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
-                                                       torch.tensor(float("inf"))))
+    # One Inf or NaN entry only (k is far larger than 1): it must still reach every rank.
+    value = torch.tensor(float("inf") if kind == "one-inf" else float("nan"))
+    first = next(model.parameters())
+    handle = first.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), value))
     return handle.remove
 
 
@@ -84,7 +85,7 @@ HOOKS = {
 ROLLBACK_HOOKS = ["exact", "momentum", "random"]
 
 
-@pytest.mark.parametrize("kind", ["nan-everywhere", "one-inf"])
+@pytest.mark.parametrize("kind", ["nan-everywhere", "one-inf", "one-nan"])
 def test_overflow_step_is_skipped_once_and_memories_stay_finite(kind):
     names = sorted(HOOKS)
     runs = [(None, kind, None, OVERFLOW_STEP)] + [(HOOKS[name], kind, None, OVERFLOW_STEP) for name in names]

@@ -2,7 +2,9 @@
 
 The reference (sparsecomm/ops/reference.py) is the oracle: the selected set, the wire
 values and the updated residual must match bit for bit (payload order is unspecified,
-so payloads are compared sorted by index). The fallback path (no extension) is tested by
+so payloads are compared sorted by index). Sent values may be NaN (any NaN matches any
+NaN); residuals never may: a non-finite acc leaves +0 (csrc/README.md), which hand-worked
+cases check for the reference itself. The fallback path (no extension) is tested by
 making the loader fail.
 """
 import warnings
@@ -10,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from kernel_cases import check_non_finite_rule, threshold_non_finite_cases, topk_non_finite_cases, with_non_finite
 from sparsecomm import ops
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.ops import dispatch, native, reference
@@ -50,8 +53,12 @@ def _assert_same(expected, actual):
         if e.dtype == torch.int32:
             assert torch.equal(e, a), name
             continue
-        # NaN at the same places (their payload bits are not specified); all else bitwise,
-        # so -0.0 != 0.0.
+        if name == "residual":  # never NaN (a non-finite acc leaves +0): every byte equal
+            assert not bool(torch.isnan(a).any()) and not bool(torch.isnan(e).any()), "NaN in a residual"
+            assert torch.equal(e.view(torch.uint8), a.view(torch.uint8)), name
+            continue
+        # Sent values: NaN at the same places (their payload bits are not specified); all
+        # else bitwise, so -0.0 != 0.0.
         nan = torch.isnan(e)
         assert torch.equal(nan, torch.isnan(a)), name
         assert torch.equal(e[~nan].view(torch.uint8), a[~nan].view(torch.uint8)), name
@@ -94,6 +101,116 @@ def test_sampled_bound_that_fails_falls_back_to_the_exact_passes(with_residual):
     k = n // 100  # > samples: the large values alone cannot fill the payload
     args = (grad, residual if with_residual else None, 2.0, with_residual, k, torch.float32, 0)
     _assert_same(_run_pack(reference.ef_topk_pack, *args), _run_pack(native.ef_topk_pack, *args))
+
+
+# ----- non-finite acc: sent first and unchanged, +0 in the residual -------------------------
+
+IMPLS = [pytest.param(reference, id="reference"), pytest.param(native, id="native", marks=needs_native)]
+PAIRS = [(g, v) for g in DTYPES for v in DTYPES]
+INF, NAN = float("inf"), float("nan")
+
+
+def _threshold_run(impl, grad, residual, divisor, add_residual, threshold, capacity, value_dtype, offset):
+    residual = None if residual is None else residual.clone()
+    indices = torch.full((capacity,), -1, dtype=torch.int32)
+    values = torch.full((capacity,), 7.0, dtype=value_dtype)
+    count = int(impl.ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices, values, offset))
+    return count, indices, values, residual
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,value_dtype", PAIRS, ids=str)
+def test_non_finite_acc_hand_worked(impl, dtype, value_dtype):
+    """The oracle checked by hand (every value here is exact in every dtype)."""
+    def topk(acc, k):
+        indices, values, residual = _run_pack(impl.ef_topk_pack, torch.tensor(acc, dtype=dtype),
+                                              torch.zeros(len(acc), dtype=dtype), 1.0, True, k, value_dtype, 0)
+        return indices.tolist(), values.float().tolist(), residual
+
+    def bits(residual):  # +0.0 and -0.0 differ here
+        return residual.float().view(torch.int32).tolist()
+
+    def plus(values):
+        return torch.tensor(values).view(torch.int32).tolist()
+
+    indices, values, residual = topk([INF, 1.0], 1)  # Inf - Inf would leave NaN behind
+    assert indices == [0] and values == [INF] and bits(residual) == plus([0.0, 1.0])
+    indices, values, residual = topk([NAN, -INF, 2.0, 3.0], 1)  # -Inf not sent: +0 all the same
+    assert indices == [0] and values[0] != values[0] and bits(residual) == plus([0.0, 0.0, 2.0, 3.0])
+    indices, values, residual = topk([2.0, -INF, 3.0, INF], 3)  # both Inf sent, then the largest finite
+    assert indices == [1, 2, 3] and values == [-INF, 3.0, INF] and bits(residual) == plus([2.0, 0.0, 0.0, 0.0])
+    indices, values, residual = topk([NAN] * 4, 2)  # all-NaN bucket: the lowest indices, nothing kept
+    assert indices == [0, 1] and bits(residual) == plus([0.0] * 4)
+
+    def threshold(acc, bar, capacity):
+        count, indices, values, residual = _threshold_run(impl, torch.tensor(acc, dtype=dtype),
+                                                          torch.zeros(len(acc), dtype=dtype), 1.0, True, bar,
+                                                          capacity, value_dtype, 0)
+        return count, indices.tolist(), values.float().tolist(), residual
+
+    # Capacity 2: Inf and 5 are sent (lowest indices); NaN and -Inf do not fit, 0.5 is below.
+    count, indices, values, residual = threshold([INF, 5.0, NAN, -INF, 0.5], 1.0, 2)
+    assert count == 2 and indices == [0, 1] and values == [INF, 5.0]
+    assert bits(residual) == plus([0.0, 0.0, 0.0, 0.0, 0.5])
+    # A NaN threshold selects only NaN: the Inf is not selected and still leaves +0.
+    count, indices, values, residual = threshold([INF, NAN, 2.0], NAN, 2)
+    assert count == 1 and indices == [1, 0] and values[0] != values[0] and values[1] == 0.0
+    assert bits(residual) == plus([0.0, 0.0, 2.0])
+    count, indices, _, residual = threshold([NAN, 1.0, -INF], 0.5, 0)  # nothing sent at capacity 0
+    assert count == 0 and bits(residual) == plus([0.0, 1.0, 0.0])
+
+
+@needs_native
+def test_cleanup_keeps_the_remainder_of_a_sent_finite_acc():
+    """fp16 grad with bf16 values (refused by the hook, allowed by the op): 65504 goes out as
+    bf16 65536, which is Inf in fp16, so its remainder is -Inf although acc is finite. The
+    pass that zeroes the unsent NaNs (beyond the capacity) must leave that remainder alone."""
+    grad = torch.tensor([65504.0, NAN, 1.0, NAN], dtype=torch.float16)
+    results = [_threshold_run(impl, grad, torch.zeros(4, dtype=torch.float16), 1.0, True, 0.5, 1, torch.bfloat16, 0)
+               for impl in (reference, native)]
+    for count, indices, values, residual in results:
+        assert count == 1 and indices.tolist() == [0] and values.float().tolist() == [65536.0]
+        assert residual.float().tolist() == [-INF, 0.0, 1.0, 0.0]
+    assert torch.equal(results[0][3].view(torch.uint8), results[1][3].view(torch.uint8))
+
+
+# 10,007 entries take the two-pass strategy of ef_topk_pack; 2^20 + 3 at density < 4% the
+# sampled one-pass strategy (an all-NaN bucket overflows its slabs and falls back to the
+# two passes from the residual). fp32 -> fp32 runs the AVX-512 paths where built with them.
+STRATEGIES = [pytest.param(10_007, id="two-pass"), pytest.param(2**20 + 3, id="sampled")]
+
+
+@needs_native
+@pytest.mark.parametrize("n", STRATEGIES)
+@pytest.mark.parametrize("dtype,value_dtype", PAIRS, ids=str)
+def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(dtype, value_dtype, n):
+    for name, count, k in topk_non_finite_cases(n):
+        grad = with_non_finite(n, dtype, count, seed=count)
+        residual = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1).to(dtype)
+        args = (grad, residual, 3.0, True, k, value_dtype, 5)
+        expected = _run_pack(reference.ef_topk_pack, *args)
+        actual = _run_pack(native.ef_topk_pack, *args)
+        _assert_same(expected, actual)
+        acc = reference.compensated(grad, residual, 3.0, True)
+        check_non_finite_rule(acc, actual[0].long() - 5, actual[1], actual[2])
+        sent_non_finite = int((~torch.isfinite(acc[actual[0].long() - 5])).sum())
+        assert sent_non_finite == min(k, int((~torch.isfinite(acc)).sum())), name  # selected first
+
+
+@needs_native
+@pytest.mark.parametrize("n", [pytest.param(10_007, id="small"), pytest.param(2**20 + 3, id="large")])
+@pytest.mark.parametrize("dtype,value_dtype", PAIRS, ids=str)
+def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(dtype, value_dtype, n):
+    for name, count, threshold, capacity in threshold_non_finite_cases(n):
+        grad = with_non_finite(n, dtype, count, seed=count)
+        residual = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1).to(dtype)
+        args = (grad, residual, 3.0, True, threshold, capacity, value_dtype, 5)
+        (count_ref, *expected), (count_native, *actual) = (_threshold_run(reference, *args),
+                                                           _threshold_run(native, *args))
+        assert count_native == count_ref, name
+        _assert_same(expected, actual)  # lowest indices first, so the order is defined here
+        acc = reference.compensated(grad, residual, 3.0, True)
+        check_non_finite_rule(acc, actual[0][:count_native].long() - 5, actual[1][:count_native], actual[2])
 
 
 @needs_native

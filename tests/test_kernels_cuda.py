@@ -4,8 +4,10 @@ Every op runs as ``torch.ops.sparsecomm.<op>`` on CUDA tensors and is compared w
 :mod:`sparsecomm.ops.reference` run on CPU copies of the inputs, so the oracle shares no
 CUDA code path with the kernels (note that torch's CUDA ``tensor.div(python_scalar)``
 multiplies by the reciprocal; the contract, torch on CPU and the kernels divide).
-Comparisons are bitwise and NaN-aware (any NaN matches any NaN: GPU arithmetic returns a
-canonical NaN, CPU arithmetic propagates payloads).
+Comparisons are bitwise and NaN-aware for sent values (any NaN matches any NaN: GPU
+arithmetic returns a canonical NaN, CPU arithmetic propagates payloads). Residuals never
+hold NaN (a non-finite acc leaves +0, csrc/README.md): they are compared bit for bit with
+no NaN allowed, and checked against the rule itself (kernel_cases.check_non_finite_rule).
 
 The selected set must be exactly the oracle's (ties at the k-th magnitude: lowest indices);
 the order inside a payload is unspecified, so payloads are compared after sorting by index.
@@ -26,7 +28,8 @@ import pytest
 import torch
 
 from sparsecomm.compress.packing import pack_into, payload_nbytes
-from kernel_cases import NARROW_WIRE_PAIRS, beyond_wire_range
+from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, threshold_non_finite_cases,
+                          topk_non_finite_cases, with_non_finite)
 from sparsecomm.ops import payload_views, reference
 
 OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
@@ -87,8 +90,8 @@ def _ops():
     return torch.ops.sparsecomm
 
 
-def _assert_same(actual, expected, what=""):
-    """Bitwise equality on CPU; floating NaNs match any NaN."""
+def _assert_same(actual, expected, what="", nan_ok=True):
+    """Bitwise equality on CPU; floating NaNs match any NaN, unless ``nan_ok`` is False (then any NaN fails)."""
     actual, expected = actual.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} vs {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
@@ -96,6 +99,9 @@ def _assert_same(actual, expected, what=""):
         assert torch.equal(actual, expected), f"{what}: differ at {torch.nonzero(actual != expected)[:10].flatten()}"
         return
     nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    if not nan_ok:
+        assert not bool(nan_a.any()) and not bool(nan_e.any()), \
+            f"{what}: NaN at {torch.nonzero(nan_a | nan_e)[:10].flatten()} (not allowed here)"
     assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ at {torch.nonzero(nan_a != nan_e)[:10].flatten()}"
     bits = FLOAT_BITS[actual.dtype]
     a, e = actual[~nan_a].view(bits), expected[~nan_e].view(bits)
@@ -165,13 +171,10 @@ def _check_topk(grad, residual, divisor, add_residual, k, wire_dtype, offset=0):
     _assert_same(idx[order], ridx, "indices (sorted)")  # the reference emits ascending indices
     _assert_same(val[order], rval, "values (by index)")
     if residual is not None:
-        _assert_same(res, rres, "residual")
-        acc = reference.compensated(grad, residual, divisor, add_residual)
-        sent = torch.zeros_like(acc)
-        sent[idx.long() - offset] = val.to(acc.dtype)
-        finite = torch.isfinite(acc) & torch.isfinite(sent)
-        total = sent + res  # numeric equality: an unsent -0.0 gives +0.0 + -0.0 = +0.0
-        assert bool((total[finite] == acc[finite]).all()), "sent + residual != acc"
+        _assert_same(res, rres, "residual", nan_ok=False)
+        # sent + residual == acc where acc is finite; +0 where it is not (sent or not).
+        check_non_finite_rule(reference.compensated(grad, residual, divisor, add_residual), idx.long() - offset,
+                              val, res)
     return idx, val
 
 
@@ -230,6 +233,37 @@ def test_ef_topk_pack_nan_inf_selected_first(grad_dtype, wire_dtype):
     assert sorted(idx.tolist()) == [3, 7, 10, 500, 1500, 2999]
     idx, _ = _check_topk(grad, torch.zeros_like(grad), 1.0, True, 2, wire_dtype)
     assert sorted(idx.tolist()) == [10, 500]  # NaN above Inf; ties: lowest indices
+
+
+# All NaN over 2^20 + 3 entries: the boundary bin holds more than the candidate list (2^20),
+# so the full mode runs; 10,007 entries stay in candidate mode.
+NON_FINITE_SIZES = [pytest.param(10_007, id="candidates"), pytest.param(2**20 + 3, id="full-if-all-nan")]
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("wire_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("n", NON_FINITE_SIZES)
+def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(grad_dtype, wire_dtype, n):
+    """Inf/NaN are sent first and unchanged and leave +0 in the residual, sent or not (more
+    of them than k: the unsent ones are candidates the final pass does not select)."""
+    for name, count, k in topk_non_finite_cases(n):
+        grad = with_non_finite(n, grad_dtype, count, seed=count)
+        residual = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1).to(grad_dtype)
+        idx, _ = _check_topk(grad, residual, 3.0, True, k, wire_dtype, offset=5)
+        acc = reference.compensated(grad, residual, 3.0, True)
+        sent_non_finite = int((~torch.isfinite(acc[idx.long() - 5])).sum())
+        assert sent_non_finite == min(k, int((~torch.isfinite(acc)).sum())), name
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("wire_dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("n", [10_007, 2**20 + 3], ids=_ids)
+def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(grad_dtype, wire_dtype, n):
+    """Inf/NaN beyond the capacity, below a NaN threshold or at capacity 0 leave +0 too."""
+    for name, count, threshold, capacity in threshold_non_finite_cases(n):
+        grad = with_non_finite(n, grad_dtype, count, seed=count)
+        residual = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1).to(grad_dtype)
+        _check_threshold(grad, residual, 3.0, True, threshold, capacity, wire_dtype, offset=5)
 
 
 @pytest.mark.parametrize("grad_dtype,wire_dtype", NARROW_WIRE_PAIRS, ids=_ids)
@@ -304,7 +338,9 @@ def _check_threshold(grad, residual, divisor, add_residual, threshold, capacity,
     _assert_same(idx[m:], ridx[m:], "index padding")
     _assert_same(val[m:], rval[m:], "value padding and untouched tail")
     if residual is not None:
-        _assert_same(r, rres, "residual")
+        _assert_same(r, rres, "residual", nan_ok=False)
+        check_non_finite_rule(reference.compensated(grad, residual, divisor, add_residual), idx[:m].long() - offset,
+                              val[:m], r)
     return m, idx
 
 

@@ -2,7 +2,9 @@
 
 Every op is compared with :mod:`sparsecomm.ops.reference` on CPU tensors under the Triton
 interpreter and, when a GPU is present, on CUDA tensors with compiled kernels. Comparisons
-are bitwise (NaN-aware: any NaN matches any NaN) unless a comment says otherwise.
+are bitwise (NaN-aware for sent values: any NaN matches any NaN) unless a comment says
+otherwise. Residuals never hold NaN (a non-finite acc leaves +0, csrc/README.md): they are
+compared bit for bit with no NaN allowed.
 
 Interpreter mode: Triton 3.9 reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. when
 a module defining kernels is imported, not when they are launched (triton.language's own jit
@@ -32,12 +34,11 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 import sparsecomm.ops  # noqa: E402
-from kernel_cases import NARROW_WIRE_PAIRS, beyond_wire_range
+from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, threshold_non_finite_cases,
+                          topk_non_finite_cases, with_non_finite)
 from sparsecomm.ops import reference  # noqa: E402
 
 _PKG = "sparsecomm.ops.triton"
-# The interpreter evaluates Inf - Inf (the residual of a sent Inf) in numpy, which warns.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 _MISSING = object()
 SIZES_AND_KS = [(1, 1), (7, 1), (7, 7), (1000, 1), (1000, 10), (4099, 41), (4099, 4099)]
 # (grad dtype, wire dtype): each grad dtype with its own dtype and a different one.
@@ -111,13 +112,15 @@ def _small_programs(ops, block=64, max_programs=3):
 
 # --------------------------------------------------------------------------- helpers
 
-def _assert_same(actual, expected, what=""):
-    """Bitwise equality, NaN-aware; compares on the CPU."""
+def _assert_same(actual, expected, what="", nan_ok=True):
+    """Bitwise equality, NaN-aware unless ``nan_ok`` is False (then any NaN fails); on the CPU."""
     actual, expected = actual.cpu(), expected.cpu()
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
         (what, actual.dtype, expected.dtype, actual.shape, expected.shape)
     if actual.is_floating_point():
         nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        if not nan_ok:
+            assert not bool(nan_a.any()) and not bool(nan_e.any()), f"{what}: NaN (not allowed here)"
         assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ"
         bits = FLOAT_BITS[actual.dtype]
         a, e = actual.view(bits)[~nan_a], expected.view(bits)[~nan_e]
@@ -174,14 +177,10 @@ def _check_topk(ops, device, grad, residual, divisor, add_residual, k, wire_dtyp
     _assert_same(idx, ridx, "indices")
     _assert_same(val, rval, "values")
     if residual is not None:
-        _assert_same(res, rres, "residual")
-        # Conservation: sent + residual == acc (finite entries; Inf - Inf is NaN by design).
-        acc = reference.compensated(grad, residual, divisor, add_residual)
-        sent = torch.zeros_like(acc)
-        sent[idx.long() - offset] = val.to(acc.dtype)
-        total = (sent.float() + res.cpu().float()).to(acc.dtype)
-        finite = torch.isfinite(acc)
-        _assert_same(total[finite], acc[finite], "sent + residual == acc")
+        _assert_same(res, rres, "residual", nan_ok=False)
+        # sent + residual == acc where acc is finite; +0 where it is not (sent or not).
+        check_non_finite_rule(reference.compensated(grad, residual, divisor, add_residual), idx.long() - offset,
+                              val, res)
     return idx, val
 
 
@@ -242,6 +241,22 @@ def test_ef_topk_pack_nan_inf_selected_first(backend, grad_dtype, wire_dtype):
     for k in (1, 3, 9, 10, 100):
         idx, _ = _check_topk(ops, device, grad, residual, 3, True, k, wire_dtype)
         assert len(nonfinite & set(idx.tolist())) == min(k, len(nonfinite))
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
+def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(backend, grad_dtype, wire_dtype):
+    """Inf/NaN are sent first and unchanged and leave +0 in the residual, sent or not (more
+    of them than k: some are not sent); 4099 entries over 3 programs of several tiles."""
+    ops, device = backend
+    for n, programs in ((1000, contextlib.nullcontext()), (4099, _small_programs(ops))):
+        with programs:
+            for name, count, k in topk_non_finite_cases(n):
+                grad = with_non_finite(n, grad_dtype, count, seed=count)
+                residual = (0.1 * _grad(n, torch.float32, seed=1)).to(grad_dtype)
+                idx, _ = _check_topk(ops, device, grad, residual, 3, True, k, wire_dtype, offset=2)
+                acc = reference.compensated(grad, residual, 3, True)
+                sent_non_finite = int((~torch.isfinite(acc[idx.long() - 2])).sum())
+                assert sent_non_finite == min(k, int((~torch.isfinite(acc)).sum())), name
 
 
 @pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
@@ -321,7 +336,9 @@ def _check_threshold(ops, device, grad, residual, divisor, add_residual, thresho
     _assert_same(idx[count:], ridx[count:], "index padding")
     _assert_same(val[count:], rval[count:], "value padding (and slots beyond the capacity)")
     if residual is not None:
-        _assert_same(res, rres, "residual")
+        _assert_same(res, rres, "residual", nan_ok=False)
+        check_non_finite_rule(reference.compensated(grad, residual, divisor, add_residual), idx[:count].long() - offset,
+                              val[:count], res)
     return count
 
 
@@ -341,6 +358,20 @@ def test_ef_threshold_pack_matches_reference(backend, grad_dtype, wire_dtype, n)
             for cap in {0, max(expected // 2, 1), expected, expected + 5}:
                 _check_threshold(ops, device, grad, res, 3, add_residual, threshold, cap, wire_dtype,
                                  offset=3, values_extra=2)
+
+
+@pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
+def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(backend, grad_dtype, wire_dtype):
+    """Inf/NaN beyond the capacity, below a NaN threshold, or at capacity 0 are not sent and
+    still leave +0; with 3 programs, the later ones (past the capacity, which send nothing)
+    hold some of them."""
+    ops, device = backend
+    for n, programs in ((1000, contextlib.nullcontext()), (4099, _small_programs(ops))):
+        with programs:
+            for name, count, threshold, cap in threshold_non_finite_cases(n):
+                grad = with_non_finite(n, grad_dtype, count, seed=count)
+                residual = (0.1 * _grad(n, torch.float32, seed=1)).to(grad_dtype)
+                _check_threshold(ops, device, grad, residual, 3, True, threshold, cap, wire_dtype, offset=2)
 
 
 def test_ef_threshold_pack_overflow_across_programs(backend):

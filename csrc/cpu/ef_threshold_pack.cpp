@@ -7,6 +7,11 @@
 // the sent entries' residuals are written again. Entries past the capacity keep acc in the
 // residual, so nothing is lost: they are sent on a later step. Counting first and writing
 // second would read the bucket twice (about 2x slower).
+//
+// Non-finite acc (+-Inf, NaN) leaves +0 in the residual, sent or not (csrc/README.md). Sent
+// ones get it from sent_remainder; unsent ones (past the capacity, or Inf below a NaN
+// threshold) can only be in a range where the pass met an Inf or NaN, and only such a range
+// gets a cleanup pass over its residual: on an all-finite step, none.
 #include "sampled_candidates.h"
 
 namespace sparsecomm {
@@ -46,6 +51,16 @@ int64_t ef_threshold_pack_impl(const at::Tensor& grad, const c10::optional<at::T
     }
   });
   const int64_t sent = position[ranges];
+  const bool met_non_finite =
+      std::any_of(c.largest_key.begin(), c.largest_key.end(), [](uint32_t key) { return key >= kInfKey; });
+  if (r != nullptr && met_non_finite) {
+    at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {  // range t's sent entries: the first take_equal[t] of its slab
+        if (c.largest_key[t] < kInfKey) continue;
+        zero_unsent_non_finite<T>(r, c.bounds[t], c.bounds[t + 1], c.lists[t].index, first_entries.take_equal[t]);
+      }
+    });
+  }
   std::fill(out_index + sent, out_index + capacity, 0);
   std::fill(out_value + sent, out_value + capacity, static_cast<V>(0.0f));
   return sent;

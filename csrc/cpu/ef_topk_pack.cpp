@@ -13,6 +13,9 @@
 //           boundary-bin entries are collected as candidates (index + value).
 //   refine  candidate_select.h finds the exact k-th key among the candidates and emits.
 //   Memory traffic: one read of the residual more than the read-read-write floor.
+// Either way, a sent entry whose acc is +-Inf or NaN leaves +0 in the residual; unsent ones
+// can be non-finite only if all k sent values are, and only then does a cleanup pass zero
+// them (csrc/README.md: a non-finite acc is never kept in the residual).
 //
 // Scratch space (histograms, candidates, slabs) lives in per-thread workspaces that only
 // ever grow, so the steady state allocates no bucket-sized memory.
@@ -164,7 +167,8 @@ void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int6
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
       // fp32 in, fp32 out (the common case): 16 entries per step, branch-free within a
-      // step; sent entries leave acc - acc in the residual (0, or NaN for +-Inf/NaN).
+      // step; sent entries leave +0 in the residual: acc - acc for a finite acc, and the
+      // contract's +0 for +-Inf/NaN (where acc - acc would be NaN).
       const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
       const __m512i nan_key = _mm512_set1_epi32(static_cast<int32_t>(kNanKey));
       const __m512i candidate_bar = _mm512_set1_epi32(static_cast<int32_t>(boundary_key));
@@ -183,7 +187,7 @@ void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int6
         if (sent) {
           _mm512_mask_compressstoreu_epi32(out_index + sure, sent, _mm512_add_epi32(index, _mm512_set1_epi32(offset)));
           _mm512_mask_compressstoreu_ps(out_value + sure, sent, acc);
-          if (r) _mm512_mask_storeu_ps(r + begin, sent, _mm512_sub_ps(acc, acc));
+          if (r) _mm512_mask_storeu_ps(r + begin, sent, _mm512_setzero_ps());
           sure += __builtin_popcount(sent);
         }
         if (held) {
@@ -231,13 +235,22 @@ void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& 
   V* out_value = values_out.mutable_data_ptr<V>();
   const int32_t offset = static_cast<int32_t>(index_offset);
   const Sampled sampled = sampled_topk_pack<T, V>(g, r, divisor, add_residual, n, k, out_index, out_value, offset);
-  if (sampled == Sampled::done) return;
   // A failed bound left acc in the residual: continue from there (x / 1 is exact, so acc
   // is unchanged). Without a residual, or if the strategy was not tried, start over.
   if (sampled == Sampled::bound_failed && r != nullptr) {
     two_pass_topk_pack<T, V>(r, r, 1.0f, false, n, k, out_index, out_value, offset);
-  } else {
+  } else if (sampled != Sampled::done) {
     two_pass_topk_pack<T, V>(g, r, divisor, add_residual, n, k, out_index, out_value, offset);
+  }
+  // Sent entries left +0 where acc was not finite; unsent ones hold acc. Non-finite keys
+  // rank above every finite one, so an unsent Inf/NaN means that all k sent values are
+  // non-finite: only then is the cleanup pass needed (the check stops at the first finite
+  // value). Every sent entry then holds +0, so none needs skipping.
+  if (r != nullptr && all_non_finite(out_value, k)) {
+    const Chunks chunks(n);
+    for_each_chunk(chunks, [&](int64_t c) {
+      zero_unsent_non_finite<T>(r, chunks.begin(c), chunks.end(c), nullptr, 0);
+    });
   }
 }
 

@@ -20,10 +20,13 @@
 namespace sparsecomm {
 
 // Ranks entries by magnitude: the bits of float32(|x|). Monotone for finite values,
-// +-Inf above every finite value, NaN above Inf, so non-finite values are selected first.
-// Every NaN gets the same key (NaN payload bits differ between conversion paths and
-// devices), so among NaNs, as among other equal keys, the lower index wins.
+// +-Inf above every finite value, NaN above Inf, so non-finite values are selected first
+// (and sent unchanged, so every rank sees the overflow; they leave +0 in the residual, see
+// sent_remainder and zero_unsent_non_finite). Every NaN gets the same key (NaN payload
+// bits differ between conversion paths and devices), so among NaNs, as among other equal
+// keys, the lower index wins.
 constexpr uint32_t kNanKey = 0x7F800001u;
+constexpr uint32_t kInfKey = 0x7F800000u;  // keys >= this one: +-Inf and NaN
 inline uint32_t magnitude_key(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -66,10 +69,44 @@ inline V to_wire(float a) {
   return static_cast<V>(a);
 }
 
-// What stays behind of a sent entry: acc - T(wire(acc)), exact in T for same-width wires.
+// What stays behind of a sent entry: acc - T(wire(acc)), exact in T for same-width wires;
+// +0 for a non-finite acc, where that would be Inf - Inf = NaN: kept, it would rank first
+// and be sent again on every later step.
 template <typename T, typename V>
 inline T sent_remainder(float acc, V wire) {
+  if (!std::isfinite(acc)) return static_cast<T>(0.0f);
   return static_cast<T>(acc - to_float(static_cast<T>(to_float(wire))));
+}
+
+// Whether all sent values are +-Inf or NaN (wire() keeps finite values finite and
+// non-finite ones non-finite, so: whether every sent acc is non-finite); stops at the first
+// finite one (usually the first), so it costs nothing on an ordinary step.
+template <typename V>
+inline bool all_non_finite(const V* values, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) {
+    if (std::isfinite(to_float(values[j]))) return false;
+  }
+  return true;
+}
+
+// The cleanup pass of the rare step that leaves non-finite entries unsent: over [begin,
+// end) of a residual that holds acc at every entry not sent, +0 replaces +-Inf and NaN.
+// The sent entries (`sent`, ascending, within the range) are skipped: they already hold
+// their remainder, which is non-finite for a finite acc in one case (fp16 grad, bf16 wire:
+// bf16 rounds values near 65504 up to 65536) and must stay as it is, as in the reference.
+// The residual doubles as the storage of acc while the kernels select, so they cannot zero
+// on the way; they run this only when the step can have left an unsent Inf/NaN (see
+// ef_topk_pack.cpp and ef_threshold_pack.cpp), never on an all-finite step.
+template <typename T>
+inline void zero_unsent_non_finite(T* r, int64_t begin, int64_t end, const int32_t* sent, int64_t sent_count) {
+  int64_t s = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    if (s < sent_count && sent[s] == i) {
+      ++s;
+      continue;
+    }
+    if (!std::isfinite(to_float(r[i]))) r[i] = static_cast<T>(0.0f);
+  }
 }
 
 // Chunks depend only on n, never on the thread count, so per-chunk counts, payload

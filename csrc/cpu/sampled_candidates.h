@@ -67,11 +67,16 @@ bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int6
 // The streaming pass over [begin, end): entries with key >= bound go into the slab
 // (index, acc), in index order, while it has room, and leave the remainder of sending
 // them in the residual; all other entries (also those that found the slab full) leave
-// acc. Returns how many entries reached the bound (stored: the first min(that, capacity)).
+// acc. Returns how many entries reached the bound (stored: the first min(that, capacity));
+// *largest_key receives the largest key in the range, reaching the bound or not: >= kInfKey
+// if some acc there is +-Inf or NaN (ef_threshold_pack's cue for its cleanup pass; a max
+// costs one instruction per 16 entries, a count of them measurably more).
 template <typename T, typename V>
 int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t begin,
-                           int64_t end, int32_t* slab_index, float* slab_value, int64_t capacity) {
+                           int64_t end, int32_t* slab_index, float* slab_value, int64_t capacity,
+                           uint32_t* largest_key) {
   int64_t count = 0;
+  uint32_t largest = 0;
   int64_t i = begin;
 #if defined(__AVX512F__) && defined(__BMI2__)
   if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
@@ -80,18 +85,20 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
     const __m512i bound16 = _mm512_set1_epi32(static_cast<int32_t>(bound));
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 divisor16 = _mm512_set1_ps(divisor);
+    __m512i largest16 = _mm512_setzero_si512();
     for (; i + 16 <= end; i += 16) {
       __m512 acc = _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);  // same roundings as compensate()
       if (add_residual) acc = _mm512_add_ps(acc, _mm512_loadu_ps(r + i));
-      const __mmask16 hits =
-          _mm512_cmpge_epu32_mask(_mm512_min_epu32(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), nan_key),
-                                  bound16);
+      const __m512i keys = _mm512_min_epu32(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), nan_key);
+      const __mmask16 hits = _mm512_cmpge_epu32_mask(keys, bound16);
+      largest16 = _mm512_max_epu32(largest16, keys);
       const int64_t found = __builtin_popcount(hits);
       const int64_t stored = std::clamp<int64_t>(capacity - count, 0, found);
       // The lowest `stored` lanes of hits: those that get a slab entry.
       const __mmask16 kept = static_cast<__mmask16>(_pdep_u32((1u << stored) - 1, hits));
-      // Sending acc exactly leaves acc - acc (0, or NaN for +-Inf/NaN) behind.
-      if (r) _mm512_storeu_ps(r + i, _mm512_mask_sub_ps(acc, kept, acc, acc));
+      // Sending acc exactly leaves +0 behind: acc - acc for a finite acc, and the
+      // contract's +0 for +-Inf/NaN (where acc - acc would be NaN).
+      if (r) _mm512_storeu_ps(r + i, _mm512_mask_mov_ps(acc, kept, _mm512_setzero_ps()));
       if (stored > 0) {  // compress into a register, then a plain masked store
         const __mmask16 first = static_cast<__mmask16>((1u << stored) - 1);
         const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i)));
@@ -100,12 +107,15 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       }
       count += found;
     }
+    largest = _mm512_reduce_max_epu32(largest16);
   }
 #endif
   for (; i < end; ++i) {
     const T a = compensate<T>(g[i], divisor, add_residual ? r + i : nullptr);
     const float af = to_float(a);
-    const bool hit = magnitude_key(af) >= bound;
+    const uint32_t key = magnitude_key(af);
+    const bool hit = key >= bound;
+    largest = std::max(largest, key);
     if (r) r[i] = hit && count < capacity ? sent_remainder<T, V>(af, to_wire<V>(af)) : a;
     if (hit) {
       if (count < capacity) {
@@ -115,6 +125,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       ++count;
     }
   }
+  *largest_key = largest;
   return count;
 }
 
@@ -122,7 +133,9 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
 // its own slab of `capacity` entries in `slabs` (grown as needed, then reused). Returns
 // how many entries reached the bound per range; the stored ones are lists[t].
 struct Collected {
+  std::vector<int64_t> bounds;  // range t is [bounds[t], bounds[t + 1])
   std::vector<int64_t> found;
+  std::vector<uint32_t> largest_key;  // per range: >= kInfKey if some acc there is +-Inf or NaN
   std::vector<CandidateList> lists;
   int64_t total = 0;
   bool overflow = false;  // some range found more than it could store
@@ -137,12 +150,14 @@ Collected collect_in_ranges(const T* g, T* r, float divisor, bool add_residual, 
     slabs.value.resize(ranges * capacity);
   }
   Collected c;
+  for (int64_t t = 0; t <= ranges; ++t) c.bounds.push_back(n * t / ranges);
   c.found.assign(ranges, 0);
+  c.largest_key.assign(ranges, 0);
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      c.found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, bound, n * t / ranges, n * (t + 1) / ranges,
+      c.found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, bound, c.bounds[t], c.bounds[t + 1],
                                             slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
-                                            capacity);
+                                            capacity, &c.largest_key[t]);
     }
   });
   for (int64_t t = 0; t < ranges; ++t) {

@@ -14,16 +14,17 @@
 //      (at::zeros when n == 0).
 //   1. threshold_pack_kernel: per tile: acc = EF(grad, residual); flags; look-back ->
 //      slots; entries with slot < capacity are packed and their residual becomes
-//      acc - T(wire), every other residual becomes acc; the last tile writes
-//      count = min(total, capacity).
+//      acc - T(wire), every other residual becomes acc (+0 for a non-finite acc, sent or
+//      not: csrc/README.md); the last tile writes count = min(total, capacity).
 //   2. pad_kernel: slots [count, capacity) get (index 0, value +0), as in the reference.
 //
 // Edge cases: n == 0 (no pass; count 0; all capacity slots padded); capacity == 0 (nothing
 // sent, the pass still writes the residual; count 0); threshold 0 / -0 (key 0: every entry
 // is selected, the first `capacity` are sent); threshold NaN/Inf (only NaN/Inf keys at or
 // above it); more selected than the capacity (the later ones stay in the residual, exactly
-// like unselected entries); residual None (no residual reads or writes, add_residual must
-// be False); index_offset (checked to fit int32).
+// like unselected entries); a non-finite acc, sent or not (+0 in the residual, so nothing
+// NaN stays behind); residual None (no residual reads or writes, add_residual must be
+// False); index_offset (checked to fit int32).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) threshold_pack_kernel(
       const bool selected = (mask[0] >> j) & 1u;
       const uint32_t ballot = __ballot_sync(kFullMask, selected);
       if (i < n) {
-        T remainder = acc[j];
+        T remainder = unsent_remainder(acc[j]);
         if (selected) {
           const int64_t slot = tile_slot(&sh, 0, j, ballot);
           if (slot < capacity) {

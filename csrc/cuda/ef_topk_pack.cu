@@ -31,7 +31,7 @@
 //              the next digit over the candidates that still match the prefix; the last
 //              block picks the next bin.
 //   4. final   over the candidates: emits {c >= cut} after the entries of pass 2 (look-back
-//              again) and updates their residuals.
+//              again) and updates their residuals; unselected non-finite candidates get +0.
 // Modes, decided on the device by pass 1's last block:
 //   * candidate mode (the usual one): boundary bin holds <= candidate_capacity entries;
 //     refine/final touch only the candidates. Traffic for fp32 with a residual: pass 1 reads
@@ -62,7 +62,10 @@
 //     key bin, levels 3..5 (index) select the k lowest indices exactly.
 //   * need == hist[b] at any level: done at that level, later levels return at once.
 //   * NaN / Inf: keys above every finite key, so they are in the highest bins and selected
-//     first; different NaN payloads are different keys (ordered by bits, as in the reference).
+//     first; every NaN has one key (0x7F800001), so ties among NaNs go to the lowest indices.
+//     A sent one leaves +0 in the residual (sent_remainder). An unsent one can only be in the
+//     level-0 boundary bin (every non-finite key is in bin 4080, and pass 2 sends everything
+//     above the boundary bin), i.e. in the final pass's domain, which writes +0 for it.
 //   * residual None: add_residual must be False (checked); acc is recomputed from grad by
 //     every pass (a pure function, so every pass sees the same acc), no residual writes.
 //   * residual given, add_residual False: acc = EF(grad) only; the residual is overwritten.
@@ -322,6 +325,7 @@ __global__ void __launch_bounds__(kThreads) topk_final_kernel(const T* __restric
     tile_rank<1>(mask, tile, status, &sh);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
+      const int64_t p = base + static_cast<int64_t>(j) * kThreads;
       const bool selected = (mask[0] >> j) & 1u;
       const uint32_t ballot = __ballot_sync(kFullMask, selected);
       if (selected) {
@@ -330,6 +334,8 @@ __global__ void __launch_bounds__(kThreads) topk_final_kernel(const T* __restric
         indices_out[slot] = static_cast<int32_t>(index[j] + index_offset);
         values_out[slot] = wire;
         if (residual != nullptr) residual[index[j]] = sent_remainder<T, V>(acc[j], wire);
+      } else if (residual != nullptr && p < domain && !is_finite_acc(acc[j])) {
+        residual[index[j]] = unsent_remainder(acc[j]);  // +0: a non-finite acc is never kept
       }
     }
     if (tile == num_tiles - 1 && threadIdx.x == 0) {

@@ -209,6 +209,12 @@ __device__ __forceinline__ uint32_t magnitude_key(float x) {
   return min(__float_as_uint(x) & 0x7FFFFFFFu, 0x7F800001u);
 }
 
+// acc is finite: its key is below Inf's (0x7F800000).
+template <typename T>
+__device__ __forceinline__ bool is_finite_acc(T acc) {
+  return magnitude_key(to_float(acc)) < 0x7F800000u;
+}
+
 // acc = T(float(grad) / float(divisor)), then T(float(acc) + float(residual)): the contract's
 // two roundings (csrc/README.md), as torch on CPU computes grad.div_(divisor).add_(residual).
 //
@@ -264,9 +270,12 @@ __device__ __forceinline__ V to_wire(T acc) {
   }
 }
 
-// Residual of a sent entry: T(float(acc) - float(T(wire))), so that sent + residual == acc.
+// Residual of a sent entry: T(float(acc) - float(T(wire))), so that sent + residual == acc;
+// +0 when acc is +-Inf or NaN (Inf - Inf = NaN kept there would rank first and be sent again
+// on every later step).
 template <typename T, typename V>
 __device__ __forceinline__ T sent_remainder(T acc, V wire) {
+  if (!is_finite_acc(acc)) return from_float<T>(0.0f);
   T back;
   if constexpr (std::is_same_v<T, V>) {
     back = wire;
@@ -274,6 +283,13 @@ __device__ __forceinline__ T sent_remainder(T acc, V wire) {
     back = from_float<T>(to_float(wire));
   }
   return from_float<T>(__fsub_rn(to_float(acc), to_float(back)));
+}
+
+// Residual of an entry that is not sent: acc, or +0 when acc is +-Inf or NaN (csrc/README.md:
+// a non-finite acc is never kept in the residual, sent or not).
+template <typename T>
+__device__ __forceinline__ T unsent_remainder(T acc) {
+  return is_finite_acc(acc) ? acc : from_float<T>(0.0f);
 }
 
 // ---------------------------------------------------------------------------------------

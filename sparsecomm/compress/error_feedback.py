@@ -8,13 +8,18 @@ The invariant that makes error feedback lossless over time, and that tests check
 
     sent + new_residual == acc            where acc = grad / world_size + old_residual
 
-``sent`` is the dense tensor the payload decodes to. Values cast to a narrower dtype keep
-their rounding error in the residual, so the cast is also compensated.
+at every entry where acc is finite. ``sent`` is the dense tensor the payload decodes to.
+Values cast to a narrower dtype keep their rounding error in the residual, so the cast is
+also compensated.
 
-Non-finite policy: NaN and Inf propagate (they are selected first by top-k, sent, and
-seen by every rank; never hidden in a residual). Finite values beyond the range of a
-narrower wire dtype (fp16 tops out at 65504) saturate at its largest finite value and the
-excess stays in the residual, instead of turning into Inf on the wire.
+Non-finite policy: NaN and Inf are sent (top-k selects them first; the value goes on the
+wire unchanged), so every rank sees the overflow and the training loop, or
+torch.amp.GradScaler, skips the step. Their residual becomes +0, whether they were sent or
+not: acc - sent would be Inf - Inf = NaN, which ranks above everything and would be sent
+again on every later step (one overflow step would poison training for good), and an
+unsent Inf kept as-is would do the same. Finite values beyond the range of a narrower wire
+dtype (fp16 tops out at 65504) saturate at its largest finite value and the excess stays
+in the residual, instead of turning into Inf on the wire.
 """
 from typing import Callable
 
@@ -77,7 +82,8 @@ def select_and_pack(
         selector: e.g. :func:`~sparsecomm.compress.topk.topk_indices`.
         payload: uint8 buffer of :func:`~sparsecomm.compress.packing.payload_nbytes` bytes.
         value_dtype: dtype of the values on the wire.
-        residual_out: if given, receives ``acc - sent`` (error feedback); may alias nothing.
+        residual_out: if given, receives ``acc - sent`` (error feedback), +0 where acc is not
+            finite; may alias nothing.
         generator: passed to the selector (sampled selectors draw from it).
 
     Returns:
@@ -90,4 +96,6 @@ def select_and_pack(
         residual_out.copy_(acc)
         # acc - cast(acc) is exact in acc's dtype, so sent + residual == acc bit for bit.
         residual_out[indices] = acc[indices] - values.to(acc.dtype)
+        # Non-finite acc, sent or not, leaves +0 (see the non-finite policy above).
+        residual_out.masked_fill_(~torch.isfinite(acc), 0.0)
     return indices

@@ -55,7 +55,9 @@ def sampled_threshold_indices(
         return topk_indices(acc, k)
     magnitude = acc.abs()
     threshold = threshold_of_sample(magnitude[sample_positions(n, generator, acc.device)], k, n)
-    candidates = torch.nonzero(magnitude >= threshold, as_tuple=True)[0]
+    # "not below" rather than ">=": a NaN compares false with everything, and it must be a
+    # candidate (NaN ranks above all magnitudes, so an overflow is sent, never dropped).
+    candidates = torch.nonzero(~(magnitude < threshold), as_tuple=True)[0]
     count = candidates.numel()
     if count > k:
         return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]

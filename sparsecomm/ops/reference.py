@@ -4,6 +4,10 @@ Each function implements the operator contract in ``csrc/README.md`` exactly (sa
 selected set, same bits), using only torch ops, so native and Triton kernels are tested
 against these. They are slow on CPU (``torch.topk`` over one 1-D tensor does not
 parallelise) and allocate temporaries; the native kernels do neither.
+
+Non-finite entries of acc (+-Inf, NaN) are selected first and sent unchanged (every rank
+sees the overflow), and leave +0 in the residual whether they were sent or not: Inf - Inf
+= NaN, or an unsent Inf, kept there would rank first and be sent again on every later step.
 """
 import torch
 
@@ -39,7 +43,8 @@ def topk_by_key(key: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _emit(acc, residual, selected, indices_out, values_out, index_offset):
-    """Write the selected entries and the residual update (``sent + residual == acc``)."""
+    """Write the selected entries and the residual update (``sent + residual == acc`` where acc
+    is finite; +0 where it is not, selected or not)."""
     m = selected.numel()
     values = to_wire_dtype(acc[selected], values_out.dtype)
     indices_out[:m] = (selected + index_offset).to(torch.int32)
@@ -49,6 +54,7 @@ def _emit(acc, residual, selected, indices_out, values_out, index_offset):
     if residual is not None:
         residual.copy_(acc)
         residual[selected] = acc[selected] - values.to(acc.dtype)
+        residual.masked_fill_(~torch.isfinite(acc), 0.0)
 
 
 def _check_vectors(name, tensors, grad):

@@ -5,12 +5,18 @@ Semantics: csrc/README.md (oracle: :func:`sparsecomm.ops.reference.ef_threshold_
 Kernel sequence (grids depend on ``n`` and the capacity only)::
 
     _count_kernel  [P]             acc = T(g / divisor) (+ r); residual <- acc;
-                                   counts[p] = #(key(acc) >= key(threshold)) in program p
+                                   counts[p] = #(key(acc) >= key(threshold)) in program p,
+                                   counts[P + p] = #(acc is +-Inf or NaN) (with a residual)
     torch.cumsum                   inclusive prefix over programs (device op)
     _pad_kernel    [cdiv(cap, B)]  slots >= min(total, cap) <- (0, 0); the count (int64)
     _emit_kernel   [P]             global rank = program prefix + in-program rank; ranks
                                    < cap are written at slot = rank (lowest indices first)
-                                   and get the residual update; the rest keep residual = acc
+                                   and get the residual update; the rest keep residual = acc,
+                                   except a non-finite acc, which leaves +0 (sent or not)
+
+A program whose first rank is past the capacity sends nothing and is skipped (no loads),
+unless it holds a non-finite acc: then it runs to zero those residuals. With a residual the
+emit kernel runs even at capacity 0, for the same reason.
 
 The threshold is a tensor on grad's device (read by the kernels: no ``.item()``), or a Python
 number or CPU tensor (key computed on the host, exactly like the reference's float32 tensor).
@@ -40,15 +46,19 @@ def _count_kernel(g_ptr, r_ptr, thr_ptr, counts_ptr, n, divisor, bar_key, tiles,
     bar = _bar(thr_ptr, bar_key, THR_FROM_PTR)
     start = pid.to(tl.int64) * tiles * BLOCK
     count = tl.full([], 0, tl.int32)
+    non_finite = tl.full([], 0, tl.int32)
     for t in range(tiles):
         offs = start + t * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         acc = compensate(g_ptr, r_ptr, offs, m, divisor, ADD_RESIDUAL)
+        key = magnitude_key(to_f32(acc))
         if HAS_RESIDUAL:
             tl.store(r_ptr + offs, acc, mask=m)
-        key = magnitude_key(to_f32(acc))
+            non_finite += block_sum((m & (key >= 0x7F800000)).to(tl.int32))
         count += block_sum((m & (key >= bar)).to(tl.int32))
     tl.store(counts_ptr + pid, count)
+    if HAS_RESIDUAL:
+        tl.store(counts_ptr + tl.num_programs(0) + pid, non_finite)
 
 
 @triton.jit
@@ -75,8 +85,13 @@ def _emit_kernel(g_ptr, src_ptr, thr_ptr, counts_ptr, incl_ptr, idx_out_ptr, val
     start = pid.to(tl.int64) * tiles * BLOCK
     T: tl.constexpr = g_ptr.dtype.element_ty
     V: tl.constexpr = val_out_ptr.dtype.element_ty
-    # Programs whose first rank is already past the capacity send nothing (loads masked off).
-    n = tl.where(run < cap, n, 0)
+    # Programs whose first rank is already past the capacity send nothing (loads masked off),
+    # unless a residual of theirs holds a non-finite acc, which must become +0.
+    if WRITE_RESIDUAL:
+        non_finite = tl.load(counts_ptr + tl.num_programs(0) + pid)
+        n = tl.where((run < cap) | (non_finite > 0), n, 0)
+    else:
+        n = tl.where(run < cap, n, 0)
     for t in range(tiles):
         offs = start + t * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -87,7 +102,7 @@ def _emit_kernel(g_ptr, src_ptr, thr_ptr, counts_ptr, incl_ptr, idx_out_ptr, val
         hit_i = hit.to(tl.int32)
         rank = run + block_cumsum(hit_i) - 1
         sel = hit & (rank < cap)
-        emit_entries(idx_out_ptr, val_out_ptr, src_ptr, rank, offs, index_offset, a32, key, sel, T, V, LIMIT,
+        emit_entries(idx_out_ptr, val_out_ptr, src_ptr, rank, offs, index_offset, a32, key, sel, m, T, V, LIMIT,
                      WRITE_RESIDUAL)
         run += block_sum(hit_i)
 
@@ -131,17 +146,17 @@ def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_
     count_out = torch.empty((), dtype=torch.int64, device=grad.device)
     values_out = values_out[:cap]
     block, tiles, nprog = radix.geometry(n, grad.device)
-    counts = torch.empty(nprog, dtype=torch.int32, device=grad.device)
+    counts = torch.empty(2 * nprog, dtype=torch.int32, device=grad.device)  # selected, non-finite
     has_residual = residual is not None
     src = residual if has_residual else grad
     _count_kernel[(nprog,)](grad, src, thr, counts, n, divisor, bar_key, tiles, HAS_RESIDUAL=has_residual,
                             ADD_RESIDUAL=bool(add_residual), THR_FROM_PTR=thr_from_ptr, BLOCK=block,
                             num_warps=radix.NUM_WARPS, enable_fp_fusion=False)
-    incl = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    incl = torch.cumsum(counts[:nprog], dim=0, dtype=torch.int32)
     pad_block = 1024
     _pad_kernel[(max(1, triton.cdiv(cap, pad_block)),)](incl, indices_out, values_out, count_out, cap, nprog,
                                                         BLOCK=pad_block, num_warps=4, enable_fp_fusion=False)
-    if cap:
+    if cap or has_residual:  # capacity 0 sends nothing, but non-finite residuals still become +0
         limit = radix.wire_limit(grad.dtype, values_out.dtype)
         _emit_kernel[(nprog,)](grad, src, thr, counts, incl, indices_out, values_out, n, cap, divisor, bar_key,
                                index_offset, tiles, FROM_SRC=has_residual, WRITE_RESIDUAL=has_residual,

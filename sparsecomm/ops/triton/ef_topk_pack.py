@@ -21,8 +21,9 @@ entries with key > K fill ``[0, k - need)`` in index order (program prefix + in-
 rank), entries with key == K get a global tie rank (same construction) and the first
 ``need`` of them fill ``[k - need, k)``: ties go to the lowest indices, deterministically.
 With a residual, later passes read ``acc`` from it (pass 1 stored it) and the emit pass only
-writes the selected entries (unselected ones already hold ``acc``). Without one, every pass
-recomputes ``acc = T(g / divisor)`` from grad.
+writes the selected entries (unselected ones already hold ``acc``) and the unselected ones
+whose acc is +-Inf or NaN (they get +0, as the sent ones do: a non-finite acc is never kept
+in the residual). Without one, every pass recomputes ``acc = T(g / divisor)`` from grad.
 """
 import torch
 import triton
@@ -75,7 +76,7 @@ def _emit_kernel(g_ptr, src_ptr, state_ptr, counts_ptr, incl_ptr, idx_out_ptr, v
         tie_rank = run_ties + block_cumsum(tie_i) - 1
         sel = is_above | (is_tie & (tie_rank < need))
         slot = tl.where(is_above, slot_above, tie_base + tie_rank)
-        emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a32, key, sel, T, V, LIMIT,
+        emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a32, key, sel, m, T, V, LIMIT,
                      WRITE_RESIDUAL)
         run_above += block_sum(above_i)
         run_ties += block_sum(tie_i)

@@ -256,15 +256,22 @@ def magnitude_key(x32):
 
 
 @triton.jit
-def emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a32, key, sel, T: tl.constexpr,
-                 V: tl.constexpr, LIMIT: tl.constexpr, WRITE_RESIDUAL: tl.constexpr):
-    """Store the selected entries at ``slot`` (index + offset, wire value); the residual keeps acc - sent."""
+def emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a32, key, sel, valid,
+                 T: tl.constexpr, V: tl.constexpr, LIMIT: tl.constexpr, WRITE_RESIDUAL: tl.constexpr):
+    """Store the selected entries at ``slot`` (index + offset, wire value); the residual keeps acc - sent.
+
+    The residual (which holds acc at every other ``valid`` entry) becomes +0 wherever acc is
+    +-Inf or NaN, sent or not: Inf - Inf = NaN kept there would rank first and be sent again
+    on every later step. Both operands are zeroed before the subtraction, so no NaN is formed.
+    """
     wire = to_wire(a32, key, V, LIMIT)
     tl.store(idx_out_ptr + slot, (offs + index_offset).to(tl.int32), mask=sel)
     tl.store(val_out_ptr + slot, wire, mask=sel)
     if WRITE_RESIDUAL:
-        sent = to_f32(from_f32(to_f32(wire), T))
-        tl.store(src_ptr + offs, from_f32(a32 - sent, T), mask=sel)
+        finite = key < 0x7F800000
+        sent = tl.where(finite, to_f32(from_f32(to_f32(wire), T)), 0.0)
+        remainder = tl.where(finite, a32, 0.0) - sent
+        tl.store(src_ptr + offs, from_f32(remainder, T), mask=sel | (valid & (key >= 0x7F800000)))
 
 
 @triton.jit
