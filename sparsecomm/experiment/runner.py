@@ -26,6 +26,19 @@ from sparsecomm.links import parse_link
 from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
 
+class ExperimentInterrupted(Exception):
+    """The experiment was stopped (Ctrl-C, SIGTERM) after its processes were killed.
+
+    ``report`` says, in a few lines, what was stopped and what was kept (finished runs,
+    checkpoints a re-run resumes from); the command line prints it instead of a traceback.
+    """
+
+    def __init__(self, report: str, signal_name: str = "SIGINT"):
+        super().__init__(report)
+        self.report = report
+        self.signal_name = signal_name
+
+
 def run_directory(config: ExperimentConfig, root: Path, arm: str, seed: int) -> Path:
     return root / config.name / "runs" / f"{arm}-seed{seed}-{config.run_hash(arm, seed)}"
 

@@ -13,6 +13,7 @@ from sparsecomm.hooks.grad_scaler import ScaleTracker
 from sparsecomm.hooks.optimizer import warn_on_double_momentum
 from sparsecomm.hooks.parameter_memory import ParameterMemory
 from sparsecomm.hooks.rank_agreement import check_ranks_agree
+from sparsecomm.hooks import state_dict_check
 from sparsecomm.hooks.stats import HookStats
 from sparsecomm.hooks.step_journal import StepJournal
 from sparsecomm.hooks.unused_parameters import UnusedParameterAccounting
@@ -600,9 +601,12 @@ class TopKState:
     def load_state_dict(self, state_dict: dict, *, strict: bool = True) -> None:
         """Restore this rank's state from ``state_dict`` (made by :meth:`state_dict`).
 
-        Strict (default): refuses another rank's state, a different world size, a
-        different configuration and, for a bound state, a residual missing for any
-        parameter; every message gives both values. Lenient (``strict=False``): in those
+        A malformed dict (keys or values :meth:`state_dict` never writes: a 2-D or
+        non-float residual, a negative step, a key that is not ``rank<r>.<kind>.<name>``)
+        is always refused with a ValueError naming the key. Strict (default): also refuses
+        another rank's state, a different world size, a different configuration and, for a
+        bound state, residuals missing, extra or of the wrong size for any parameter, and
+        memories holding Inf or NaN; every message gives both values. Lenient (``strict=False``): in those
         cases the residuals and velocities are reset to zero with a warning, and
         ``stats()["residual_reset"]`` becomes True so the ledger can report it (error
         feedback then restarts from nothing; convergence usually survives an occasional
@@ -610,44 +614,33 @@ class TopKState:
         scaler come back in the units of this state's scaler (or unscaled without one).
         The sampled selector's generator comes back on the device it was saved from.
         """
-        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(
-                f"state_dict is not a TopKState state dict of format {STATE_DICT_FORMAT} "
-                f"(got format {state_dict.get('format') if isinstance(state_dict, dict) else type(state_dict).__name__!r})"
-            )
         if self._pending:
             raise RuntimeError(f"TopKState.load_state_dict() with {self._pending} collective(s) in flight")
         rank, world_size = self._rank_and_world_size()
-        prefix = f"rank{rank}."
+        parsed = state_dict_check.parse(state_dict, rank, STATE_DICT_FORMAT)  # malformed: always refused
         problems = []
-        if state_dict["world_size"] != world_size:
+        if parsed.saved_world_size != world_size:
             problems.append(
-                f"state_dict was saved with world_size={state_dict['world_size']}, this job has world_size={world_size}"
+                f"state_dict was saved with world_size={parsed.saved_world_size}, this job has world_size={world_size}"
             )
-        saved_ranks = sorted({int(k.split(".", 1)[0][4:]) for k in state_dict if k.startswith("rank") and "." in k})
-        if rank not in saved_ranks:
+        if rank not in parsed.ranks:
             problems.append(
-                f"state_dict holds the state of rank(s) {saved_ranks}, this is rank {rank}: "
+                f"state_dict holds the state of rank(s) {parsed.ranks}, this is rank {rank}: "
                 "every rank's residual differs; save and load each rank's own state dict"
             )
-        if state_dict["config"] != self._config():
+        if parsed.config != self._config():
             diffs = {
-                key: (state_dict["config"].get(key), value)
+                key: (parsed.config.get(key), value)
                 for key, value in self._config().items()
-                if state_dict["config"].get(key) != value
+                if parsed.config.get(key) != value
             }
             problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
-        memories = {"residual": {}, "velocity": {}}
-        for key, value in state_dict.items():
-            if key.startswith(prefix) and key.split(".", 2)[1] in memories:
-                _, kind, name = key.split(".", 2)
-                memories[kind][name] = value
-        if self.error_feedback and not problems:
-            missing = sorted(set(self._param_shapes) - set(memories["residual"]))
-            if missing:
-                problems.append(f"rank {rank}'s residuals are missing for {len(missing)} parameter(s): {missing[:5]}")
-        generator_state = state_dict.get(f"{prefix}sample_generator")
-        generator_device = state_dict.get(f"{prefix}sample_generator_device", "cpu")
+        if not problems:
+            problems += state_dict_check.mismatches(parsed, self._param_shapes, self.error_feedback,
+                                                    self.momentum > 0, rank)
+        memories = parsed.memories
+        generator_state = parsed.per_rank.get("sample_generator")
+        generator_device = parsed.per_rank.get("sample_generator_device", "cpu")
         if generator_state is not None and not problems:
             generator_device = _usable_device(generator_device, problems)
         reset = bool(problems)
@@ -661,12 +654,12 @@ class TopKState:
             memories = {"residual": {}, "velocity": {}}
         self._residuals.load_state_dict(memories["residual"])
         self._velocities.load_state_dict(memories["velocity"])
-        self._load_memory_scale(None if reset else state_dict.get("memory_scale"))
+        self._load_memory_scale(None if reset else parsed.memory_scale)
         self._sample_generator = None
         if generator_state is not None and not reset:
             self._sample_generator = torch.Generator(device=generator_device).set_state(generator_state)
-        self.step = state_dict["step"]
-        self._stats = HookStats(state_dict.get(f"{prefix}stats", {}))
+        self.step = parsed.step
+        self._stats = HookStats(parsed.per_rank.get("stats", {}))
         self._stats.totals["residual_reset"] = reset or bool(self._stats.totals.get("residual_reset"))
         self._buffers = {}
         self._forget_step()
