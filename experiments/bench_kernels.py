@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_info import describe_cpu, vector_isa  # experiments/cpu_info.py, beside this script
 from sparsecomm import compress, ops
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.experiment.runner import _git_commit
@@ -131,6 +132,7 @@ def _machine(device) -> dict:
                 break
     except OSError:
         pass
+    info["vector_isa"] = vector_isa()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -161,8 +163,7 @@ def main(argv=None) -> int:
     rows = [bench(int(n), d, args.world_size, args.repeats, args.reference_repeats, device)
             for n in args.sizes for d in args.densities]
     machine = _machine(device)
-    print(f"{machine.get('cpu_model', machine['processor'])}, {args.threads} threads, device {device}, "
-          f"torch {torch.__version__}")
+    print(f"{describe_cpu()}; {args.threads} threads, device {device}, torch {torch.__version__}")
     print(f"fused: {rows[0]['fused_implementation']}, unpack: {rows[0]['unpack_implementation']}")
     print(f"{'n':>11} {'density':>7} {'floor':>7} {'copy':>7} {'fused':>7} {'f/floor':>7} {'ref':>8} {'ref/f':>6} "
           f"{'thr-pk':>7} {'estim':>7} {'err%':>5} {'unpack':>7} {'scatter':>7} {'M add/s':>7} {'zero':>6}")

@@ -53,6 +53,9 @@ from sparsecomm.monitor import (
     UpdateSpikeDetector,
 )
 from sparsecomm.policy import Policy
+from sparsecomm.tasks import get_task
+
+from cpu_info import describe_cpu  # experiments/cpu_info.py, beside this script
 
 WORLD_SIZE = 2
 TARGETS = ("parameter", "gradient", "residual")
@@ -61,6 +64,9 @@ FIRST_FAULT_STEP = 5  # after the 2 dense warm-up steps and a few sparse ones
 REPLICA_EVERY = 10  # default cadence of the replica digest
 STALENESS_EVERY = 10
 PARAMETERS: list[tuple[str, int]] = []  # (name, numel) of the task's model, filled on each rank
+OPTIMIZER = ["sgd"]  # set from --task on each rank
+# Per task: the batch per rank and optimizer of its named experiment (digits-quick, pydoc-gpt).
+TASK_DEFAULTS = {"digits-mlp": (32, "sgd"), "pydoc-gpt": (16, "adamw")}
 
 
 class _Alarm(Exception):
@@ -156,7 +162,10 @@ def _build(task, seed, group, *, conservation, record, parts=("observers", "vote
     ddp.register_comm_hook(state, topk_hook)
     if injector is not None and injector.target != "parameter":
         state.add_observer(injector)  # before the monitors: they must see the fault
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    if OPTIMIZER[0] == "adamw":  # the default experiment's optimizer (pydoc-gpt)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     monitors = Monitors(ddp, state, record=record, parts=parts, vote_every=vote_every) if parts else None
     return ddp, state, optimizer, monitors
 
@@ -244,20 +253,22 @@ def _overhead(task, rank, args):
 
 
 def _rank_main(rank, args, workdir):
+    OPTIMIZER[0] = TASK_DEFAULTS[args.task][1]
     store = dist.FileStore(os.path.join(workdir, "store"), WORLD_SIZE)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
     torch.set_num_threads(1)  # two ranks on a small machine: one intra-op thread each
-    from sparsecomm.tasks.digits import DigitsMLP
-
-    task = DigitsMLP()
+    task = get_task(args.task)
     PARAMETERS[:] = [(n, p.numel()) for n, p in task.build_model().named_parameters()]
     started = time.perf_counter()
-    trials = [_trial(task, rank, args, target, bit_class, trial)
-              for target in TARGETS for bit_class in BIT_CLASSES for trial in range(args.trials)]
+    trials, everyone = [], []
+    if not args.only_overhead:
+        trials = [_trial(task, rank, args, target, bit_class, trial)
+                  for target in TARGETS for bit_class in BIT_CLASSES for trial in range(args.trials)]
     detection_seconds = time.perf_counter() - started
-    clean = _clean_run(task, rank, args)
-    everyone = [None] * WORLD_SIZE
-    dist.all_gather_object(everyone, clean)
+    if not args.only_overhead:
+        clean = _clean_run(task, rank, args)
+        everyone = [None] * WORLD_SIZE
+        dist.all_gather_object(everyone, clean)
     overhead = _overhead(task, rank, args)
     if rank == 0:
         result = {"trials": trials, "clean": everyone, "overhead": overhead, "detection_seconds": detection_seconds}
@@ -312,6 +323,14 @@ def summarise(result: dict) -> dict:
 
 
 def print_report(summary: dict, result: dict, args) -> None:
+    print(f"{describe_cpu()}; task {args.task}, batch {args.batch} per rank, {WORLD_SIZE} gloo ranks, "
+          f"torch {torch.__version__}")
+    if not args.only_overhead:
+        _print_detection(summary, result, args)
+    _print_overhead(summary, args)
+
+
+def _print_detection(summary: dict, result: dict, args) -> None:
     print(f"detection: {args.trials} trials per row, fault at a random step in [{FIRST_FAULT_STEP}, "
           f"{FIRST_FAULT_STEP + args.fault_span}), random rank and entry; window {args.detect_window} steps")
     print(f"{'target':<10} {'bit':<16} {'detected':>9} {'rate':>6} {'median/max delay':>17}  by monitor")
@@ -327,6 +346,8 @@ def print_report(summary: dict, result: dict, args) -> None:
           f"{UpdateSpikeDetector().threshold:g}); {false_before} before the fault step in the trials")
     print(f"staleness (clean run, rank 0): max age {clean['staleness']['max_age']} steps, "
           f"exceeded limit {clean['staleness']['limit']}: {clean['staleness']['exceeded']}")
+
+def _print_overhead(summary: dict, args) -> None:
     print(f"overhead (boundary: step; slower rank per step; median over {args.repeats} repeats of "
           f"{args.timed_steps} steps; target ratio <= 1.05)")
     print(f"  {'configuration':<30} {'median step':>11} {'ratio':>6} {'mean step':>10} {'ratio':>6}")
@@ -346,11 +367,21 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="overhead repeats per configuration")
     parser.add_argument("--warm-steps", type=int, default=5, help="untimed steps per overhead repeat")
     parser.add_argument("--timed-steps", type=int, default=40, help="timed steps per overhead repeat")
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="digits-mlp",
+                        help="model and data: digits-mlp (85k parameters, ~4 ms steps) or pydoc-gpt (the default "
+                             "experiment's task, 0.25M parameters, ~45 ms steps)")
+    parser.add_argument("--only-overhead", action="store_true",
+                        help="measure the overhead only (skip the detection trials and the clean run)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="samples per rank per step (default: the task's experiment: 32 digits-mlp, 16 pydoc-gpt)")
     parser.add_argument("--hook-timeout", type=float, default=1.0, help="seconds: DDP group timeout in residual trials")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_monitors.json"), help="JSON result file")
     args = parser.parse_args(argv)
+    if args.batch is None:
+        args.batch = TASK_DEFAULTS[args.task][0]
+    if min(args.batch, args.repeats, args.timed_steps) < 1 or args.warm_steps < 0:
+        parser.error("--batch, --repeats and --timed-steps must be >= 1, --warm-steps >= 0")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         mp.start_processes(_rank_main, args=(args, workdir), nprocs=WORLD_SIZE, join=True, start_method="spawn")
