@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from sparsecomm.dist import init_distributed
+from sparsecomm.dist import init_distributed, shutdown
 
 
 def make_model(width: int, seed: int) -> nn.Module:
@@ -54,6 +54,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     info = init_distributed()  # gloo on CPU, NCCL with GPUs
+    try:
+        return train(args, info)
+    finally:
+        shutdown()  # after train() returned: its DDP model no longer holds the process group
+
+
+def train(args, info) -> int:
     if info.rank == 0:
         print(f"launcher={info.launcher} world_size={info.world_size} rendezvous={info.master_addr}:"
               f"{info.master_port} backend={dist.get_backend()}", flush=True)
@@ -88,7 +95,6 @@ def main(argv=None) -> int:
                        "losses": losses, "stats": stats, "parameters": flat.tolist()}
             with open(args.summary, "w") as f:
                 json.dump(summary, f)
-    dist.destroy_process_group()
     return 0
 
 

@@ -8,6 +8,7 @@ With ``--out DIR`` every rank saves its own hook state (its residuals differ fro
 other rank's) next to the model, and ``--resume`` loads them back.
 """
 import argparse
+import gc
 from pathlib import Path
 
 import torch
@@ -43,6 +44,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    try:
+        train(args)
+    finally:
+        # After train() returned: collect its DDP model first, which holds the process group
+        # through reference cycles (a gloo group torn down at interpreter exit can abort).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(args) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = DDP(student())
@@ -79,7 +90,6 @@ def main(argv=None) -> None:
         f"sent {100 * stats['compression']:.1f}% of dense bytes, loss {first:.3f} -> {last:.3f}",
         flush=True,
     )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.comm import MPIAllgatherv
-from sparsecomm.dist import init_distributed
+from sparsecomm.dist import init_distributed, shutdown
 
 STEPS = 8
 # Buckets of ~13k float32 entries: above the sampled selector's 4096-entry sample, so its
@@ -167,7 +167,7 @@ def main(out_dir: str) -> None:
     report["training"] = training_checks(info.rank, info.world_size)
     with open(os.path.join(out_dir, f"rank{info.rank}.json"), "w") as f:
         json.dump(report, f)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":
