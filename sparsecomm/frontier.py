@@ -10,6 +10,12 @@ density with the verdict as the marker::
     sparsecomm frontier --experiment digits-quick --densities 0.01 0.05 --arms topk-ef topk-dgc
     sparsecomm frontier --densities 0.001 0.003 0.01 --arms topk-ef topk-dgc --seeds 0 1 2
     sparsecomm frontier --densities 0.003 0.01 --arms topk-dgc --link 1gbit     # files named <experiment>-1gbit
+
+Runs that did not finish (any status other than "ok") are counted per point (``failed``,
+``dense_failed``, with their statuses) and printed; a density whose dense runs all failed
+has the verdict ``unavailable`` (nothing to compare against), never a guess. Exit codes:
+0 the frontier was printed; 2 a bad argument or an unreadable result file; 130 / 143
+stopped by Ctrl-C / SIGTERM (what was kept is printed).
 """
 import argparse
 import json
@@ -17,12 +23,19 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparsecomm.experiment.compare import add_link_argument, check_link_possible
+from sparsecomm.experiment.compare import (
+    add_link_argument,
+    check_link_possible,
+    check_local_world_size,
+    check_writable_directory,
+    stop_on_interrupt,
+)
 from sparsecomm.experiment.config import ARM_NAMES
 from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
 
 SPARSE_ARMS = tuple(arm for arm in ARM_NAMES if arm.startswith("topk-"))
 VERDICT_MARKERS = {"equivalent": "o", "better": "o", "inconclusive": "s", "worse": "x"}
+UNAVAILABLE = "unavailable"  # no dense run finished at that density
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,9 @@ class FrontierPoint:
     time_to_target_s: float | None
     bytes_per_step: float | None
     run_dir: str
+    failed: int = 0  # this arm's runs that did not finish (any status but "ok")
+    dense_failed: int = 0  # the same for dense at this density
+    not_ok: str = ""  # their statuses, e.g. "arm: 1 interrupted; dense: 2 failed"
 
 
 def _density_name(base: str, density: float) -> str:
@@ -45,6 +61,7 @@ def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]
     """One paired experiment per density; returns a point per (arm, density)."""
     from sparsecomm import ledger, tolerance
     from sparsecomm.experiment.runner import run_experiment
+    from sparsecomm.results import describe_counts, load_experiment, load_runs, status_counts
 
     points = []
     for density in densities:
@@ -53,6 +70,27 @@ def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]
         print(f"frontier: density {density:g}: {len(per_density.arms)} arms x {len(per_density.seeds)} seeds",
               flush=True)
         run_dir = run_experiment(per_density, out_root)
+        runs = load_runs(run_dir)
+        missing = ledger.missing_runs(load_experiment(run_dir), runs)
+
+        def counts(arm: str) -> tuple[int, str]:
+            mine = status_counts(r for r in runs if r.arm == arm)
+            num_missing = sum(a == arm for a, _ in missing)
+            if num_missing:
+                mine["missing"] = num_missing
+            return sum(mine.values()), describe_counts(mine)
+
+        dense_failed, dense_text = counts("dense")
+
+        def failures(arm: str) -> dict:
+            failed, text = counts(arm)
+            parts = [f"arm: {text}"] * bool(text) + [f"dense: {dense_text}"] * bool(dense_text)
+            return {"failed": failed, "dense_failed": dense_failed, "not_ok": "; ".join(parts)}
+
+        if ledger.no_finished_dense(runs, missing) is not None:
+            points += [FrontierPoint(arm, density, UNAVAILABLE, None, None, None, None, str(run_dir), **failures(arm))
+                       for arm in arms]
+            continue
         book = ledger.build_ledger(run_dir)
         report = tolerance.check(run_dir)
         for result in report.arms:
@@ -66,6 +104,7 @@ def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]
                 time_to_target_s=entry.time_to_target.value,
                 bytes_per_step=entry.bytes_per_step.value,
                 run_dir=str(run_dir),
+                **failures(result.arm),
             ))
     return points
 
@@ -86,14 +125,20 @@ def _fmt(value, unit: str = "") -> str:
 
 
 def format_frontier(points: list[FrontierPoint], tolerance: float | None) -> str:
-    header = ["arm", "density", "verdict", "loss diff", "steps [s2t]", "time [t2t]", "sent/step"]
+    header = ["arm", "density", "verdict", "loss diff", "steps [s2t]", "time [t2t]", "sent/step",
+              "failed runs arm/dense"]
     rows = [header] + [[p.arm, f"{p.density:g}", p.verdict, _fmt(p.mean_loss_diff), _fmt(p.steps_to_target),
-                        _fmt(p.time_to_target_s, " s"), _fmt(p.bytes_per_step, " B")] for p in points]
+                        _fmt(p.time_to_target_s, " s"), _fmt(p.bytes_per_step, " B"),
+                        f"{p.failed}/{p.dense_failed}" + (f" ({p.not_ok})" if p.not_ok else "")] for p in points]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.append("")
     lines.append(f"tolerance: {_fmt(tolerance)} in final val loss; targets derived per density from its dense runs; "
                  "steps/time: median over seeds (n/a: not reached in some seed)")
+    failed = sum(p.failed for p in points) + sum({p.run_dir: p.dense_failed for p in points}.values())
+    lines.append(f"failed runs (any status but ok, or missing; not compared): {failed}"
+                 + ("; unavailable: no dense run finished at that density" if any(p.verdict == UNAVAILABLE
+                                                                                  for p in points) else ""))
     for arm, point in sparsest_equivalent(points).items():
         lines.append(f"sparsest equivalent {arm}: " + ("none of the densities tried" if point is None else
                                                         f"density {point.density:g} ({point.verdict})"))
@@ -114,7 +159,8 @@ def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
     reached_times = [p.time_to_target_s for p in points if p.time_to_target_s is not None]
     ceiling = 1.2 * max(reached_times) if reached_times else 1.0
     for arm in plots.arm_order(arms):
-        mine = sorted((p for p in points if p.arm == arm), key=lambda p: p.density)
+        # An unavailable point has no verdict to mark; the printed table lists it.
+        mine = sorted((p for p in points if p.arm == arm and p.verdict != UNAVAILABLE), key=lambda p: p.density)
         reached = [p for p in mine if p.time_to_target_s is not None]
         ax.plot([p.density for p in reached], [p.time_to_target_s for p in reached], label=arm, **styles[arm])
         for p in mine:
@@ -128,7 +174,9 @@ def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
     ax.set_ylim(0, ceiling * 1.1)
     ax.set_xlabel("density (fraction of each bucket sent)")
     ax.set_ylabel("time to target [s] (median over seeds)")
-    ax.set_title("density frontier: o equivalent, hollow s inconclusive, x worse")
+    failed = sum(p.failed for p in points) + sum({p.run_dir: p.dense_failed for p in points}.values())
+    ax.set_title("density frontier: o equivalent, hollow s inconclusive, x worse"
+                 + (f"\n{failed} failed run(s) not compared (see the printed table)" if failed else ""))
     ax.legend()
     return plots._save(fig, path, None)
 
@@ -141,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--densities", nargs="+", type=float, required=True, help="densities to try, each in (0, 1]")
     p.add_argument("--arms", nargs="+", choices=SPARSE_ARMS, default=["topk-ef", "topk-dgc"],
                    help="sparse techniques to sweep (default: topk-ef topk-dgc)")
-    p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers >= 0)")
+    p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     add_link_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
@@ -160,12 +208,25 @@ def main(argv: list[str] | None = None) -> int:
                                      link=args.link)
         if config.link != "loopback":  # its own frontier files beside the loopback one
             config = config.with_overrides(name=f"{config.name}-{config.link}")
+        check_local_world_size(config)
         check_link_possible(config)
         for density in args.densities:
             config.with_overrides(arms=("dense", *args.arms), density=density, name=_density_name(config.name, density))
-    except (ValueError, TypeError, RuntimeError) as error:
+        check_writable_directory(args.out, "--out")
+        check_writable_directory(args.plots / f"{config.name}-frontier", "--plots")
+    except (ValueError, TypeError, RuntimeError, OSError) as error:
         parser.error(str(error))
-    points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out)
+    from sparsecomm.experiment.runner import ExperimentInterrupted
+    from sparsecomm.results import ResultFileError, warnings_to_stderr
+
+    try:
+        with warnings_to_stderr("sparsecomm frontier"):
+            points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out)
+    except ExperimentInterrupted as error:
+        return stop_on_interrupt(error)
+    except (ResultFileError, FileNotFoundError) as error:
+        print(f"sparsecomm frontier: error: {error}", file=sys.stderr)
+        return 2
     print()
     print(format_frontier(points, config.policy.quality_tolerance))
     summary = args.out / f"{config.name}-frontier.json"

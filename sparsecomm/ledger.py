@@ -18,9 +18,14 @@ zero, and a total that includes it is ``not measured`` too (its measured part is
 separately, labelled as partial). Speedups are printed per boundary: "1.9x (boundary:
 step)" and "1.2x (boundary: end_to_end)" are different claims.
 
+Runs that did not finish (any status other than "ok", e.g. failed, interrupted, or a
+summary excluded as invalid; see :mod:`sparsecomm.results`) are not in any figure, but
+each is counted in its arm's "runs ok/failed" column and listed with its status and
+error below the table; so are configured runs that have no summary at all (missing).
+
 Needs no torch.
 
-    sparsecomm ledger RUN_DIR
+    sparsecomm ledger RUN_DIR      # exit 0; 2 for an unreadable run directory, or no finished dense run
 """
 import argparse
 import statistics
@@ -29,7 +34,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsecomm.policy import format_policy
-from sparsecomm.results import RunSummary, arms_configured_first, experiment_link, load_experiment, load_runs
+from sparsecomm.results import (
+    ResultFileError,
+    RunSummary,
+    arms_configured_first,
+    describe_counts,
+    experiment_link,
+    load_experiment,
+    load_runs,
+    status_counts,
+    warnings_to_stderr,
+)
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 BOUNDARIES = ("step", "steps_to_target", "time_to_target", "end_to_end")
@@ -124,7 +139,7 @@ def step_cost_to_target(step: Figure, steps: Figure) -> Figure:
 class ArmLedger:
     arm: str
     num_ok: int
-    num_failed: int
+    num_failed: int  # runs that did not finish: status other than "ok", or ok without evaluations
     setup: Figure  # end_to_end item
     step: Figure
     bytes_per_step: Figure
@@ -137,6 +152,16 @@ class ArmLedger:
     unverified: tuple[str, ...] = ()  # reasons runs were marked unverified (residual staleness)
     rollbacks: int = 0  # corruptions detected and rolled back, all seeds
     hook_path: tuple[int, int] | None = None  # (fused, all) sparse calls of the top-k hook, all seeds
+    not_ok: tuple[tuple[str, int], ...] = ()  # (status, count) of the runs that did not finish
+    num_missing: int = 0  # configured seeds with no summary at all
+
+    @property
+    def runs_column(self) -> str:
+        """"ok/failed", with the statuses when any is not plain "failed", and missing runs."""
+        text = f"{self.num_ok}/{self.num_failed}"
+        if any(status != "failed" for status, _ in self.not_ok):
+            text += f" ({describe_counts(dict(self.not_ok))})"
+        return text + (f", {self.num_missing} missing" if self.num_missing else "")
 
     @property
     def end_to_end(self) -> Figure:
@@ -163,14 +188,14 @@ def _median(values: list[float]) -> float | None:
 
 
 def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_hour: float = 1.0,
-               link: str = "loopback") -> ArmLedger:
+               link: str = "loopback", num_missing: int = 0) -> ArmLedger:
     """Median over this arm's finished seeds of every figure, measured over ``link``."""
 
     def figure(value, unit: str, boundary: str, note: str = "") -> Figure:
         return Figure(value, unit, boundary, note, link)
 
-    ok = [r for r in runs if r.arm == arm and r.status == "ok" and r.evals]
-    failed = [r for r in runs if r.arm == arm and r.status != "ok"]
+    ok = [r for r in runs if r.arm == arm and r.finished]
+    failed = [r for r in runs if r.arm == arm and not r.finished]
     reached = [r.first_reaching(target.val_loss) for r in ok]
     hits = [e for e in reached if e is not None]
     not_reached = len(ok) - len(hits)
@@ -204,6 +229,8 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         unverified=tuple(sorted({r.extra["unverified_reason"] for r in ok if r.extra.get("unverified_reason")})),
         rollbacks=sum(r.extra.get("rollbacks") or 0 for r in ok),
         hook_path=_hook_path(ok),
+        not_ok=tuple(status_counts(failed).items()),
+        num_missing=num_missing,
     )
 
 
@@ -238,19 +265,61 @@ class Ledger:
     experiment: dict
     target: Target
     arms: list[ArmLedger]
+    runs: tuple[RunSummary, ...] = ()
+    missing: tuple[tuple[str, int], ...] = ()  # (arm, seed) configured, with no summary
 
     def arm(self, name: str) -> ArmLedger:
         return next(a for a in self.arms if a.arm == name)
 
 
+def missing_runs(experiment: dict, runs: list[RunSummary]) -> list[tuple[str, int]]:
+    """(arm, seed) pairs the config asks for that have no summary at all."""
+    have = {(r.arm, r.seed) for r in runs}
+    config = experiment["config"]
+    return [(arm, seed) for arm in config["arms"] for seed in config["seeds"] if (arm, seed) not in have]
+
+
+def no_finished_dense(runs: list[RunSummary], missing: list[tuple[str, int]] = ()) -> str | None:
+    """"no dense run finished (N failed, ...)" when none did, else None."""
+    dense = [r for r in runs if r.arm == DENSE_ARM]
+    if any(r.finished for r in dense):
+        return None
+    counts = status_counts(dense)
+    num_missing = sum(arm == DENSE_ARM for arm, _ in missing)
+    if num_missing:
+        counts["missing"] = num_missing
+    return f"no dense run finished ({describe_counts(counts) or 'no dense run'})"
+
+
 def build_ledger(run_dir: str | Path) -> Ledger:
     experiment = load_experiment(run_dir)
     runs = load_runs(run_dir)
+    missing = missing_runs(experiment, runs)
+    if experiment["config"].get("target_loss") is None:
+        reason = no_finished_dense(runs, missing)
+        if reason is not None:  # the target derives from dense
+            raise ValueError(f"ledger not available: {reason}; declare target_loss in the config to see the "
+                             "other arms alone")
     target = resolve_target(experiment, runs)
     order = arms_configured_first(experiment["config"]["arms"], runs)
     rate = experiment["config"].get("fault_rate_per_hour", 1.0)
     link = experiment_link(experiment)
-    return Ledger(experiment, target, [arm_ledger(arm, runs, target, rate, link) for arm in order])
+    arms = [arm_ledger(arm, runs, target, rate, link, sum(a == arm for a, _ in missing)) for arm in order]
+    return Ledger(experiment, target, arms, tuple(runs), tuple(missing))
+
+
+def format_not_ok(runs, missing=()) -> str:
+    """One line per run that is in no figure: its status and error; and per missing run."""
+    lines = [f"  {r.arm} seed {r.seed}: {_clip(r.describe_problem())}" for r in runs if not r.finished]
+    lines += [f"  {arm} seed {seed}: missing (no summary.json: not run, or still running)" for arm, seed in missing]
+    if not lines:
+        return ""
+    return "\n".join([f"runs not in the figures, counted as failed ({len(lines)}):", *lines])
+
+
+def _clip(text: str, width: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def ledger_items_for_plot(run_dir: str | Path) -> dict[str, dict[str, float | None]]:
@@ -308,7 +377,7 @@ def format_ledger(ledger: Ledger) -> str:
     for a in ledger.arms:
         total = a.end_to_end
         total_text = str(total) if total.measured else f"not measured (partial {a.measured_part})"
-        rows.append([a.arm, f"{a.num_ok}/{a.num_failed}", str(a.setup), str(a.step), str(a.bytes_per_step),
+        rows.append([a.arm, a.runs_column, str(a.setup), str(a.step), str(a.bytes_per_step),
                      _or_note(a.steps_to_target), str(a.step_x_steps), _or_note(a.time_to_target),
                      str(a.checkpoint), str(a.recovery), total_text])
     lines += _table(rows)
@@ -320,6 +389,9 @@ def format_ledger(ledger: Ledger) -> str:
             lines.append(f"{name}: {next(iter(notes.values()))}")
         else:
             lines += [f"{arm} {name}: {note}" for arm, note in notes.items()]
+    not_ok = format_not_ok(ledger.runs, ledger.missing)
+    if not_ok:
+        lines += ["", not_ok]
     if dense is not None:
         lines += ["", "speedup vs dense (dense cost / arm cost; > 1: arm is cheaper):"]
         for a in ledger.arms:
@@ -352,8 +424,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="experiment directory written by sparsecomm compare")
     args = parser.parse_args(argv)
     try:
-        print(format_ledger(build_ledger(args.run_dir)))
-    except (FileNotFoundError, ValueError) as error:
-        print(f"sparsecomm ledger: {error}", file=sys.stderr)
+        with warnings_to_stderr("sparsecomm ledger"):
+            print(format_ledger(build_ledger(args.run_dir)))
+    except (OSError, ValueError) as error:  # FileNotFoundError: no experiment.json; ResultFileError names the file
+        print(f"sparsecomm ledger: error: {error}", file=sys.stderr)
+        if isinstance(error, ValueError) and not isinstance(error, ResultFileError):
+            try:  # say which runs failed, when the directory itself is readable
+                runs = load_runs(args.run_dir)
+                text = format_not_ok(runs, missing_runs(load_experiment(args.run_dir), runs))
+            except (OSError, ValueError):
+                text = ""
+            if text:
+                print(text, file=sys.stderr)
         return 2
     return 0

@@ -9,6 +9,11 @@
   step time x steps to target, checkpoint, recovery); what was not measured is written
   next to the bar, never drawn as zero.
 
+Runs that did not finish (status other than "ok": failed, interrupted, invalid; or ok
+without evaluations) are not drawn but counted: per arm in the legend ("topk-ef (2 seeds,
+1 interrupted)"), and in a note under every figure of :func:`plot_run_dir` that names
+each such run and its status.
+
 Colours are Okabe-Ito (colour-blind safe), fixed per arm name; every arm also has its own
 line style and every ledger segment its own hatching, so the figures survive greyscale.
 Reads result files only: no torch needed.
@@ -16,6 +21,7 @@ Reads result files only: no torch needed.
 import argparse
 import math
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -27,7 +33,17 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from sparsecomm.results import RunSummary, experiment_link, load_experiment, load_runs, load_steps
+from sparsecomm.results import (
+    ResultFileError,
+    RunSummary,
+    describe_counts,
+    experiment_link,
+    load_experiment,
+    load_runs,
+    load_steps,
+    status_counts,
+    warnings_to_stderr,
+)
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
@@ -113,28 +129,37 @@ def _moving_average(values: Sequence[float], window: int) -> np.ndarray:
 
 def _by_arm(runs: list[RunSummary]) -> dict[str, dict]:
     """Per arm, in plotting order: the plottable runs and the counts of the others."""
-    groups = {arm: {"ok": [], "failed": 0, "no_evals": 0} for arm in arm_order(r.arm for r in runs)}
-    for run in runs:
-        group = groups[run.arm]
-        if run.status != "ok":
-            group["failed"] += 1
-        elif not run.evals:
-            group["no_evals"] += 1
-        else:
-            group["ok"].append(run)
+    groups = {arm: {"ok": [], "not_ok": {}} for arm in arm_order(r.arm for r in runs)}
+    for arm, group in groups.items():
+        mine = [r for r in runs if r.arm == arm]
+        group["ok"] = [r for r in mine if r.finished]
+        group["not_ok"] = status_counts(mine)  # {"failed": 1, "interrupted": 2, "no evaluations": 1}
     return groups
 
 
 def _arm_label(arm: str, group: dict) -> str:
-    n_ok, n_failed = len(group["ok"]), group["failed"]
-    if not n_ok:
-        return f"{arm} (failed)" if n_failed else f"{arm} (no evaluations)"
-    notes = [f"{n_ok} seed{'s' if n_ok != 1 else ''}"]
-    if n_failed:
-        notes.append(f"{n_failed} failed")
-    if group["no_evals"]:
-        notes.append(f"{group['no_evals']} without evaluations")
+    n_ok = len(group["ok"])
+    notes = [f"{n_ok} seed{'s' if n_ok != 1 else ''}"] if n_ok else []
+    notes += [f"{n} {status}" for status, n in group["not_ok"].items()]
     return f"{arm} ({', '.join(notes)})"
+
+
+def not_drawn_note(runs: list[RunSummary], max_listed: int = 6) -> str:
+    """The note under a figure naming the runs that did not finish ("" when every run did)."""
+    bad = [r for r in runs if not r.finished]
+    if not bad:
+        return ""
+    listed = [f"{r.arm} seed {r.seed} {r.status if r.status != 'ok' else 'without evaluations'}"
+              for r in bad[:max_listed]]
+    more = f", and {len(bad) - max_listed} more" if len(bad) > max_listed else ""
+    return (f"not drawn, counted as failed: {len(bad)} of {len(runs)} runs "
+            f"({describe_counts(status_counts(bad))}): {', '.join(listed)}{more}")
+
+
+def _draw_note(fig: Figure, note: str) -> None:
+    if note:
+        # Above the title: the ledger's legend takes the bottom edge.
+        fig.text(0.01, 1.0, textwrap.fill(note, 150), ha="left", va="bottom", fontsize=7, color="0.25")
 
 
 def _new_axes(figsize=(8.0, 5.0)):
@@ -180,7 +205,7 @@ def _finish_legend(ax, groups: dict, styles: dict, drawn: set[str], extra_handle
 
 
 def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *, link: str | None = None,
-                      on_figure: Callable[[Figure], None] | None = None) -> Path:
+                      note: str = "", on_figure: Callable[[Figure], None] | None = None) -> Path:
     """Validation loss against wall clock: per arm the seed mean and the min-max band.
 
     ``link``: the link the runs were measured over, named in the title (wall clock
@@ -204,6 +229,7 @@ def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *, li
     ax.grid(True, alpha=0.3)
     band = Patch(facecolor="0.5", alpha=0.3, label="shaded: min to max over seeds")
     _finish_legend(ax, groups, styles, drawn, [band])
+    _draw_note(fig, note)
     return _save(fig, path, on_figure)
 
 
@@ -211,10 +237,9 @@ def _train_curve(runs: list[RunSummary]) -> tuple[np.ndarray, np.ndarray] | None
     """Seed-mean training loss over the steps every seed logged, or None without logs."""
     per_seed = []
     for run in runs:
-        try:
-            rows = load_steps(run.path)
-        except FileNotFoundError:
+        if not (Path(run.path) / "steps.jsonl").is_file():
             continue
+        rows = load_steps(run.path)
         # A step logged twice (resumed run) keeps its last value.
         losses = {int(r["step"]): float(r["train_loss"]) for r in rows
                   if r.get("kind") == "train" and r.get("train_loss") is not None}
@@ -228,7 +253,7 @@ def _train_curve(runs: list[RunSummary]) -> tuple[np.ndarray, np.ndarray] | None
     return np.array(steps, dtype=float), np.array([np.mean([s[k] for s in per_seed]) for k in steps])
 
 
-def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *,
+def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *, note: str = "",
                       on_figure: Callable[[Figure], None] | None = None) -> Path:
     """Validation loss against step (seed mean and min-max band) plus the smoothed train loss."""
     groups = _by_arm(runs)
@@ -262,6 +287,7 @@ def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *,
     if any_train:
         extra.append(Line2D([], [], color="0.3", linewidth=0.8, alpha=0.5, label="faint: train loss, seed mean, moving avg"))
     _finish_legend(ax, groups, styles, drawn, extra)
+    _draw_note(fig, note)
     return _save(fig, path, on_figure)
 
 
@@ -293,7 +319,7 @@ LEDGER_TITLE = "time-to-quality ledger (median over seeds)"
 
 
 def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
-                      title: str = LEDGER_TITLE,
+                      title: str = LEDGER_TITLE, note: str = "",
                       on_figure: Callable[[Figure], None] | None = None) -> Path:
     """Stacked horizontal bars of seconds per ledger segment, one bar per arm."""
     arms = arm_order(items)
@@ -312,11 +338,11 @@ def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
         totals[arm] = left
     widest = max(totals.values(), default=0.0)
     for arm_index, arm in enumerate(arms):
-        note = ledger_annotation(items[arm])
+        annotation = ledger_annotation(items[arm])
         # The sum is only the ledger total when nothing is missing.
-        text = note if note else f"{totals[arm]:.1f} s"
+        text = annotation if annotation else f"{totals[arm]:.1f} s"
         ax.annotate(text, xy=(totals[arm], arm_index), xytext=(4, 0), textcoords="offset points",
-                    ha="left", va="center", fontsize=7 if note else 8, color="0.15")
+                    ha="left", va="center", fontsize=7 if annotation else 8, color="0.15")
     ax.set_yticks(range(len(arms)), arms)
     ax.set_ylim(max(1, len(arms)) - 0.5, -0.5)  # first arm on top
     ax.set_xlim(0, widest * 1.15 if widest > 0 else 1.0)
@@ -328,6 +354,7 @@ def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
     handles = [Patch(facecolor=_SEGMENT_COLOURS[i % len(_SEGMENT_COLOURS)], hatch=_SEGMENT_HATCHES[i % len(_SEGMENT_HATCHES)],
                      edgecolor="0.15", linewidth=0.6, label=segment) for i, segment in enumerate(segments)]
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=min(4, len(handles)), frameon=False)
+    _draw_note(fig, note)
     return _save(fig, path, on_figure)
 
 
@@ -342,11 +369,12 @@ def plot_run_dir(run_dir, out_dir, ledger_items: dict | None = None) -> list[Pat
         target = None
     out_dir = Path(out_dir)
     link = experiment_link(experiment)
-    paths = [plot_time_to_loss(runs, target, out_dir / "time_to_loss.png", link=link),
-             plot_loss_vs_step(runs, target, out_dir / "loss_vs_step.png")]
+    note = not_drawn_note(runs)
+    paths = [plot_time_to_loss(runs, target, out_dir / "time_to_loss.png", link=link, note=note),
+             plot_loss_vs_step(runs, target, out_dir / "loss_vs_step.png", note=note)]
     if ledger_items is not None:
         paths.append(plot_ledger_items(ledger_items, out_dir / "ledger.png",
-                                       title=f"{LEDGER_TITLE}, ranks linked by {link}"))
+                                       title=f"{LEDGER_TITLE}, ranks linked by {link}", note=note))
     return paths
 
 
@@ -362,10 +390,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsecomm plot: run directory {args.run_dir} does not exist", file=sys.stderr)
         return 2
     try:
-        experiment = load_experiment(args.run_dir)
-    except FileNotFoundError as e:
-        print(f"sparsecomm plot: {e}", file=sys.stderr)
+        with warnings_to_stderr("sparsecomm plot"):
+            for path in _plot(args):
+                print(path)
+    except (OSError, ResultFileError) as e:  # no experiment.json, a bad result file, an unwritable --out
+        print(f"sparsecomm plot: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _plot(args) -> list[Path]:
+    experiment = load_experiment(args.run_dir)
+    for run in load_runs(args.run_dir):  # a bad result file stops here, before any figure is written
+        if run.finished and (Path(run.path) / "steps.jsonl").is_file():
+            load_steps(run.path)
     out_dir = args.out if args.out is not None else Path("plots") / experiment["config"]["name"]
     ledger_items = None
     try:
@@ -375,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             ledger_items = ledger_items_for_plot(args.run_dir)
+        except ResultFileError:
+            raise
         except ValueError as e:
             print(f"sparsecomm plot: ledger plot skipped: {e}", file=sys.stderr)
-    for path in plot_run_dir(args.run_dir, out_dir, ledger_items):
-        print(path)
-    return 0
+    return plot_run_dir(args.run_dir, out_dir, ledger_items)
 
 
 if __name__ == "__main__":

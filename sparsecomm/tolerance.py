@@ -9,7 +9,11 @@ is the same as the (1 - 2 alpha) confidence interval of mean(d) lying inside (-d
 Verdicts per arm: ``equivalent`` (CI inside the bounds), ``worse`` (CI entirely above
 +delta), ``better`` (CI entirely below -delta: no loss either), else ``inconclusive``
 (fewer than 3 paired seeds, zero variance of the differences, or the CI crosses a bound).
-A failed run is never dropped silently: it is counted in the report.
+A run that did not finish (any status other than "ok": failed, interrupted, or a summary
+excluded as invalid because it is not the run its directory names, see
+:mod:`sparsecomm.results`) is never dropped silently: it is counted per arm with its
+status and listed with its error; its seed has no pair. With no finished dense run
+there is nothing to compare against: ``check`` says so, lists the failures, and exits 2.
 
 Exit codes of ``sparsecomm check``: 0 every arm equivalent or better, 1 some arm worse,
 2 usage error or unreadable run directory, 3 none worse but some inconclusive.
@@ -29,7 +33,16 @@ import numpy as np
 from scipy import stats
 
 from sparsecomm.policy import format_policy
-from sparsecomm.results import RunSummary, arms_configured_first, load_experiment, load_runs
+from sparsecomm.results import (
+    ResultFileError,
+    RunSummary,
+    arms_configured_first,
+    describe_counts,
+    load_experiment,
+    load_runs,
+    status_counts,
+    warnings_to_stderr,
+)
 from sparsecomm.target import DENSE_ARM, Target, resolve_target
 
 MIN_SEEDS = 3
@@ -268,6 +281,7 @@ class ArmResult:
     steps_ratio: RatioSpread
     time_ratio: RatioSpread
     steps_test: OneSidedTest
+    not_ok: tuple[tuple[str, int], ...] = ()  # (status, count) of the runs counted in failed
 
 
 @dataclass(frozen=True)
@@ -283,6 +297,8 @@ class CheckReport:
     arms: tuple[ArmResult, ...]
     max_steps: int
     run_dir: str = ""
+    dense_not_ok: tuple[tuple[str, int], ...] = ()
+    not_compared: tuple[str, ...] = ()  # "arm seed s: status: error", one per run that did not finish
 
     @property
     def exit_code(self) -> int:
@@ -296,7 +312,7 @@ class CheckReport:
 
 def _arm_data(runs: list[RunSummary], arm: str, seeds: list[int], target: float):
     mine = [r for r in runs if r.arm == arm]
-    ok = [r for r in mine if r.status == "ok" and r.evals]
+    ok = [r for r in mine if r.finished]
     failed = sum(r.status != "ok" for r in mine)
     have = {r.seed for r in mine}
     missing = sum(s not in have for s in seeds) + sum(r.status == "ok" and not r.evals for r in mine)
@@ -304,7 +320,7 @@ def _arm_data(runs: list[RunSummary], arm: str, seeds: list[int], target: float)
     hits = {r.seed: r.first_reaching(target) for r in ok}
     steps = {s: (e.step if e else None) for s, e in hits.items()}
     times = {s: (e.elapsed_seconds if e else None) for s, e in hits.items()}
-    return finals, steps, times, failed, missing
+    return finals, steps, times, failed, missing, tuple(status_counts(r for r in mine if r.status != "ok").items())
 
 
 def check(
@@ -334,13 +350,18 @@ def check(
     if not others:
         raise ValueError(f"{run_dir}: only {DENSE_ARM!r} runs; there is no other arm to check")
 
+    not_compared = tuple(f"{r.arm} seed {r.seed}: {' '.join(r.describe_problem().split())[:300]}"
+                         for r in runs if not r.finished)
+    if not any(r.arm == DENSE_ARM and r.finished for r in runs):
+        counts = describe_counts(status_counts(r for r in runs if r.arm == DENSE_ARM))
+        raise NoFinishedDense(f"{run_dir}: verdicts not available: no dense run finished ({counts})", not_compared)
     target = resolve_target(experiment, runs)
     seeds = list(config.get("seeds") or [])
     max_steps = int(config["steps"])
-    d_final, d_steps, d_times, d_failed, d_missing = _arm_data(runs, DENSE_ARM, seeds, target.val_loss)
+    d_final, d_steps, d_times, d_failed, d_missing, d_not_ok = _arm_data(runs, DENSE_ARM, seeds, target.val_loss)
     results = []
     for arm in others:
-        finals, steps, times, failed, missing = _arm_data(runs, arm, seeds, target.val_loss)
+        finals, steps, times, failed, missing, not_ok = _arm_data(runs, arm, seeds, target.val_loss)
         results.append(ArmResult(
             arm=arm,
             equivalence=equivalence(d_final, finals, tolerance, relative=relative, alpha=alpha),
@@ -349,12 +370,29 @@ def check(
             steps_ratio=ratio_spread(d_steps, steps),
             time_ratio=ratio_spread(d_times, times),
             steps_test=steps_to_target_test(d_steps, steps, max_steps=max_steps),
+            not_ok=not_ok,
         ))
     return CheckReport(
         policy=policy, target=target, tolerance=float(tolerance), relative=relative, alpha=alpha,
         noise_floor=noise_floor(d_final), dense_failed=d_failed, dense_missing=d_missing,
-        arms=tuple(results), max_steps=max_steps, run_dir=str(run_dir),
+        arms=tuple(results), max_steps=max_steps, run_dir=str(run_dir), dense_not_ok=d_not_ok,
+        not_compared=not_compared,
     )
+
+
+class NoFinishedDense(ValueError):
+    """No dense run finished: nothing to compare against. ``not_compared``: the runs that did not finish."""
+
+    def __init__(self, message: str, not_compared: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.not_compared = not_compared
+
+
+def _failed_text(failed: int, not_ok) -> str:
+    """"2" or "2 (1 failed, 1 interrupted)" when a status other than plain "failed" is among them."""
+    if any(status != "failed" for status, _ in not_ok):
+        return f"{failed} ({describe_counts(dict(not_ok))})"
+    return str(failed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,8 +440,8 @@ def format_report(report: CheckReport) -> str:
     ]
     if report.dense_failed or report.dense_missing:
         lines.append(
-            f"dense: {report.dense_failed} failed run(s), {report.dense_missing} missing: "
-            "their seeds have no pair"
+            f"dense: {_failed_text(report.dense_failed, report.dense_not_ok)} failed run(s), "
+            f"{report.dense_missing} missing: their seeds have no pair"
         )
     for a in report.arms:
         e = a.equivalence
@@ -413,12 +451,15 @@ def format_report(report: CheckReport) -> str:
             f"  final loss diff (arm - dense): mean {_diff(e.mean_diff, e.relative)}, "
             f"{ci} [{_diff(e.ci_low, e.relative)}, {_diff(e.ci_high, e.relative)}], "
             f"p_TOST {_num(e.p_tost, '.3g')}",
-            f"  n={e.n} paired seeds; failed runs {a.failed}, missing {a.missing}",
+            f"  n={e.n} paired seeds; failed runs {_failed_text(a.failed, a.not_ok)}, missing {a.missing}",
             _ratio_line("steps-to-target", a.steps_ratio),
             _ratio_line("time-to-target ", a.time_ratio),
             f"  more steps than dense? one-sided p {_num(a.steps_test.p_value, '.3g')} "
             f"({a.steps_test.reason})",
         ]
+    if report.not_compared:
+        lines += ["", f"runs not compared, counted as failed ({len(report.not_compared)}):"]
+        lines += [f"  {line}" for line in report.not_compared]
     code = report.exit_code
     lines += ["", f"overall: {EXIT_MEANING[code]} (sparsecomm check exits {code})"]
     # Reasons can be long (censoring notes); wrap so the report stays within 100 columns. The
@@ -462,11 +503,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsecomm check: error: {args.run_dir} is not a directory", file=sys.stderr)
         return 2
     try:
-        report = check(args.run_dir, tolerance=args.tolerance, relative=args.relative, alpha=args.alpha)
+        with warnings_to_stderr("sparsecomm check"):
+            report = check(args.run_dir, tolerance=args.tolerance, relative=args.relative, alpha=args.alpha)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        # OSError covers a missing experiment.json; JSONDecodeError is a ValueError.
+        # OSError covers a missing experiment.json; ResultFileError (a ValueError) names the bad file.
         detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
-        print(f"sparsecomm check: error: {args.run_dir}: {detail}", file=sys.stderr)
+        prefix = "" if isinstance(exc, (ResultFileError, NoFinishedDense)) else f"{args.run_dir}: "
+        print(f"sparsecomm check: error: {prefix}{detail}", file=sys.stderr)
+        for line in getattr(exc, "not_compared", ()):
+            print(f"  {line}", file=sys.stderr)
         return 2
     print(format_report(report))
     return report.exit_code

@@ -92,7 +92,7 @@ def test_time_to_loss_plot(run_dir, tmp_path):
     assert "target 1.2345" in texts
     assert "dense (3 seeds)" in texts
     assert "topk-ef (3 seeds, 1 failed)" in texts
-    assert "topk-noef (failed)" in texts
+    assert "topk-noef (1 failed)" in texts  # counted, not just named
     # One mean line per arm that finished (no per-seed lines, nothing for the failed arm).
     assert len([line for line in ax.get_lines() if line.get_label() and not line.get_label().startswith("_")]) == 3
 

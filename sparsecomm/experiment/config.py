@@ -4,6 +4,7 @@ Named experiments are functions in :mod:`sparsecomm.experiment.named`; a JSON fi
 the same fields (``ExperimentConfig.to_dict()``) works too (``--config FILE``).
 Everything is validated here, before any process is launched.
 """
+import functools
 import hashlib
 import json
 import math
@@ -11,12 +12,42 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
 from sparsecomm.policy import Policy
+from sparsecomm.results import NAME_ACCEPTED, is_safe_name
 
 ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
 TASK_NAMES = ("pydoc-gpt", "digits-mlp")
 OPTIMIZERS = ("adamw", "sgd")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
 CORRUPTION_ACTIONS = ("stop", "rollback")
+MAX_SEED = 2**32 - 1
+"""Seeds go to torch.manual_seed (64 bits) and, for the powersgd arm, to numpy's
+RandomState, which takes 32 bits: the narrower range is the accepted one."""
+MAX_WORLD_SIZE = 1024
+"""A hard bound on ranks (gloo on CPU, every rank connected to every other); ``sparsecomm
+compare`` further bounds it by the machine's cores, since it starts every rank locally."""
+DEFAULT_STALENESS_LIMIT = Policy().staleness_limit
+
+
+@functools.cache
+def task_train_samples(task: str) -> int:
+    """Training samples of a task, without loading it (or torch): the ids a batch draws from.
+
+    digits-mlp: scikit-learn's 1,797 digit images less the 360 held out
+    (:mod:`sparsecomm.tasks.digits`); pydoc-gpt: one window per byte of the first 90% of
+    Python's pydoc topics, less the 64-byte context (:mod:`sparsecomm.tasks.pydoc_gpt`).
+    """
+    if task == "digits-mlp":
+        return 1797 - 360
+    if task == "pydoc-gpt":
+        try:
+            from pydoc_data.topics import topics
+        except ImportError:
+            raise ValueError("task pydoc-gpt needs Python's pydoc_data (part of the standard library, missing in "
+                             "this Python); use task digits-mlp") from None
+
+        size = len("\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8"))
+        return int(size * (1 - 0.1)) - 64
+    raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,14 +112,18 @@ class ExperimentConfig:
     policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self):
-        _check(isinstance(self.name, str) and self.name and "/" not in self.name, "name", "a non-empty string without '/'", self.name)
+        _check(is_safe_name(self.name), "name", f"a non-empty string without '/': {NAME_ACCEPTED}", self.name)
         _check(self.task in TASK_NAMES, "task", f"one of {TASK_NAMES}", self.task)
         _check(isinstance(self.arms, tuple) and len(self.arms) >= 1 and all(a in ARM_NAMES for a in self.arms)
                and len(set(self.arms)) == len(self.arms), "arms", f"distinct names from {ARM_NAMES}", self.arms)
         _check("dense" in self.arms, "arms", "a list that includes 'dense' (the paired baseline)", self.arms)
-        _check(isinstance(self.seeds, tuple) and len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds)
-               and all(_is_int(s) and s >= 0 for s in self.seeds), "seeds", "distinct integers >= 0", self.seeds)
-        _check(_is_int(self.world_size) and self.world_size >= 2, "world_size", "an integer >= 2", self.world_size)
+        _check(isinstance(self.seeds, tuple) and len(self.seeds) >= 1 and all(_is_int(s) and 0 <= s <= MAX_SEED
+                                                                               for s in self.seeds)
+               and len(set(self.seeds)) == len(self.seeds), "seeds",
+               f"distinct integers >= 0 and <= {MAX_SEED} (2**32 - 1: numpy's RandomState, which seeds the "
+               "powersgd arm, takes 32 bits)", self.seeds)
+        _check(_is_int(self.world_size) and 2 <= self.world_size <= MAX_WORLD_SIZE, "world_size",
+               f"an integer >= 2 and <= {MAX_WORLD_SIZE}", self.world_size)
         try:
             link = parse_link(self.link)
         except ValueError:
@@ -99,7 +134,11 @@ class ExperimentConfig:
                    "0 with an emulated link (restarts need torchrun's agent, which cannot span the link's namespaces)",
                    self.max_restarts)
         _check(_is_int(self.steps) and self.steps >= 1, "steps", "an integer >= 1", self.steps)
-        _check(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+        largest = max(1, task_train_samples(self.task) // self.world_size)
+        _check(_is_int(self.batch_size) and 1 <= self.batch_size <= largest, "batch_size",
+               f"an integer >= 1 and <= {largest} (samples per rank per step: the {self.task} task's "
+               f"{task_train_samples(self.task)} training samples / world_size {self.world_size}; a larger global "
+               "batch would repeat samples within a step)", self.batch_size)
         _check(_is_int(self.eval_every) and 1 <= self.eval_every, "eval_every", "an integer >= 1", self.eval_every)
         _check(self.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}", self.optimizer)
         _check(_is_real(self.lr) and self.lr > 0, "lr", "a finite number > 0", self.lr)
@@ -153,16 +192,30 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ExperimentConfig":
+        """A config from its JSON form; raises ValueError naming the field for any bad value."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"experiment config must be a JSON object of ExperimentConfig fields, got "
+                             f"{type(raw).__name__ if raw is not None else 'null'}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise ValueError(f"unknown experiment config keys {unknown}; accepted keys: {sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.name in ("name", "task") and f.name not in raw)
+        if missing:
+            raise ValueError(f"experiment config: {missing[0]} is required (accepted keys: {sorted(known)})")
         values = dict(raw)
         for key in ("arms", "seeds"):
-            if key in values and isinstance(values[key], list):
+            if key in values:
+                _check(isinstance(values[key], list), key, "a JSON list", values[key])
                 values[key] = tuple(values[key])
         if "policy" in values:
-            values["policy"] = Policy(**values["policy"])
+            policy = values["policy"]
+            _check(isinstance(policy, dict), "policy", "a JSON object of Policy fields", policy)
+            accepted = sorted(f.name for f in fields(Policy))
+            unknown = sorted(set(policy) - set(accepted), key=str)
+            if unknown:
+                raise ValueError(f"experiment config: unknown policy keys {unknown}; accepted keys: {accepted}")
+            values["policy"] = Policy(**policy)
         return cls(**values)
 
     def with_overrides(self, **overrides) -> "ExperimentConfig":
@@ -171,14 +224,18 @@ class ExperimentConfig:
     def run_hash(self, arm: str, seed: int) -> str:
         """Identifies one run: everything that changes what it computes, plus arm and seed.
 
-        The experiment's name, arm list, seed list, target and policy only change the
-        report, so a finished run is reused when they change.
+        The experiment's name, arm list, seed list, target, quality tolerance and redundancy
+        budget only change the report, so a finished run is reused when they change. The
+        staleness limit is recorded in the run (its summary's ``unverified_reason``), so
+        it is part of the hash when it is not the default.
         """
         d = self.to_dict()
         for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour"):
             d.pop(key)
         if d["link"] == "loopback":
             d.pop("link")  # runs from before links existed keep their hash
+        if self.policy.staleness_limit != DEFAULT_STALENESS_LIMIT:
+            d["staleness_limit"] = self.policy.staleness_limit  # default: runs keep their earlier hash
         d.update(arm=arm, seed=seed)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
