@@ -15,9 +15,15 @@ redone), so the ledger, the tolerance check and the plots read it unchanged. The
 size is the number of processes started. Fault injection and restarts need torchrun's
 agent, so they are off here. ``setup`` in the ledger starts when this process starts
 (the launcher's own start-up is not counted).
+
+Like ``sparsecomm compare``, rank 0 locks the run directory for the run's duration
+(another process training it stops this job: every rank exits 1 with the reason), skips
+a run finished with the same config hash, resumes from the run's latest checkpoint, and
+records a failing rank's own error in ``error-rank<r>.json``.
 """
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -64,20 +70,41 @@ def main(argv: list[str] | None = None) -> int:
                              "compare, not under an external launcher; set link to 'loopback'")
     except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
         parser.error(str(error))
-    from sparsecomm.experiment.runner import finished_ok, run_directory, write_snapshot
+    from sparsecomm.experiment import runner
     from sparsecomm.experiment.worker import run_rank
 
-    out_dir = run_directory(config, args.out, args.arm, args.seed)
-    if finished_ok(out_dir):
+    out_dir = runner.run_directory(config, args.out, args.arm, args.seed)
+    expected = config.run_hash(args.arm, args.seed)
+    if runner.finished_ok(out_dir, expected):
         if info.rank == 0:
             print(f"{args.arm} seed {args.seed}: finished earlier, skipped ({out_dir})")
         return 0
-    if info.rank == 0:
-        write_snapshot(config, args.out)
-        print(f"sparsecomm run: {args.arm} seed {args.seed}, {info.world_size} ranks ({info.launcher}) -> {out_dir}",
-              flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_rank(config, args.arm, args.seed, out_dir, started, announce=True)  # exits the process when done
+    lock = runner.RunLock(out_dir)
+
+    def claim() -> tuple[int, str] | None:
+        """Rank 0, once every rank has joined: the run directory is ours for the run, or why not."""
+        if not runner.hold_experiment(config, args.out, wait=False):
+            return 1, (f"sparsecomm run: error: another process is running experiment {config.name} with a different "
+                       f"configuration in {args.out / config.name}; wait for it to finish")
+        if not lock.acquire():
+            return 1, (f"sparsecomm run: error: another process (pid {lock.holder()}) is running {args.arm} seed "
+                       f"{args.seed} in {out_dir}")
+        if runner.finished_ok(out_dir, expected):  # finished while we were starting
+            return 0, f"{args.arm} seed {args.seed}: finished by another process meanwhile, skipped ({out_dir})"
+        summary = runner._read_summary(out_dir)
+        if summary is not None:  # not this run's, or not finished: kept beside the new one
+            reason = "foreign" if summary.get("status") == "ok" else "failed"
+            os.replace(out_dir / "summary.json", out_dir / f"{reason}-{runner._stamp()}.json")
+        resume, notes = runner.prepare_run_directory(out_dir, expected)
+        runner.write_snapshot(config, args.out)
+        for note in notes:
+            print(f"{args.arm} seed {args.seed}: {note}")
+        print(f"sparsecomm run: {args.arm} seed {args.seed}, {info.world_size} ranks ({info.launcher}) -> {out_dir}"
+              + (f" (resuming from step {resume})" if resume else ""), flush=True)
+        return None
+
+    run_rank(config, args.arm, args.seed, out_dir, started, announce=True, claim=claim)  # exits the process when done
     return 0
 
 

@@ -1,27 +1,72 @@
 """Run every (arm, seed) of an experiment as its own multi-rank job, skipping finished ones.
 
 Each run is launched with ``torchrun --standalone`` (``python -m torch.distributed.run``)
-as ``world_size`` local gloo ranks, in its own process group so a hung run can be killed
-whole. With an emulated link (``config.link``, e.g. "1gbit") the experiment first builds
-one network namespace per rank (:mod:`sparsecomm.links.netns`), starts each rank in its
-own, and tears the network down when the experiment ends, however it ends. A run that fails (an exception, a
-collective timeout) is recorded with status "failed" and its error: it is counted in
-every report, never dropped. Re-running the same experiment skips runs whose
-``summary.json`` exists with status "ok" for the same (arm, seed, config hash).
+as ``world_size`` local gloo ranks. With an emulated link (``config.link``, e.g. "1gbit")
+the experiment first builds one network namespace per rank (:mod:`sparsecomm.links.netns`),
+starts each rank in its own, and tears the network down when the experiment ends, however
+it ends. A run that fails (an exception, a collective timeout) is recorded with status
+"failed" and the first failing rank's own error: it is counted in every report, never
+dropped. Re-running the same experiment skips runs whose ``summary.json`` exists with
+status "ok" and the run's config hash.
+
+Killing a run. torchrun starts its ranks in sessions of their own, so no process group or
+session covers a run. Every process of a launch carries ``SPARSECOMM_LAUNCH=<fresh id>``
+in its environment (inherited by everything it starts: torchrun copies its environment
+into the ranks, ``ip netns exec`` keeps it), and killing a run means SIGKILL to every
+process whose ``/proc/<pid>/environ`` holds that id, repeated until none is left: it finds
+ranks however they were started and whoever their parent is now (an orphaned rank is
+re-parented, its environment stays), and a process started while we kill is found in the
+next pass. If the runner itself dies without cleaning up (SIGKILL), a death signal
+(``PR_SET_PDEATHSIG``) takes down torchrun (or the ranks it started directly), and each
+rank arms the same signal against its own parent; a lock holder that finds processes
+still marked with its run directory kills them before it launches.
+
+Results. A rank writes ``result.json``; the runner promotes it to ``summary.json`` only
+when every process of the launch exited with 0 and the result carries this launch's id.
+A killed run (interrupted, stalled, failed) is recorded by the runner, atomically, after
+its processes are gone, and nothing of that launch can overwrite it afterwards.
+
+Interruptions. SIGINT (Ctrl-C) and SIGTERM during :func:`run_experiment` kill the current
+run's processes, record it with status "interrupted" and raise :class:`ExperimentInterrupted`
+with a report of what was stopped and what was kept. A run with checkpoints resumes from
+its latest one when re-run; its ``steps.jsonl`` is kept up to that step.
+
+Concurrency. A run directory is locked (``flock`` on ``run.lock``) while a process trains
+it; a second command skips a locked run, trains the others, and then waits for the
+locked ones (it trains one itself only if the other process did not finish it). The
+kernel drops the lock of a process that dies, SIGKILL included. Two commands with
+different configs under one experiment directory would overwrite each other's
+``experiment.json`` (the listing every report reads), so a command waits while another
+process holds that directory for another config (until that process exits).
 """
+import fcntl
+import hashlib
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
 from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.worker import result_line, write_json_atomically
+from sparsecomm.experiment.worker import (
+    LAUNCH_ENV,
+    RESULT_FILE,
+    RUN_DIR_ENV,
+    STEPS_FILE,
+    read_steps,
+    result_line,
+    rows_up_to,
+    write_json_atomically,
+)
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
@@ -85,10 +130,21 @@ def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
     return experiment_dir
 
 
+
+
+RUN_CONFIG = "run-config.json"
+"""In the run directory: the config the run's ranks read (never the shared experiment.json,
+which another command may rewrite while this one trains)."""
+RUN_LOCK = "run.lock"
+"""In the run directory: flock'ed by the process that trains the run; holds its pid."""
+KILL_TIMEOUT_S = 30.0
+
+
 def _worker_arguments(experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
+    """The worker's arguments; it reads its config from the run directory's RUN_CONFIG."""
     return [
         "-m", "sparsecomm.experiment.worker",
-        "--experiment-json", str(experiment_dir / "experiment.json"),
+        "--experiment-json", str(out_dir / RUN_CONFIG),
         "--arm", arm, "--seed", str(seed), "--out", str(out_dir),
         "--launch-time", repr(time.time()),
     ]
@@ -130,37 +186,463 @@ def _stalled_for(steps_path: Path, launched: float) -> float:
     return time.time() - max(last, launched)
 
 
-def _kill(processes: list[subprocess.Popen]) -> None:
-    for proc in processes:
-        if proc.poll() is None:
+# ----- the processes of a launch ------------------------------------------------------------
+
+
+def marked_processes(name: str, value: str) -> list[int]:
+    """Pids of the processes (other than this one) whose environment holds ``name=value``.
+
+    Read from ``/proc/<pid>/environ`` (the environment the process was started with);
+    processes of other users and processes that exit while we look are skipped. Empty where
+    there is no /proc.
+    """
+    entry = f"{name}={value}".encode()
+    me = os.getpid()
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if entry in environ.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+def kill_marked(name: str, value: str, children: list[subprocess.Popen] = (),
+                timeout: float = KILL_TIMEOUT_S) -> list[int]:
+    """SIGKILL every process marked ``name=value`` and every one of ``children`` (our own,
+    each in its own session: its whole group), again and again until none is left; reaps
+    ``children``. Returns the pids still alive after ``timeout`` (normally none)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        marked = marked_processes(name, value)
+        for pid in marked:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
-        proc.wait()
+        for proc in children:
+            if proc.poll() is None:  # not reaped yet: its pid (and group id) is still its own
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        alive = [proc.pid for proc in children if proc.poll() is None]
+        if not marked and not alive:
+            return []
+        if time.monotonic() > deadline:
+            return sorted(set(marked) | set(alive))
+        time.sleep(0.02)
+
+
+def _death_signal_preexec():
+    """A preexec_fn that makes the child get SIGKILL when this process dies (Linux
+    PR_SET_PDEATHSIG; survives exec). None where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # we died between fork and prctl
+            os._exit(1)
+
+    return arm
+
+
+# ----- signals ------------------------------------------------------------------------------
+
+
+class _Interrupt(BaseException):
+    """Raised (once) by the SIGINT/SIGTERM handler of run_experiment; not an Exception, so
+    no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def _signal_name(stop: BaseException) -> str:
+    return stop.signal_name if isinstance(stop, _Interrupt) else "SIGINT"
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise _Interrupt once, and never inside a deferred() section
+    (killing and recording a run); a signal that arrives there is raised by check()."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.raised = False
+        self._depth = 0
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread receives signals (and may set handlers)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+        self.check()
+
+    def check(self) -> None:
+        if self.received is not None and not self.raised and self._depth == 0:
+            self.raised = True
+            raise _Interrupt(self.received)
+
+    @contextmanager
+    def deferred(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+
+# ----- locks --------------------------------------------------------------------------------
+
+
+class RunLock:
+    """An exclusive ``flock`` on the run directory's ``run.lock``, held while a process trains
+    the run. The kernel releases it when the holder dies (SIGKILL included): never stale."""
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / RUN_LOCK
+        self.fd: int | None = None
+
+    def acquire(self, blocking: bool = False) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return True
+
+    def holder(self) -> str:
+        """The pid the holder wrote (best effort: "?" when unknown)."""
+        try:
+            return self.path.read_text().strip() or "?"
+        except OSError:
+            return "?"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@contextmanager
+def _flocked(path: Path, operation: int):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, operation)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+_HELD_EXPERIMENTS: dict[str, tuple[str, int]] = {}  # experiment dir -> (config id, fd with LOCK_SH)
+
+
+def _config_id(config: ExperimentConfig) -> str:
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _busy_with_other_config(locks: Path, mine: str) -> Path | None:
+    """A config lock of another config that some process holds (stale ones are removed)."""
+    for path in sorted(locks.glob("config-*.lock")):
+        if path.name == f"config-{mine}.lock":
+            continue
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return path
+        else:
+            path.unlink(missing_ok=True)  # its holder is gone
+        finally:
+            os.close(fd)
+    return None
+
+
+def hold_experiment(config: ExperimentConfig, root: Path, progress=print, *, wait: bool = True) -> bool:
+    """Claim ``root/<name>`` for this config (shared with processes running the same config)
+    until this process exits or claims it for another config; while another process holds
+    it for another config, wait (or return False with ``wait=False``). Two configs under one
+    name would otherwise rewrite each other's experiment.json, which every report reads."""
+    experiment_dir = Path(root) / config.name
+    locks = experiment_dir / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    key, mine = str(experiment_dir.resolve()), _config_id(config)
+    held = _HELD_EXPERIMENTS.get(key)
+    if held is not None and held[0] == mine:
+        return True
+    if held is not None:  # this process moves on to another config of the experiment
+        os.close(held[1])
+        del _HELD_EXPERIMENTS[key]
+    announced = False
+    while True:
+        with _flocked(locks / "gate", fcntl.LOCK_EX):
+            other = _busy_with_other_config(locks, mine)
+            if other is None:
+                fd = os.open(locks / f"config-{mine}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                _HELD_EXPERIMENTS[key] = (mine, fd)
+                return True
+        if not wait:
+            return False
+        if not announced:
+            progress(f"experiment {config.name}: another process is running it with a different configuration "
+                     f"in {experiment_dir} (it would overwrite this one's experiment.json); waiting until it ends")
+            announced = True
+        try:
+            with _flocked(other, fcntl.LOCK_EX):  # granted when that process has exited
+                pass
+        except FileNotFoundError:
+            pass
+
+
+# ----- the run directory --------------------------------------------------------------------
+
+
+def _stamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+
+
+def _read_summary(out_dir: Path) -> dict | None:
+    """summary.json as a dict; None when there is none, {"status": "unreadable"} when broken."""
+    path = out_dir / "summary.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"status": "unreadable"}
+    return raw if isinstance(raw, dict) else {"status": "unreadable"}
+
+
+def finished_ok(out_dir: Path, config_hash: str | None = None) -> bool:
+    """Whether the run directory holds a finished, successful run of ``config_hash`` (it is
+    then skipped); by default the hash its name ends with (``<arm>-seed<s>-<hash>``)."""
+    out_dir = Path(out_dir)
+    expected = config_hash if config_hash is not None else out_dir.name.rsplit("-", 1)[-1]
+    summary = _read_summary(out_dir)
+    return summary is not None and summary.get("status") == "ok" and summary.get("config_hash") == expected
+
+
+def _set_aside(out_dir: Path, reason: str, names) -> Path:
+    """Move ``names`` (those that exist) of the run directory into ``<reason>-<stamp>/``."""
+    aside = out_dir / f"{reason}-{_stamp()}"
+    aside.mkdir()
+    for name in names:
+        if (out_dir / name).exists():
+            os.replace(out_dir / name, aside / name)
+    return aside
+
+
+RUN_FILES = ("summary.json", STEPS_FILE, "checkpoints", "fault.json", "launch.log")
+
+
+def resume_point(out_dir: Path, config_hash: str) -> tuple[int | None, str | None]:
+    """(step, None): a re-run resumes from the checkpoint at ``step`` (the latest committed
+    one, of this config, with every step up to it in steps.jsonl); (None, None): nothing
+    to resume; (None, problem): checkpoints that cannot be resumed from, and why."""
+    root = out_dir / "checkpoints"
+    steps = committed_steps(root)
+    if not steps:
+        return None, None
+    latest = steps[-1]
+    try:
+        saved_for = json.loads((step_directory(root, latest) / MANIFEST).read_text()).get("config_hash")
+    except (OSError, ValueError, AttributeError):
+        return None, f"its checkpoint at step {latest} has an unreadable manifest"
+    if saved_for != config_hash:
+        return None, f"its checkpoints belong to another configuration (hash {saved_for}, not {config_hash})"
+    try:
+        rows = read_steps(out_dir)
+    except ValueError as error:
+        return None, f"its {STEPS_FILE} is damaged ({error})"
+    if rows_up_to(rows, latest) is None:
+        return None, f"its {STEPS_FILE} does not hold every step up to its checkpoint at step {latest}"
+    return latest, None
+
+
+def prepare_run_directory(out_dir: Path, config_hash: str) -> tuple[int | None, list[str]]:
+    """Before a launch (lock held): remove what a launch leaves for the runner (result,
+    rank errors), and decide where the run starts. With a checkpoint to resume from,
+    steps.jsonl is kept (the ranks cut it back to the checkpoint's step); otherwise it is
+    removed, and checkpoints that cannot be resumed from are set aside (moved, not
+    deleted). Returns (the step it resumes from or None, notes for the progress line)."""
+    for stale in [out_dir / RESULT_FILE, *out_dir.glob("error-rank*.json")]:
+        stale.unlink(missing_ok=True)
+    notes = []
+    step, problem = resume_point(out_dir, config_hash)
+    if step is None and (out_dir / "checkpoints").exists():
+        aside = _set_aside(out_dir, "discarded", ["checkpoints", STEPS_FILE, "fault.json"])
+        notes.append(f"{problem or 'its checkpoints directory holds no committed checkpoint'}: set aside in "
+                     f"{aside.name}/, starting over")
+    if step is None:
+        (out_dir / STEPS_FILE).unlink(missing_ok=True)
+    return step, notes
+
+
+def _mend_steps(out_dir: Path) -> None:
+    """After a kill: a torn last line of steps.jsonl is dropped (a whole unterminated one
+    gets its newline), so every reader can parse the file."""
+    path = out_dir / STEPS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    if not data or data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[cut:])
+        mended = data + b"\n"
+    except ValueError:
+        mended = data[:cut]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.mend.tmp")
+    tmp.write_bytes(mended)
+    os.replace(tmp, path)
+
+
+def _last_step(out_dir: Path) -> int:
+    try:
+        rows = read_steps(out_dir)
+    except ValueError:
+        return 0
+    return max((r["step"] for r in rows if r.get("kind") == "train" and isinstance(r.get("step"), int)), default=0)
+
+
+def first_rank_error(out_dir: Path, launch_id: str | None = None) -> dict | None:
+    """The first error a rank of this launch recorded (error-rank<r>.json): of its last
+    torchrun attempt, the earliest. None when no rank recorded one."""
+    errors = []
+    for path in out_dir.glob("error-rank*.json"):
+        try:
+            error = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(error, dict) and (launch_id is None or error.get("launch_id") == launch_id):
+            errors.append(error)
+    if not errors:
+        return None
+    last = max(e.get("restart", 0) for e in errors)
+    return min((e for e in errors if e.get("restart", 0) == last), key=lambda e: e.get("wall_time", float("inf")))
+
+
+def _tail(path: Path, num_lines: int = 6) -> str:
+    """The last lines of a log that explain a failure (error lines first)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return " | ".join((errors or lines)[-num_lines:])[:2000]
+
+
+def _record(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch_id: str, *, exit_code,
+            error: str | None, stop: str | None, survivors: list[int]) -> dict:
+    """The run's summary once its processes are gone: the ranks' result, promoted, when every
+    process of the launch had exited with 0 by itself (before any kill; a signal that came
+    after that does not undo a finished run); otherwise a "failed" or "interrupted" record.
+    Written atomically."""
+    expected = config.run_hash(arm, seed)
+    summary_path, result_path = out_dir / "summary.json", out_dir / RESULT_FILE
+    if error is None and exit_code == 0 and not survivors:
+        try:
+            result = json.loads(result_path.read_text())
+        except (OSError, ValueError):
+            result = None
+        if (isinstance(result, dict) and result.get("status") == "ok" and result.get("launch_id") == launch_id
+                and result.get("config_hash") == expected):
+            os.replace(result_path, summary_path)
+            return result
+        if stop is None:
+            error = f"every process exited with 0, but no result of this launch was written ({RESULT_FILE})"
+    result_path.unlink(missing_ok=True)  # a result of a killed launch is never promoted
+    _mend_steps(out_dir)
+    tail = _tail(out_dir / "launch.log")
+    rank_error = first_rank_error(out_dir, launch_id)
+    last_step = _last_step(out_dir)
+    if stop is not None:
+        error = f"interrupted by {stop} after step {last_step}: its processes were killed"
+    elif error is None and rank_error is not None:
+        error = f"rank {rank_error.get('rank')}: {rank_error.get('type')}: {rank_error.get('message')}"[:4000]
+    elif error is None:
+        error = f"exit code {exit_code}: {tail}"
+    if survivors:
+        error += f" (processes {survivors} were still alive {KILL_TIMEOUT_S:g} s after SIGKILL)"
+    summary = {"arm": arm, "seed": seed, "status": "interrupted" if stop is not None else "failed",
+               "config_hash": expected, "error": error, "evals": [], "exit_code": exit_code,
+               "launch_log_tail": f"exit code {exit_code}: {tail}", "last_step": last_step,
+               "resume_from_step": resume_point(out_dir, expected)[0]}
+    if stop is not None:
+        summary["interrupted"] = stop
+    if rank_error is not None:
+        summary["rank_error"] = {k: rank_error.get(k) for k in ("rank", "type", "message", "frames", "restart")}
+    write_json_atomically(summary_path, summary)
+    return summary
 
 
 def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path,
-            network: EmulatedNetwork | None = None) -> dict:
+            network: EmulatedNetwork | None = None, signals: _Signals | None = None) -> dict:
     """Run one arm x seed; returns its summary (a "failed" one on error or stall).
 
-    A run that writes no step for ``stall_timeout_s`` is killed (every process group)
-    and recorded as failed: gloo's own timeout does not cover every hang (a Future that
-    never completes inside DDP waits forever). When one of several rank processes fails,
-    the others are killed at once rather than left to time out. Whatever ends this call
-    (Ctrl-C included) kills the run's processes first.
+    A run that writes no step for ``stall_timeout_s`` is killed (every process of the
+    launch) and recorded as failed: gloo's own timeout does not cover every hang (a Future
+    that never completes inside DDP waits forever). When one of several rank processes
+    fails, the others are killed at once rather than left to time out. Whatever ends this
+    call (SIGINT/SIGTERM included: recorded as "interrupted", then _Interrupt is raised)
+    kills the run's processes first and records the run.
     """
-    log_path = out_dir / "launch.log"
-    steps_path = out_dir / "steps.jsonl"
-    steps_path.unlink(missing_ok=True)
+    signals = signals if signals is not None else _Signals()
+    write_json_atomically(out_dir / RUN_CONFIG, {"config": config.to_dict(), "arm": arm, "seed": seed,
+                                                 "config_hash": config.run_hash(arm, seed)})
+    launch_id = f"{os.getpid()}-{secrets.token_hex(8)}"
+    marks = {LAUNCH_ENV: launch_id, RUN_DIR_ENV: str(out_dir.resolve())}
+    steps_path = out_dir / STEPS_FILE
     launched = time.time()
     processes: list[subprocess.Popen] = []
-    error, exit_code = None, None
-    with open(log_path, "w") as log:
+    error, exit_code, stop = None, None, None
+    log = open(out_dir / "launch.log", "w")
+    try:
         try:
             for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
+                env = {**(os.environ if env is None else env), **marks}
                 processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
+                                                  start_new_session=True, preexec_fn=_death_signal_preexec()))
             while True:
                 # Done when one rank failed (the others are killed below) or all succeeded.
                 codes = [proc.poll() for proc in processes]
@@ -171,59 +653,167 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
                     error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
                     break
                 time.sleep(0.2)
-        finally:
-            _kill(processes)
-    summary_path = out_dir / "summary.json"
-    if error is None and exit_code == 0 and summary_path.exists():
-        return json.loads(summary_path.read_text())
-    if error is None:
-        error = f"exit code {exit_code}: " + _tail(log_path)
-    summary = {"arm": arm, "seed": seed, "status": "failed", "config_hash": config.run_hash(arm, seed),
-               "error": error, "evals": []}
-    write_json_atomically(summary_path, summary)
+        except (_Interrupt, KeyboardInterrupt) as caught:
+            stop = _signal_name(caught)
+        except Exception as caught:  # noqa: BLE001 - e.g. the launcher cannot be started: recorded
+            error = f"launch failed: {type(caught).__name__}: {caught}"
+    finally:
+        summary = None
+        while summary is None:  # a signal before deferred() took effect: kill and record again
+            try:
+                with signals.deferred():
+                    survivors = kill_marked(LAUNCH_ENV, launch_id, processes)
+                    log.close()
+                    summary = _record(config, arm, seed, out_dir, launch_id, exit_code=exit_code, error=error,
+                                      stop=stop, survivors=survivors)
+            except _Interrupt as caught:
+                stop = caught.signal_name
+    if stop is not None:
+        raise _Interrupt(stop)
+    signals.check()  # a signal that came while the run was being recorded
     return summary
 
 
-def _tail(path: Path, num_lines: int = 6) -> str:
-    """The last lines of a log that explain a failure (error lines first)."""
-    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return " | ".join((errors or lines)[-num_lines:])[:2000]
+def _kill_leftovers(out_dir: Path) -> int:
+    """Processes of an earlier launch of this run directory still alive (their runner was
+    SIGKILLed and the death signal missed them): killed. We hold the run's lock, so no
+    live runner owns them. Returns how many there were."""
+    marked = marked_processes(RUN_DIR_ENV, str(out_dir.resolve()))
+    if marked:
+        kill_marked(RUN_DIR_ENV, str(out_dir.resolve()))
+    return len(marked)
+
+
+# ----- the experiment -----------------------------------------------------------------------
+
+
+class _State:
+    current: tuple[str, int, Path] | None = None  # the run being prepared or trained
 
 
 def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> Path:
-    """Run what is missing; returns the experiment directory ``root/<name>``."""
-    experiment_dir = write_snapshot(config, root)
+    """Run what is missing; returns the experiment directory ``root/<name>``.
+
+    SIGINT or SIGTERM: the current run's processes are killed, the run is recorded as
+    "interrupted", and :class:`ExperimentInterrupted` is raised with a report.
+    """
     jobs = [(arm, seed) for seed in config.seeds for arm in config.arms]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with maybe_emulated(parse_link(config.link), config.world_size) as network:
-        _run_jobs(config, root, experiment_dir, jobs, network, progress)
+    signals, state = _Signals(), _State()
+    signals.install()
+    try:
+        hold_experiment(config, root, progress)
+        experiment_dir = write_snapshot(config, root)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        with maybe_emulated(parse_link(config.link), config.world_size) as network:
+            signals.install()  # the network put its own SIGTERM handler (SystemExit) in place: ours again
+            _run_jobs(config, root, experiment_dir, jobs, network, progress, signals, state)
+    except (_Interrupt, KeyboardInterrupt) as stop:
+        name = _signal_name(stop)
+        raise ExperimentInterrupted(interrupt_report(config, root, jobs, state, name), name) from None
+    finally:
+        signals.restore()
     return experiment_dir
 
 
-def finished_ok(out_dir: Path) -> bool:
-    """Whether the run directory holds a finished, successful run (it is then skipped)."""
-    summary_path = out_dir / "summary.json"
-    return summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "ok"
-
-
-def _run_jobs(config, root, experiment_dir, jobs, network, progress) -> None:
+def _run_jobs(config, root, experiment_dir, jobs, network, progress, signals=None, state=None) -> None:
+    """Every job once; a job another process is running is skipped, then waited for at the end."""
+    signals = signals if signals is not None else _Signals()
+    state = state if state is not None else _State()
+    busy = []
     for number, (arm, seed) in enumerate(jobs, start=1):
-        out_dir = run_directory(config, root, arm, seed)
-        label = f"[{number}/{len(jobs)}] {arm} seed {seed}"
-        summary_path = out_dir / "summary.json"
-        if finished_ok(out_dir):
-            progress(f"{label}: finished earlier, skipped ({out_dir.name})")
-            continue
-        if summary_path.exists():
-            # A failed attempt is retried; its record is kept beside the new one.
-            summary_path.rename(out_dir / f"failed-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}.json")
-        out_dir.mkdir(parents=True, exist_ok=True)
+        if not _run_job(config, root, experiment_dir, number, len(jobs), arm, seed, network, progress, signals,
+                        state, wait=False):
+            busy.append((number, arm, seed))
+    for number, arm, seed in busy:
+        _run_job(config, root, experiment_dir, number, len(jobs), arm, seed, network, progress, signals, state,
+                 wait=True)
+
+
+def _run_job(config, root, experiment_dir, number, total, arm, seed, network, progress, signals, state, *,
+             wait: bool) -> bool:
+    """Run one job unless it is finished; False when another process holds it (and not ``wait``)."""
+    out_dir = run_directory(config, root, arm, seed)
+    expected = config.run_hash(arm, seed)
+    label = f"[{number}/{total}] {arm} seed {seed}"
+    if not wait and finished_ok(out_dir, expected):
+        progress(f"{label}: finished earlier, skipped ({out_dir.name})")
+        return True
+    state.current = (arm, seed, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out_dir)
+    waited = False
+    if not lock.acquire():
+        if not wait:
+            progress(f"{label}: another process (pid {lock.holder()}) is running it; skipped for now, "
+                     "back to it at the end")
+            state.current = None
+            return False
+        progress(f"{label}: waiting for another process (pid {lock.holder()}), which is running it")
+        lock.acquire(blocking=True)
+        waited = True
+    try:
+        leftovers = _kill_leftovers(out_dir)
+        if leftovers:
+            progress(f"{label}: killed {leftovers} leftover process(es) of an earlier launch")
+        summary = _read_summary(out_dir)
+        if summary is not None and summary.get("status") == "ok":
+            if summary.get("config_hash") == expected:
+                progress(f"{label}: finished {'by another process' if waited else 'earlier'}, skipped ({out_dir.name})")
+                state.current = None
+                return True
+            aside = _set_aside(out_dir, "foreign", RUN_FILES)
+            progress(f"{label}: its summary.json records config hash {summary.get('config_hash')}, not this run's "
+                     f"{expected} (another configuration): not finished; set aside in {aside.name}/, running it")
+        elif summary is not None:
+            # A failed or interrupted attempt is retried; its record is kept beside the new one.
+            status = str(summary.get("status", "failed"))
+            prefix = status if status in ("failed", "interrupted", "unreadable") else "failed"
+            os.replace(out_dir / "summary.json", out_dir / f"{prefix}-{_stamp()}.json")
+        resume, notes = prepare_run_directory(out_dir, expected)
+        for note in notes:
+            progress(f"{label}: {note}")
+        if resume is not None:
+            progress(f"{label}: resuming from its checkpoint at step {resume}")
         started = time.perf_counter()
-        summary = _launch(config, experiment_dir, arm, seed, out_dir, network)
+        summary = _launch(config, experiment_dir, arm, seed, out_dir, network, signals)
         took = time.perf_counter() - started
         if summary["status"] == "ok":
             progress(f"{label}: {result_line(summary)}, {took:.0f} s")
         else:
             progress(f"{label}: FAILED after {took:.0f} s: {summary['error'][:300]}")
         sys.stdout.flush()
+        state.current = None
+        return True
+    finally:
+        lock.release()
+
+
+def interrupt_report(config: ExperimentConfig, root: Path, jobs, state: _State, signal_name: str) -> str:
+    """What an interruption stopped and what it kept, read back from the run directories."""
+    lines = [f"stopped by {signal_name}: experiment {config.name} in {Path(root) / config.name}"]
+    finished, failed, not_done = [], [], []
+    for arm, seed in jobs:
+        out_dir = run_directory(config, root, arm, seed)
+        label = f"{arm} seed {seed}"
+        summary = _read_summary(out_dir) or {}
+        if state.current is not None and state.current[:2] == (arm, seed) and summary.get("status") == "interrupted":
+            lines.append(f"interrupted: {label} after step {summary.get('last_step')}; its processes were killed and "
+                         f"it is recorded as interrupted ({out_dir})")
+            resume = summary.get("resume_from_step")
+            lines.append(f"  it has a verified checkpoint at step {resume}: a re-run resumes it from there"
+                         if resume else "  it has no checkpoint to resume from: a re-run starts it over")
+        elif finished_ok(out_dir, config.run_hash(arm, seed)):
+            finished.append(label)
+        elif summary.get("status") not in (None, "ok"):
+            failed.append(f"{label} ({summary.get('status')})")
+        else:
+            not_done.append(label)
+    if len(lines) == 1:
+        lines.append("no run was training: none was interrupted")
+    lines.append(f"kept: {len(finished)} finished run(s)" + (f": {', '.join(finished)}" if finished else ""))
+    if failed:
+        lines.append(f"failed earlier: {', '.join(failed)}")
+    if not_done:
+        lines.append(f"not run: {', '.join(not_done)}")
+    lines.append("re-run the same command to continue (finished runs are skipped)")
+    return "\n".join(lines)

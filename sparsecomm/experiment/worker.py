@@ -5,13 +5,25 @@ before the model is built) and sees the same global batches (sample ids drawn fr
 stream seeded by (seed, step)); rank r trains on slice r of each global batch, so ranks
 see different data. Rank 0 writes ``steps.jsonl`` as it goes and ``summary.json`` at the
 end (see :mod:`sparsecomm.results` for the format).
+
+Started by the runner (``python -m sparsecomm.experiment.worker``), a rank writes its
+summary to ``result.json`` instead, which the runner promotes to ``summary.json`` only when
+every process of the launch exited cleanly: a run the runner killed (interrupted, stalled)
+can never turn "ok" afterwards. A rank that raises writes ``error-rank<r>.json`` (type,
+message, last frames) before it exits, so the runner records the rank's own error rather
+than the launcher's. Each row of ``steps.jsonl`` is one ``write`` of a whole line after
+its step completed; a reader drops a torn last line (:func:`read_steps`), and a resume
+cuts the file back to the checkpoint's step (atomically).
 """
 import argparse
+import ctypes
 import json
 import os
+import signal
 import sys
 import statistics
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,8 +37,84 @@ from sparsecomm.dist import discover, init_distributed
 from sparsecomm.experiment.config import ExperimentConfig
 from sparsecomm.hooks import TopKState, dgc_optimizer
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
-from sparsecomm.results import load_steps
 from sparsecomm.tasks import get_task
+
+RESULT_FILE = "result.json"
+"""Where a rank started by the runner writes its summary; the runner promotes it to summary.json."""
+LAUNCH_ENV = "SPARSECOMM_LAUNCH"
+"""Set by the runner on every process of one launch (a fresh id per launch): the processes
+it kills, and the id a result or rank error carries (a stale file from another launch is ignored)."""
+RUN_DIR_ENV = "SPARSECOMM_RUN_DIR"
+"""Set by the runner on every process of a launch: the run directory (its leftovers can be found)."""
+STEPS_FILE = "steps.jsonl"
+
+
+def rank_error_path(out_dir: Path, rank: int) -> Path:
+    return out_dir / f"error-rank{rank}.json"
+
+
+def read_steps(out_dir: Path) -> list[dict]:
+    """The rows of ``steps.jsonl`` (none if it is missing); a torn last line (a crash in the
+    middle of a write: no newline, not JSON) is dropped. A malformed line elsewhere raises
+    ValueError naming it."""
+    path = out_dir / STEPS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # after the last newline: torn
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line") from None
+        if not isinstance(row, dict) or "kind" not in row:
+            raise ValueError(f"{path}:{number}: not a steps row")
+        rows.append(row)
+    return rows
+
+
+def write_steps_atomically(out_dir: Path, rows: list[dict]) -> None:
+    """Replace ``steps.jsonl`` with ``rows`` (temporary file, fsync, rename)."""
+    path = out_dir / STEPS_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class StepLog:
+    """Rank 0's ``steps.jsonl``: each row is one ``write(2)`` of the whole line, issued after
+    its step completed (no buffer holds half a line), so a killed writer leaves whole lines;
+    a short write (a full disk) or a crash of the machine can leave a torn last line, which
+    readers drop (:func:`read_steps`)."""
+
+    def __init__(self, out_dir: Path, append: bool):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        self.fd = os.open(out_dir / STEPS_FILE, flags, 0o644)
+
+    def write(self, row: dict) -> None:
+        data = (json.dumps(row) + "\n").encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 # Large odd multiplier so that (seed, step) pairs never share a sample stream.
 _STEP_STREAM = 0x9E3779B97F4A7C15
@@ -59,9 +147,17 @@ def _probe(task, config: ExperimentConfig):
     return probe
 
 
+def rows_up_to(rows: list[dict], step: int) -> list[dict] | None:
+    """The rows of steps ``<= step``, if they are complete (one train row for each of the
+    steps 1..step, in order); None when some are missing or repeated."""
+    kept = [r for r in rows if isinstance(r.get("step"), int) and r["step"] <= step]
+    train_steps = [r["step"] for r in kept if r["kind"] == "train"]
+    return kept if train_steps == list(range(1, step + 1)) else None
+
+
 def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> tuple[int, dict, list, list]:
-    """Restore the latest checkpoint if there is one (a restart); returns
-    (step, ledger counters, train rows, evals) as they were at that step."""
+    """Restore the latest checkpoint if there is one (a restart, a re-run, a rollback);
+    returns (step, ledger counters, train rows, evals) as they were at that step."""
     if checkpoints.latest_step() is None:
         return 0, {}, [], []
     loaded = checkpoints.load()
@@ -71,8 +167,12 @@ def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> 
     rows, evals = [], []
     if rank == 0 and out_dir is not None:
         # Keep what was logged up to the checkpoint; the steps after it are recomputed.
-        kept = [r for r in load_steps(out_dir) if r["step"] <= loaded.step]
-        (out_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        kept = rows_up_to(read_steps(out_dir), loaded.step)
+        if kept is None:
+            raise RuntimeError(f"{out_dir / STEPS_FILE} does not hold every step up to the checkpoint at step "
+                               f"{loaded.step}: resuming would leave a gap in the record (the runner sets such "
+                               "checkpoints aside and starts over)")
+        write_steps_atomically(out_dir, kept)
         rows = [r for r in kept if r["kind"] == "train"]
         evals = [[r["step"], r["elapsed_seconds"], r["val_loss"]] for r in kept if r["kind"] == "eval"]
     return loaded.step, counters, rows, evals
@@ -113,13 +213,18 @@ def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path 
         time.sleep(10 * config.collective_timeout_s)  # the other ranks time out and fail
 
 
-def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | None, launch_wall_time: float) -> dict:
+def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | None, launch_wall_time: float, *,
+              summary_name: str = "summary.json") -> dict:
     """Train one run on an initialised process group; returns the summary (all ranks).
 
     With ``checkpoint_every`` a verified checkpoint is saved every N steps under
     ``out_dir/checkpoints``; a restarted run (torchrun ``--max-restarts``) resumes from
     the latest one and records the recovery time (fault -> first completed step after
-    the restore) and the recomputed steps.
+    the restore) and the recomputed steps. A new launch of a run that has checkpoints (a
+    re-run after an interruption) resumes from the latest one too; its wall clock then
+    continues from the checkpoint's (the time between the launches and the new start-up
+    are not the run's), and it is not counted as a recovery. Rank 0 writes the summary to
+    ``out_dir/summary_name``.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     task = get_task(config.task)
@@ -148,7 +253,24 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             # A peer hook whose state we cannot checkpoint (PowerSGD's memories are keyed
             # by bucket index) restarts its error feedback from nothing: say so.
             counters["residual_reset"] = True
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # A resume in another launch than the one that saved the checkpoint (not a torchrun
+    # restart, not a rollback): a re-run of an interrupted run.
+    new_launch = bool(start_step) and (counters["launch_wall_time"] != launch_wall_time
+                                       if "launch_wall_time" in counters else restart == 0)
+    if new_launch:
+        resumed_elapsed = counters.get("saved_elapsed")
+        if resumed_elapsed is None:  # a checkpoint from before saved_elapsed was recorded
+            resumed_elapsed = rows[-1]["elapsed_seconds"] if rows else 0.0
+        counters.setdefault("setup_seconds", time.time() - launch_wall_time)
+        # The kept rows end at the checkpoint; the clock goes on from there, so the record
+        # reads like an uninterrupted run's (the interruption is not the arm's cost).
+        counters["first_touch_wall"] = time.time() - resumed_elapsed
+        counters["resumed_from"] = [*counters.get("resumed_from", []), start_step]
+        counters.pop("detected_step", None)
+    counters["launch_wall_time"] = launch_wall_time
     counters.setdefault("first_touch_wall", time.time())
+    counters.setdefault("setup_seconds", counters["first_touch_wall"] - launch_wall_time)
     counters.setdefault("checkpoint_seconds", 0.0)
     counters.setdefault("num_checkpoints", 0)
     counters.setdefault("rollbacks", 0)
@@ -160,13 +282,14 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         arm_hook.state.add_observer(staleness)
 
     def open_log():
-        return open(out_dir / "steps.jsonl", "a" if rows or evals else "w") if rank == 0 and out_dir is not None else None
+        return StepLog(out_dir, append=bool(rows or evals)) if rank == 0 and out_dir is not None else None
 
     def elapsed() -> float:  # wall clock across restarts: lost time counts
         return time.time() - first_touch_wall
 
     writer = open_log()
-    step, recovering = start_step, bool(start_step)
+    # Recovery is measured after a fault (a torchrun restart), not after a re-run.
+    step, recovering = start_step, bool(start_step) and not new_launch
     try:
         while step < config.steps:
             step += 1
@@ -232,6 +355,9 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             if checkpoints is not None and step % config.checkpoint_every == 0:
                 save_started = time.perf_counter()
                 counters["num_checkpoints"] += 1
+                counters["saved_elapsed"] = elapsed()
+                if writer is not None:
+                    writer.sync()  # the rows up to this step reach the disk before the checkpoint
                 checkpoints.save(step, data_position={"step": step}, ledger=counters)
                 counters["checkpoint_seconds"] += time.perf_counter() - save_started
             _inject_fault(config, rank, step, out_dir, meter, model)
@@ -249,7 +375,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "status": "ok",
         "config_hash": config.run_hash(arm, seed),
         "hook": arm_hook.description,
-        "setup_seconds": first_touch_wall - launch_wall_time,
+        "setup_seconds": counters["setup_seconds"],
         "median_step_seconds": median("step_seconds"),
         "median_compute_seconds": median("compute_seconds"),
         "median_compress_seconds": median("compress_seconds"),
@@ -265,6 +391,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "residual_reset": counters.get("residual_reset", False),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "rollbacks": counters["rollbacks"],
+        "resumed_from_steps": counters.get("resumed_from", []),
         "last_corruption": counters.get("last_corruption"),
         "staleness": staleness.report() if staleness is not None else None,
         "unverified_reason": staleness.report().get("unverified_reason") if staleness is not None else None,
@@ -274,15 +401,16 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "torch_version": torch.__version__,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
+    if os.environ.get(LAUNCH_ENV):
+        summary["launch_id"] = os.environ[LAUNCH_ENV]
     if rank == 0 and out_dir is not None:
-        write_json_atomically(out_dir / "summary.json", summary)
+        write_json_atomically(out_dir / summary_name, summary)
     return summary
 
 
 def _write(writer, row: dict) -> None:
     if writer is not None:
-        writer.write(json.dumps(row) + "\n")
-        writer.flush()
+        writer.write(row)
 
 
 def result_line(summary: dict) -> str:
@@ -291,10 +419,14 @@ def result_line(summary: dict) -> str:
 
 
 def write_json_atomically(path: Path, payload: dict) -> None:
-    """Write to a temporary file and rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
+    """Write to a temporary file and rename: a reader never sees half a file. The temporary
+    name is this writer's own, so two processes writing the same file never mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 INIT_TRIES = 3
@@ -334,21 +466,85 @@ def _init_process_group(config: ExperimentConfig) -> None:
             time.sleep(1.0)
 
 
+def _this_rank() -> int | None:
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return discover().rank
+    except ValueError:
+        return None
+
+
+def write_rank_error(out_dir: Path | None, error: BaseException, frames: int = 8) -> Path | None:
+    """``error-rank<r>.json`` in the run directory: this rank's exception (type, message, the
+    last frames of its traceback), when it happened, and the launch it belongs to. Never
+    raises (the original error is what matters)."""
+    try:
+        rank = _this_rank()
+        if out_dir is None or rank is None:
+            return None
+        kind = type(error)
+        name = (kind.__qualname__ if kind.__module__ in ("builtins", "__main__")
+                else f"{kind.__module__}.{kind.__qualname__}")
+        stack = traceback.extract_tb(error.__traceback__)[-frames:]
+        path = rank_error_path(out_dir, rank)
+        write_json_atomically(path, {
+            "rank": rank,
+            "type": name,
+            "message": str(error)[:4000],
+            "frames": [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in stack],
+            "traceback": "".join(traceback.format_exception(error))[-8000:],
+            "wall_time": time.time(),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "launch_id": os.environ.get(LAUNCH_ENV),
+            "pid": os.getpid(),
+        })
+        return path
+    except Exception:  # noqa: BLE001 - reporting must not replace the error being reported
+        return None
+
+
 def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch_wall_time: float, *,
-             announce: bool = False) -> None:
+             announce: bool = False, summary_name: str = "summary.json", claim=None) -> None:
     """This process's part of one run: join the group, train, leave; never returns (see below).
 
     ``announce``: rank 0 prints the run's final validation loss and step time.
+    ``summary_name``: the file rank 0 writes the summary to (the runner's workers write
+    ``result.json``, which the runner promotes). ``claim``: called on rank 0 once every
+    rank has joined; an ``(exit_code, message)`` it returns stops every rank with that
+    exit code, rank 0 printing the message (``sparsecomm run`` claims the run directory's
+    lock this way); None lets the run go on. A rank that raises
+    records its error in ``error-rank<r>.json`` (:func:`write_rank_error`) and exits 1.
     """
     torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun arranges
-    _init_process_group(config)
     try:
-        summary = train_run(config, arm, seed, out_dir, launch_wall_time)
+        _init_process_group(config)
+        refusal = [None]
+        if claim is not None:  # every rank of a launch passes one, or none does
+            refusal = [claim() if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            code, message = refusal[0]
+            if dist.get_rank() == 0:
+                print(message, file=sys.stderr if code else sys.stdout)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        summary = train_run(config, arm, seed, out_dir, launch_wall_time, summary_name=summary_name)
         dist.barrier()  # no rank leaves while another still has a collective in flight
         if announce and dist.get_rank() == 0:
             print(f"{arm} seed {seed}: {result_line(summary)} -> {out_dir}")
-    finally:
         dist.destroy_process_group()
+    except BaseException as error:
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            raise
+        # Recorded first, with the group still up: a peer's error caused by this one (its
+        # connection closes when this process exits) comes later. No teardown (see below).
+        write_rank_error(out_dir, error)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     # Skip interpreter teardown: gloo/DDP threads destroyed there occasionally abort the
     # process ("terminate called without an active exception", SIGABRT) after all work is
     # done and the summary is written, which a launcher would report as a failed run.
@@ -357,17 +553,48 @@ def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launc
     os._exit(0)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (however it
+    dies, SIGKILL included), so a killed runner or torchrun agent never leaves ranks
+    training on. Exits at once if the parent is already gone. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank started by the runner: ``python -m sparsecomm.experiment.worker``."""
     parser = argparse.ArgumentParser(prog="python -m sparsecomm.experiment.worker")
-    parser.add_argument("--experiment-json", required=True, type=Path, help="experiment.json of the run directory")
+    parser.add_argument("--experiment-json", required=True, type=Path,
+                        help="the run's config: run-config.json in the run directory (or an experiment.json)")
     parser.add_argument("--arm", required=True)
     parser.add_argument("--seed", required=True, type=int)
     parser.add_argument("--out", required=True, type=Path, help="this run's directory")
     parser.add_argument("--launch-time", required=True, type=float, help="wall clock (time.time()) at launch")
     args = parser.parse_args(argv)
-    config = ExperimentConfig.from_dict(json.loads(args.experiment_json.read_text())["config"])
-    run_rank(config, args.arm, args.seed, args.out, args.launch_time)
+    die_with_parent()
+    try:
+        raw = json.loads(args.experiment_json.read_text())
+        config = ExperimentConfig.from_dict(raw["config"])
+        expected = raw.get("config_hash")
+        if expected is not None and config.run_hash(args.arm, args.seed) != expected:
+            raise ValueError(f"{args.experiment_json}: its config hashes to {config.run_hash(args.arm, args.seed)} "
+                             f"for {args.arm} seed {args.seed}, not to the run's {expected}")
+    except Exception as error:
+        write_rank_error(args.out, error)
+        raise
+    run_rank(config, args.arm, args.seed, args.out, args.launch_time, summary_name=RESULT_FILE)
     return 0
 
 

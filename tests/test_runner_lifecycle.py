@@ -1,0 +1,568 @@
+"""The runner's life cycle with real processes: Ctrl-C / SIGTERM / a stall / a SIGKILLed
+runner stop every process of a run (torchrun's ranks run in sessions of their own) and no
+stopped run is ever recorded "ok"; an interrupted run with checkpoints resumes bit for bit
+with a complete steps.jsonl; two commands on one --out never mix (config hash, run lock,
+different --steps); a failing rank's own exception is what the summary records.
+
+Every test that starts processes has a hard deadline and a finaliser that SIGKILLs any
+process still mentioning the test's directory, so a failure never leaves one behind.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sparsecomm.experiment import runner
+from sparsecomm.experiment.named import digits_quick
+from sparsecomm.results import load_runs, load_steps
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parent.parent
+LONG = 100_000  # steps: a run that is still training whenever it is stopped (~5 min at full speed)
+
+
+# ----- processes ------------------------------------------------------------------------------
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process but this one whose command line or environment
+    contains ``text`` (independent of the runner's own bookkeeping)."""
+    needle, found = text.encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in cmdline or needle in environ:
+            found.append((int(entry), cmdline.replace(b"\0", b" ").decode(errors="replace")[:300]))
+    return found
+
+
+def survivors_after(text: str, grace: float) -> list[tuple[int, str]]:
+    """Processes mentioning ``text`` still there after up to ``grace`` seconds."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = processes_mentioning(text)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """At the end (pass or fail), SIGKILL whatever still mentions tmp_path."""
+    yield tmp_path
+    for _ in range(50):
+        found = processes_mentioning(str(tmp_path))
+        if not found:
+            return
+        for pid, _ in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def _start(argv, *, env=None) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Its output once it exits; past the deadline its group is killed and the test fails."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"still running after {timeout} s; killed. Output:\n{output[-4000:]}")
+    return output
+
+
+def _wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"exited with {proc.returncode} before {what}:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.005)
+    pytest.fail(f"no {what} within {timeout} s")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """steps.jsonl's rows, read here (not by the code under test); an unfinished last line is left out."""
+    try:
+        text = (run_dir / "steps.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def _train_rows(run_dir: Path) -> int:
+    return sum(r["kind"] == "train" for r in _rows(run_dir))
+
+
+def _latest_checkpoint(run_dir: Path) -> int:
+    """The step of the latest committed checkpoint (manifest written), 0 if none."""
+    steps = [int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step-*/manifest.json")]
+    return max(steps, default=0)
+
+
+# A driver: run_experiment on a config read from a file, ExperimentInterrupted -> a JSON line.
+DRIVER = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from sparsecomm.experiment.config import ExperimentConfig
+    from sparsecomm.experiment.runner import ExperimentInterrupted, run_experiment
+    config = ExperimentConfig.from_dict(json.loads(Path(sys.argv[1]).read_text()))
+    try:
+        run_experiment(config, Path(sys.argv[2]), progress=lambda line: print(line, flush=True))
+    except ExperimentInterrupted as stop:
+        print("INTERRUPTED " + json.dumps({"signal": stop.signal_name, "report": stop.report}), flush=True)
+        sys.exit({"SIGINT": 130, "SIGTERM": 143}[stop.signal_name])
+""")
+
+
+def _driver(config, root: Path) -> subprocess.Popen:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root.parent / f"{config.name}-config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return _start([sys.executable, "-c", DRIVER, str(path), str(root)])
+
+
+def _interruption(output: str) -> dict:
+    line = next((line for line in output.splitlines() if line.startswith("INTERRUPTED ")), None)
+    assert line is not None, output[-4000:]
+    return json.loads(line[len("INTERRUPTED "):])
+
+
+# ----- item 1: Ctrl-C, SIGTERM, a stall ------------------------------------------------------
+
+
+def _check_interrupted(run_dir: Path, sig: str, output: str, label: str, kept: str) -> dict:
+    """The run's record and the report after ``sig`` stopped the command that trained it."""
+    stop = _interruption(output)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert stop["signal"] == sig and summary["status"] == "interrupted" and summary["interrupted"] == sig
+    assert summary["error"].startswith(f"interrupted by {sig} after step ") and summary["config_hash"] in run_dir.name
+    resume = summary["resume_from_step"]
+    assert resume == _latest_checkpoint(run_dir) and resume % 50 == 0 and 50 <= resume <= summary["last_step"]
+    report = stop["report"]
+    assert f"interrupted: {label} after step {summary['last_step']}" in report, report
+    assert f"verified checkpoint at step {resume}: a re-run resumes it from there" in report, report
+    assert kept in report, report
+    assert not (run_dir / "result.json").exists()
+    time.sleep(1.0)  # nothing of that launch is left to turn the record into "ok"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    return summary
+
+
+def test_sigterm_kills_every_process_of_the_run_and_records_it_interrupted(sweep):
+    """SIGTERM (to the command alone, as `timeout` sends it) while a run trains: every
+    torchrun rank dies, the run is recorded "interrupted" (counted as not ok) and stays so,
+    and run_experiment raises ExperimentInterrupted with a report naming the run and its
+    checkpoint. (Ctrl-C: the resume test below, and the compare test.)"""
+    sig = "SIGTERM"
+    root = sweep / "runs"
+    config = digits_quick().with_overrides(name="stop", arms=("dense", "topk-ef"), seeds=(0,), steps=LONG,
+                                           eval_every=50, checkpoint_every=50)
+    run_dir = runner.run_directory(config, root, "dense", 0)
+    proc = _driver(config, root)
+    _wait_for(lambda: _latest_checkpoint(run_dir) >= 50, 120, "checkpoint at step 50", proc)
+    _wait_for(lambda: len(processes_mentioning(str(run_dir))) >= 3, 10, "torchrun and two ranks", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    output = _finish(proc, 60)
+    assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
+    assert survivors_after(str(sweep), 2.0) == []
+    summary = _check_interrupted(run_dir, sig, output, "dense seed 0",
+                                 "kept: 0 finished run(s)\nnot run: topk-ef seed 0")
+    assert summary["last_step"] < LONG
+    (run,) = load_runs(root / "stop")
+    assert run.status == "interrupted" and not run.finished
+
+
+def test_ctrl_c_to_sparsecomm_compare_ends_with_a_report_and_leaves_nothing(sweep):
+    """End to end: the real command, Ctrl-C to its process group while a run trains."""
+    root = sweep / "runs"
+    proc = _start([sys.executable, "-m", "sparsecomm", "compare", "--experiment", "digits-quick", "--arms", "dense",
+                   "topk-ef", "--seeds", "0", "--steps", str(LONG), "--out", str(root), "--plots",
+                   str(sweep / "plots")])
+    _wait_for(lambda: any(_train_rows(p.parent) >= 20 for p in root.glob("digits-quick/runs/*/steps.jsonl")), 120,
+              "20 training steps", proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = _finish(proc, 60)
+    assert survivors_after(str(sweep), 2.0) == []
+    from sparsecomm.experiment import compare
+
+    if hasattr(compare, "stop_on_interrupt"):  # the command prints the report and exits 130
+        assert proc.returncode == 130 and "Traceback" not in output, output[-4000:]
+        assert "stopped by SIGINT" in output and "interrupted: dense seed 0 after step" in output, output[-4000:]
+        assert "it has no checkpoint to resume from: a re-run starts it over" in output, output[-4000:]
+    else:
+        assert proc.returncode != 0, output[-4000:]
+    (run,) = [r for r in load_runs(root / "digits-quick") if r.arm == "dense"]
+    assert run.status == "interrupted" and "interrupted by SIGINT" in run.error
+
+
+def _emulation_unavailable() -> str | None:
+    from sparsecomm.links import parse_link
+    from sparsecomm.links.netns import LinkEmulationError, check_emulation_possible
+
+    try:
+        check_emulation_possible(parse_link("100mbit"))
+        for verb in ("add", "del"):
+            subprocess.run(["ip", "netns", verb, "sparsecomm-probe-lifecycle"], check=True, capture_output=True,
+                           timeout=30)
+    except LinkEmulationError as error:
+        return str(error)
+    except subprocess.CalledProcessError as error:
+        return f"cannot create network namespaces here: {error.stderr.decode().strip()}"
+    return None
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    from sparsecomm.links import netns
+
+    return [n for n in netns.namespaces() if n.startswith(f"{netns.NAMESPACE_PREFIX}{pid}-")]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or _emulation_unavailable() is not None,
+                    reason="link emulation unavailable (needs root, ip, tc, network namespaces)")
+def test_ctrl_c_kills_the_ranks_of_an_emulated_link_and_removes_its_namespaces(sweep):
+    """Over an emulated link the runner starts each rank itself (ip netns exec, no torchrun):
+    Ctrl-C kills both and the network goes."""
+    root = sweep / "runs"
+    config = digits_quick().with_overrides(name="link", arms=("dense",), seeds=(0,), steps=LONG, eval_every=1000,
+                                           link="100mbit")
+    run_dir = runner.run_directory(config, root, "dense", 0)
+    proc = _driver(config, root)
+    _wait_for(lambda: _train_rows(run_dir) >= 10, 120, "10 training steps", proc)
+    assert len(_namespaces_of(proc.pid)) == 3 and len(processes_mentioning(str(run_dir))) >= 2
+    os.killpg(proc.pid, signal.SIGINT)
+    output = _finish(proc, 60)
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert survivors_after(str(sweep), 2.0) == [] and _namespaces_of(proc.pid) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["resume_from_step"] is None
+    assert "it has no checkpoint to resume from: a re-run starts it over" in _interruption(output)["report"]
+
+
+def _fake_tree(monkeypatch, child_code: str):
+    """Stands in for torchrun: a launcher that starts one 'rank' in a session of its own (as
+    torchrun does) and sleeps; the rank runs ``child_code`` with OUT set to the run directory."""
+
+    def command(config, experiment_dir, arm, seed, out_dir):
+        child = f"OUT = {str(out_dir)!r}\n" + textwrap.dedent(child_code)
+        launcher = ("import subprocess, sys, time\n"
+                    f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"
+                    "time.sleep(120)\n")
+        return [sys.executable, "-c", launcher]
+
+    monkeypatch.setattr(runner, "_torchrun_command", command)
+
+
+def test_a_stalled_run_is_killed_whole_and_never_turns_ok(sweep, monkeypatch):
+    """The watchdog kills a run that makes no progress: the launcher and the rank in its own
+    session. Today's rank survived and later wrote an "ok" summary over the "stalled" one."""
+    config = digits_quick().with_overrides(name="stall", arms=("dense",), seeds=(0,), stall_timeout_s=1.5)
+    expected = config.run_hash("dense", 0)
+    _fake_tree(monkeypatch, f"""
+        import json, os, time
+        time.sleep(4)  # hung past the stall timeout, then 'finishes'
+        for name in ("summary.json", "result.json"):
+            with open(os.path.join(OUT, name), "w") as f:
+                json.dump({{"arm": "dense", "seed": 0, "status": "ok", "config_hash": {expected!r},
+                           "launch_id": os.environ.get("SPARSECOMM_LAUNCH"), "evals": [[1, 0.1, 0.5]]}}, f)
+    """)
+    started = time.monotonic()
+    run_dir = runner.run_experiment(config, sweep, progress=lambda line: None)
+    assert time.monotonic() - started < 30
+    out_dir = runner.run_directory(config, sweep, "dense", 0)
+    assert survivors_after(str(out_dir), 1.0) == []
+    time.sleep(4.0)  # past the moment the hung rank would have written its summary
+    (run,) = load_runs(run_dir)
+    assert run.status == "failed" and run.error.startswith("stalled: no step completed for 1.5 s")
+    assert not (out_dir / "result.json").exists()
+
+
+# ----- item 2 and G2: resume after an interruption ------------------------------------------
+
+RESUME = digits_quick().with_overrides(name="resume", arms=("topk-ef", "dense"), seeds=(0,), steps=400,
+                                       eval_every=50, checkpoint_every=50)
+
+
+def _finished_dense(root: Path) -> None:
+    """A finished dense run in place (only the top-k run matters here; dense is skipped)."""
+    out_dir = runner.run_directory(RESUME, root, "dense", 0)
+    out_dir.mkdir(parents=True)
+    (out_dir / "summary.json").write_text(json.dumps({
+        "arm": "dense", "seed": 0, "status": "ok", "config_hash": RESUME.run_hash("dense", 0),
+        "evals": [[400, 1.0, 0.1]], "median_step_seconds": 0.002}))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    _finished_dense(root)
+    experiment_dir = runner.run_experiment(RESUME, root, progress=lambda line: None)
+    run = {r.arm: r for r in load_runs(experiment_dir)}["topk-ef"]
+    assert run.status == "ok", run.error
+    return run
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, uninterrupted, how):
+    """Stop the top-k run after its step-100 checkpoint: by Ctrl-C to the command's process
+    group (as a terminal sends it: every rank dies, the run is recorded "interrupted", the
+    report names its checkpoint), or by SIGKILL to the runner alone (nothing of it can
+    clean up: the ranks must die with it, and steps.jsonl must still parse; a torn last
+    line is added to be sure it is dropped). The re-run resumes from the latest checkpoint;
+    steps.jsonl then holds exactly the rows up to that step followed by the recomputed
+    ones, and every loss equals the uninterrupted run's."""
+    root = sweep / "runs"
+    reference = uninterrupted
+    run_dir = runner.run_directory(RESUME, root, "topk-ef", 0)
+    _finished_dense(root)
+    proc = _driver(RESUME, root)
+    _wait_for(lambda: _latest_checkpoint(run_dir) >= 100, 120, "checkpoint at step 100", proc)
+    if how == "SIGINT":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
+    output = _finish(proc, 60)
+    assert survivors_after(str(sweep), 5.0) == [], output[-3000:]
+    if how == "SIGINT":
+        assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+        summary = _check_interrupted(run_dir, "SIGINT", output, "topk-ef seed 0",
+                                     "kept: 1 finished run(s): dense seed 0")
+        assert summary["resume_from_step"] >= 100 and "not run:" not in _interruption(output)["report"]
+    else:
+        assert proc.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
+    # G2: whatever the kill left parses, holds every step up to the last one, no more.
+    assert (run_dir / "steps.jsonl").read_bytes().endswith(b"\n")
+    rows = _rows(run_dir)
+    train = [r["step"] for r in rows if r["kind"] == "train"]
+    assert train == list(range(1, len(train) + 1)) and 100 <= len(train) < RESUME.steps, train[-3:]
+    resume = _latest_checkpoint(run_dir)
+    kept = [r for r in rows if r["step"] <= resume]
+    with open(run_dir / "steps.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 99999, "train_lo')  # a torn write
+    lines = []
+    experiment_dir = runner.run_experiment(RESUME, root, progress=lines.append)
+    assert f"[1/2] topk-ef seed 0: resuming from its checkpoint at step {resume}" in lines, lines
+    assert "[2/2] dense seed 0: finished earlier, skipped" in " ".join(lines), lines
+    run = {r.arm: r for r in load_runs(experiment_dir)}["topk-ef"]
+    assert run.status == "ok", run.error
+    assert run.extra["resumed_from_steps"] == [resume] and run.extra["restarts"] == 0
+    rows = load_steps(run.path)
+    assert rows[: len(kept)] == kept  # the record up to the checkpoint is kept as it was
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, RESUME.steps + 1))
+    assert [r["train_loss"] for r in rows if r["kind"] == "train"] == \
+        [r["train_loss"] for r in load_steps(reference.path) if r["kind"] == "train"]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [e.step for e in reference.evals]
+    assert run.final_val_loss == reference.final_val_loss
+    assert [e.val_loss for e in run.evals] == [e.val_loss for e in reference.evals]
+    # the clock goes on from the checkpoint: the time between the launches is not the run's
+    assert run.extra["total_seconds"] < 3 * reference.extra["total_seconds"] + 5
+
+
+def test_steps_log_drops_a_torn_last_line_and_a_resume_point_needs_every_step(tmp_path):
+    from sparsecomm.experiment.worker import read_steps, rows_up_to
+
+    rows = [{"kind": "train", "step": s, "train_loss": 1.0 / s} for s in range(1, 31)]
+    rows.insert(20, {"kind": "eval", "step": 20, "val_loss": 0.5, "elapsed_seconds": 1.0})
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "steps.jsonl").write_text(text + '{"kind": "train", "st')
+    assert read_steps(tmp_path) == rows
+    assert rows_up_to(rows, 20) == rows[:21] and rows_up_to(rows, 31) is None
+    assert rows_up_to([r for r in rows if r["step"] != 7], 20) is None  # a gap
+    assert rows_up_to(rows[:5] + rows[4:], 20) is None  # a repeated step
+    runner._mend_steps(tmp_path)
+    assert (tmp_path / "steps.jsonl").read_text() == text
+    (tmp_path / "steps.jsonl").write_text(text + '{"kind": "nonsense"\n' + text)
+    with pytest.raises(ValueError, match="steps.jsonl:32: not a JSON line"):
+        read_steps(tmp_path)  # damage in the middle is not a torn write
+
+
+def test_checkpoints_without_the_steps_before_them_are_set_aside_not_resumed(tmp_path, monkeypatch):
+    """A run directory whose steps.jsonl was lost (what today's runner did at every launch)
+    cannot be resumed without a gap: its checkpoints are moved aside, the run starts over."""
+    config = digits_quick().with_overrides(arms=("dense",), seeds=(0,), checkpoint_every=10)
+    out_dir = runner.run_directory(config, tmp_path, "dense", 0)
+    step_dir = out_dir / "checkpoints" / "step-00000020"
+    step_dir.mkdir(parents=True)
+    (step_dir / "manifest.json").write_text(json.dumps({"config_hash": config.run_hash("dense", 0), "step": 20}))
+    (out_dir / "steps.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in (1, 2)))
+    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(1)"])
+    lines = []
+    runner.run_experiment(config, tmp_path, progress=lines.append)
+    assert any("does not hold every step up to its checkpoint at step 20: set aside in discarded-" in line
+               for line in lines), lines
+    (aside,) = out_dir.glob("discarded-*")
+    assert (aside / "checkpoints" / "step-00000020" / "manifest.json").exists() and (aside / "steps.jsonl").exists()
+    assert not (out_dir / "checkpoints").exists()
+
+
+# ----- item 3: two commands on one --out ------------------------------------------------------
+
+
+def test_a_summary_of_another_config_is_not_finished_and_is_kept_aside(tmp_path, monkeypatch):
+    config = digits_quick().with_overrides(arms=("dense",), seeds=(0,), steps=20)
+    out_dir = runner.run_directory(config, tmp_path, "dense", 0)
+    out_dir.mkdir(parents=True)
+    foreign = {"arm": "dense", "seed": 0, "status": "ok", "config_hash": "0123456789ab", "evals": [[40, 1.0, 0.3]]}
+    (out_dir / "summary.json").write_text(json.dumps(foreign))
+    assert not runner.finished_ok(out_dir) and not runner.finished_ok(out_dir, config.run_hash("dense", 0))
+    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(2)"])
+    lines = []
+    runner.run_experiment(config, tmp_path, progress=lines.append)
+    assert any("records config hash 0123456789ab, not this run's" in line and "set aside in foreign-" in line
+               for line in lines), lines
+    (aside,) = out_dir.glob("foreign-*")
+    assert json.loads((aside / "summary.json").read_text()) == foreign
+    assert json.loads((out_dir / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_run_another_process_holds_is_skipped_then_waited_for_and_its_lock_dies_with_it(sweep, monkeypatch):
+    """A process holds the run's lock, finishes the run and is SIGKILLed (its lock goes with
+    it: never stale). This command skips the run, comes back to it, waits, and finds it
+    finished by the other process: it never launches it."""
+    config = digits_quick().with_overrides(arms=("dense",), seeds=(0,), steps=20)
+    out_dir = runner.run_directory(config, sweep, "dense", 0)
+    out_dir.mkdir(parents=True)
+    summary = {"arm": "dense", "seed": 0, "status": "ok", "config_hash": config.run_hash("dense", 0),
+               "evals": [[20, 1.0, 0.3]], "median_step_seconds": 0.001}
+    holder = _start([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, json, os, time
+        fd = os.open({str(out_dir / "run.lock")!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, str(os.getpid()).encode())
+        print("locked", flush=True)
+        time.sleep(2)
+        with open({str(out_dir / "summary.json")!r}, "w") as f:
+            json.dump({summary!r}, f)
+        print("finished", flush=True)
+        time.sleep(120)
+    """)])
+    assert holder.stdout.readline().strip() == "locked"
+
+    def kill_holder_when_finished():
+        assert holder.stdout.readline().strip() == "finished"
+        holder.kill()
+
+    import threading
+
+    killer = threading.Thread(target=kill_holder_when_finished, daemon=True)
+    killer.start()
+    monkeypatch.setattr(runner, "_torchrun_command",
+                        lambda *args: [sys.executable, "-c", "import sys; sys.exit('launched')"])
+    lines = []
+    runner.run_experiment(config, sweep, progress=lines.append)
+    killer.join(10)
+    _finish(holder, 10)
+    assert lines == [
+        f"[1/1] dense seed 0: another process (pid {holder.pid}) is running it; skipped for now, back to it at the end",
+        f"[1/1] dense seed 0: waiting for another process (pid {holder.pid}), which is running it",
+        f"[1/1] dense seed 0: finished by another process, skipped ({out_dir.name})",
+    ]
+    assert not (out_dir / "launch.log").exists()
+
+
+def _compare(root: Path, plots: Path, *extra: str) -> subprocess.Popen:
+    return _start([sys.executable, "-m", "sparsecomm", "compare", "--experiment", "digits-quick", "--arms", "dense",
+                   "topk-ef", "--seeds", "0", "--out", str(root), "--plots", str(plots), *extra])
+
+
+def test_two_identical_compare_commands_at_once_train_each_run_once(sweep):
+    root = sweep / "runs"
+    first = _compare(root, sweep / "plots1", "--steps", "30")
+    second = _compare(root, sweep / "plots2", "--steps", "30")
+    outputs = [_finish(first, 200), _finish(second, 200)]
+    assert [first.returncode, second.returncode] == [0, 0], outputs
+    both = "\n".join(outputs)
+    for arm in ("dense", "topk-ef"):
+        trained = [line for line in both.splitlines() if f"] {arm} seed 0: final val loss" in line]
+        skipped = [line for line in both.splitlines() if f"] {arm} seed 0: finished" in line and "skipped" in line]
+        assert len(trained) == 1 and len(skipped) == 1, both
+    runs = load_runs(root / "digits-quick")
+    assert [(r.arm, r.status) for r in runs] == [("dense", "ok"), ("topk-ef", "ok")]
+    for out in outputs:
+        assert "policy: quality tolerance 0.05" in out  # both printed the full report
+
+
+def test_two_commands_with_different_steps_never_mix(sweep):
+    """20 and 40 steps of one experiment into one --out at once (two processes, each
+    run_experiment, the second started once the first wrote experiment.json): every run
+    directory holds the run its name's hash says, and the second waits for the first
+    (they would rewrite each other's experiment.json). Today the 20-step runs read the
+    40-step command's experiment.json and wrote 40-step results under 20-step names."""
+    root = sweep / "runs"
+    configs = [digits_quick().with_overrides(name="mix", arms=("dense",), seeds=seeds, steps=steps)
+               for steps, seeds in ((20, (0, 1)), (40, (0,)))]
+    short = _driver(configs[0], root)
+    _wait_for(lambda: (root / "mix" / "experiment.json").exists(), 60, "the first experiment.json", short)
+    (root.parent / "mix-config.json").unlink()
+    long = _driver(configs[1], root)
+    outputs = [_finish(short, 200), _finish(long, 200)]
+    assert [short.returncode, long.returncode] == [0, 0], outputs
+    for config in configs:
+        for seed in config.seeds:
+            out_dir = runner.run_directory(config, root, "dense", seed)
+            summary = json.loads((out_dir / "summary.json").read_text())
+            assert summary["status"] == "ok" and summary["config_hash"] == config.run_hash("dense", seed), out_dir
+            assert [r["step"] for r in load_steps(out_dir) if r["kind"] == "train"] == list(range(1, config.steps + 1))
+            assert summary["evals"][-1][0] == config.steps
+    assert "with a different configuration" in outputs[1] and "waiting until it ends" in outputs[1], outputs[1]
+    assert json.loads((root / "mix" / "experiment.json").read_text())["config"]["steps"] == 40
+
+
+# ----- item 4: the failing rank's own error ---------------------------------------------------
+
+
+def test_a_rank_that_raises_is_recorded_with_its_own_exception(tmp_path, monkeypatch):
+    """Rank 1 raises inside its third optimizer step (injected through sitecustomize, only in
+    rank 1's process): the summary names rank 1, the exception type and its message,
+    not torchrun's ChildFailedError; the launch log's tail is kept beside it."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("RANK") == "1" and os.environ.get("SPARSECOMM_TEST_FAILING_RANK") == "1":
+            import torch
+            calls = []
+            step = torch.optim.SGD.step
+            def failing_step(self, *args, **kwargs):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise ZeroDivisionError("rank 1 cannot step: injected by the test")
+                return step(self, *args, **kwargs)
+            torch.optim.SGD.step = failing_step
+    """))
+    monkeypatch.setenv("SPARSECOMM_TEST_FAILING_RANK", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p))
+    config = digits_quick().with_overrides(arms=("dense",), seeds=(0,), steps=20)
+    (run,) = load_runs(runner.run_experiment(config, tmp_path / "runs", progress=lambda line: None))
+    assert run.status == "failed"
+    assert run.error == "rank 1: ZeroDivisionError: rank 1 cannot step: injected by the test", run.error
+    assert "ChildFailedError" not in run.error
+    rank_error = run.extra["rank_error"]
+    assert rank_error["rank"] == 1 and rank_error["type"] == "ZeroDivisionError"
+    assert any("in failing_step" in frame for frame in rank_error["frames"])
+    assert any("worker.py" in frame and "in train_run" in frame for frame in rank_error["frames"])
+    assert run.extra["launch_log_tail"].startswith("exit code 1: ")
+    assert processes_mentioning(str(tmp_path)) == []
