@@ -382,7 +382,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, unint
 
 
 def test_steps_log_drops_a_torn_last_line_and_a_resume_point_needs_every_step(tmp_path):
-    from sparsecomm.experiment.worker import read_steps, rows_up_to
+    from sparsecomm.experiment.steps_log import read_steps, rows_up_to
 
     rows = [{"kind": "train", "step": s, "train_loss": 1.0 / s} for s in range(1, 31)]
     rows.insert(20, {"kind": "eval", "step": 20, "val_loss": 0.5, "elapsed_seconds": 1.0})
@@ -395,7 +395,7 @@ def test_steps_log_drops_a_torn_last_line_and_a_resume_point_needs_every_step(tm
     runner._mend_steps(tmp_path)
     assert (tmp_path / "steps.jsonl").read_text() == text
     (tmp_path / "steps.jsonl").write_text(text + '{"kind": "nonsense"\n' + text)
-    with pytest.raises(ValueError, match="steps.jsonl:32: not a JSON line"):
+    with pytest.raises(ValueError, match="steps.jsonl:32: not a steps.jsonl line"):
         read_steps(tmp_path)  # damage in the middle is not a torn write
 
 

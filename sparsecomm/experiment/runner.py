@@ -9,17 +9,8 @@ it ends. A run that fails (an exception, a collective timeout) is recorded with 
 dropped. Re-running the same experiment skips runs whose ``summary.json`` exists with
 status "ok" and the run's config hash.
 
-Killing a run. torchrun starts its ranks in sessions of their own, so no process group or
-session covers a run. Every process of a launch carries ``SPARSECOMM_LAUNCH=<fresh id>``
-in its environment (inherited by everything it starts: torchrun copies its environment
-into the ranks, ``ip netns exec`` keeps it), and killing a run means SIGKILL to every
-process whose ``/proc/<pid>/environ`` holds that id, repeated until none is left: it finds
-ranks however they were started and whoever their parent is now (an orphaned rank is
-re-parented, its environment stays), and a process started while we kill is found in the
-next pass. If the runner itself dies without cleaning up (SIGKILL), a death signal
-(``PR_SET_PDEATHSIG``) takes down torchrun (or the ranks it started directly), and each
-rank arms the same signal against its own parent; a lock holder that finds processes
-still marked with its run directory kills them before it launches.
+Killing a run: every process of a launch is marked and killed by its mark
+(:mod:`sparsecomm.experiment.process_tree`).
 
 Results. A rank writes ``result.json``; the runner promotes it to ``summary.json`` only
 when every process of the launch exited with 0 and the result carries this launch's id.
@@ -31,42 +22,36 @@ run's processes, record it with status "interrupted" and raise :class:`Experimen
 with a report of what was stopped and what was kept. A run with checkpoints resumes from
 its latest one when re-run; its ``steps.jsonl`` is kept up to that step.
 
-Concurrency. A run directory is locked (``flock`` on ``run.lock``) while a process trains
-it; a second command skips a locked run, trains the others, and then waits for the
-locked ones (it trains one itself only if the other process did not finish it). The
-kernel drops the lock of a process that dies, SIGKILL included. Two commands with
-different configs under one experiment directory would overwrite each other's
-``experiment.json`` (the listing every report reads), so a command waits while another
-process holds that directory for another config (until that process exits).
+Concurrency: a run directory is locked while a process trains it, and an experiment
+directory while a process runs it with one config (:mod:`sparsecomm.experiment.run_locks`).
 """
-import fcntl
-import hashlib
 import json
 import os
 import platform
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
 from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.worker import (
+from sparsecomm.experiment.files import write_json_atomically
+from sparsecomm.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
+from sparsecomm.experiment.process_tree import (
+    KILL_TIMEOUT_S,
     LAUNCH_ENV,
-    RESULT_FILE,
     RUN_DIR_ENV,
-    STEPS_FILE,
-    read_steps,
-    result_line,
-    rows_up_to,
-    write_json_atomically,
+    death_signal_preexec,
+    kill_marked,
+    marked_processes,
 )
+from sparsecomm.experiment.rank_errors import first_rank_error
+from sparsecomm.experiment.run_locks import RunLock, hold_experiment  # noqa: F401  (run_command uses runner.*)
+from sparsecomm.experiment.steps_log import STEPS_FILE, read_steps, rows_up_to
+from sparsecomm.experiment.worker import RESULT_FILE, result_line
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
@@ -135,9 +120,6 @@ def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
 RUN_CONFIG = "run-config.json"
 """In the run directory: the config the run's ranks read (never the shared experiment.json,
 which another command may rewrite while this one trains)."""
-RUN_LOCK = "run.lock"
-"""In the run directory: flock'ed by the process that trains the run; holds its pid."""
-KILL_TIMEOUT_S = 30.0
 
 
 def _worker_arguments(experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
@@ -184,251 +166,6 @@ def _stalled_for(steps_path: Path, launched: float) -> float:
     """Seconds since the run last wrote a step (or since launch)."""
     last = steps_path.stat().st_mtime if steps_path.exists() else launched
     return time.time() - max(last, launched)
-
-
-# ----- the processes of a launch ------------------------------------------------------------
-
-
-def marked_processes(name: str, value: str) -> list[int]:
-    """Pids of the processes (other than this one) whose environment holds ``name=value``.
-
-    Read from ``/proc/<pid>/environ`` (the environment the process was started with);
-    processes of other users and processes that exit while we look are skipped. Empty where
-    there is no /proc.
-    """
-    entry = f"{name}={value}".encode()
-    me = os.getpid()
-    try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return []
-    found = []
-    for pid in pids:
-        if pid == me:
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if entry in environ.split(b"\0"):
-            found.append(pid)
-    return found
-
-
-def kill_marked(name: str, value: str, children: list[subprocess.Popen] = (),
-                timeout: float = KILL_TIMEOUT_S) -> list[int]:
-    """SIGKILL every process marked ``name=value`` and every one of ``children`` (our own,
-    each in its own session: its whole group), again and again until none is left; reaps
-    ``children``. Returns the pids still alive after ``timeout`` (normally none)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        marked = marked_processes(name, value)
-        for pid in marked:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in children:
-            if proc.poll() is None:  # not reaped yet: its pid (and group id) is still its own
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        alive = [proc.pid for proc in children if proc.poll() is None]
-        if not marked and not alive:
-            return []
-        if time.monotonic() > deadline:
-            return sorted(set(marked) | set(alive))
-        time.sleep(0.02)
-
-
-def _death_signal_preexec():
-    """A preexec_fn that makes the child get SIGKILL when this process dies (Linux
-    PR_SET_PDEATHSIG; survives exec). None where unavailable."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def arm() -> None:
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # we died between fork and prctl
-            os._exit(1)
-
-    return arm
-
-
-# ----- signals ------------------------------------------------------------------------------
-
-
-class _Interrupt(BaseException):
-    """Raised (once) by the SIGINT/SIGTERM handler of run_experiment; not an Exception, so
-    no ``except Exception`` on the way swallows it."""
-
-    def __init__(self, signal_name: str):
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-
-
-def _signal_name(stop: BaseException) -> str:
-    return stop.signal_name if isinstance(stop, _Interrupt) else "SIGINT"
-
-
-class _Signals:
-    """SIGINT and SIGTERM raise _Interrupt once, and never inside a deferred() section
-    (killing and recording a run); a signal that arrives there is raised by check()."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self.raised = False
-        self._depth = 0
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # only the main thread receives signals (and may set handlers)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous.setdefault(sig, signal.getsignal(sig))
-            signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum).name
-        self.check()
-
-    def check(self) -> None:
-        if self.received is not None and not self.raised and self._depth == 0:
-            self.raised = True
-            raise _Interrupt(self.received)
-
-    @contextmanager
-    def deferred(self):
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-
-
-# ----- locks --------------------------------------------------------------------------------
-
-
-class RunLock:
-    """An exclusive ``flock`` on the run directory's ``run.lock``, held while a process trains
-    the run. The kernel releases it when the holder dies (SIGKILL included): never stale."""
-
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / RUN_LOCK
-        self.fd: int | None = None
-
-    def acquire(self, blocking: bool = False) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-        return True
-
-    def holder(self) -> str:
-        """The pid the holder wrote (best effort: "?" when unknown)."""
-        try:
-            return self.path.read_text().strip() or "?"
-        except OSError:
-            return "?"
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-@contextmanager
-def _flocked(path: Path, operation: int):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, operation)
-        yield fd
-    finally:
-        os.close(fd)
-
-
-_HELD_EXPERIMENTS: dict[str, tuple[str, int]] = {}  # experiment dir -> (config id, fd with LOCK_SH)
-
-
-def _config_id(config: ExperimentConfig) -> str:
-    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _busy_with_other_config(locks: Path, mine: str) -> Path | None:
-    """A config lock of another config that some process holds (stale ones are removed)."""
-    for path in sorted(locks.glob("config-*.lock")):
-        if path.name == f"config-{mine}.lock":
-            continue
-        fd = os.open(path, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return path
-        else:
-            path.unlink(missing_ok=True)  # its holder is gone
-        finally:
-            os.close(fd)
-    return None
-
-
-def hold_experiment(config: ExperimentConfig, root: Path, progress=print, *, wait: bool = True) -> bool:
-    """Claim ``root/<name>`` for this config (shared with processes running the same config)
-    until this process exits or claims it for another config; while another process holds
-    it for another config, wait (or return False with ``wait=False``). Two configs under one
-    name would otherwise rewrite each other's experiment.json, which every report reads."""
-    experiment_dir = Path(root) / config.name
-    locks = experiment_dir / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    key, mine = str(experiment_dir.resolve()), _config_id(config)
-    held = _HELD_EXPERIMENTS.get(key)
-    if held is not None and held[0] == mine:
-        return True
-    if held is not None:  # this process moves on to another config of the experiment
-        os.close(held[1])
-        del _HELD_EXPERIMENTS[key]
-    announced = False
-    while True:
-        with _flocked(locks / "gate", fcntl.LOCK_EX):
-            other = _busy_with_other_config(locks, mine)
-            if other is None:
-                fd = os.open(locks / f"config-{mine}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                _HELD_EXPERIMENTS[key] = (mine, fd)
-                return True
-        if not wait:
-            return False
-        if not announced:
-            progress(f"experiment {config.name}: another process is running it with a different configuration "
-                     f"in {experiment_dir} (it would overwrite this one's experiment.json); waiting until it ends")
-            announced = True
-        try:
-            with _flocked(other, fcntl.LOCK_EX):  # granted when that process has exited
-                pass
-        except FileNotFoundError:
-            pass
 
 
 # ----- the run directory --------------------------------------------------------------------
@@ -544,23 +281,6 @@ def _last_step(out_dir: Path) -> int:
     return max((r["step"] for r in rows if r.get("kind") == "train" and isinstance(r.get("step"), int)), default=0)
 
 
-def first_rank_error(out_dir: Path, launch_id: str | None = None) -> dict | None:
-    """The first error a rank of this launch recorded (error-rank<r>.json): of its last
-    torchrun attempt, the earliest. None when no rank recorded one."""
-    errors = []
-    for path in out_dir.glob("error-rank*.json"):
-        try:
-            error = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(error, dict) and (launch_id is None or error.get("launch_id") == launch_id):
-            errors.append(error)
-    if not errors:
-        return None
-    last = max(e.get("restart", 0) for e in errors)
-    return min((e for e in errors if e.get("restart", 0) == last), key=lambda e: e.get("wall_time", float("inf")))
-
-
 def _tail(path: Path, num_lines: int = 6) -> str:
     """The last lines of a log that explain a failure (error lines first)."""
     try:
@@ -617,17 +337,17 @@ def _record(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch
 
 
 def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path,
-            network: EmulatedNetwork | None = None, signals: _Signals | None = None) -> dict:
+            network: EmulatedNetwork | None = None, signals: InterruptSignals | None = None) -> dict:
     """Run one arm x seed; returns its summary (a "failed" one on error or stall).
 
     A run that writes no step for ``stall_timeout_s`` is killed (every process of the
     launch) and recorded as failed: gloo's own timeout does not cover every hang (a Future
     that never completes inside DDP waits forever). When one of several rank processes
     fails, the others are killed at once rather than left to time out. Whatever ends this
-    call (SIGINT/SIGTERM included: recorded as "interrupted", then _Interrupt is raised)
+    call (SIGINT/SIGTERM included: recorded as "interrupted", then Interrupt is raised)
     kills the run's processes first and records the run.
     """
-    signals = signals if signals is not None else _Signals()
+    signals = signals if signals is not None else InterruptSignals()
     write_json_atomically(out_dir / RUN_CONFIG, {"config": config.to_dict(), "arm": arm, "seed": seed,
                                                  "config_hash": config.run_hash(arm, seed)})
     launch_id = f"{os.getpid()}-{secrets.token_hex(8)}"
@@ -642,7 +362,7 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
             for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
                 env = {**(os.environ if env is None else env), **marks}
                 processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True, preexec_fn=_death_signal_preexec()))
+                                                  start_new_session=True, preexec_fn=death_signal_preexec()))
             while True:
                 # Done when one rank failed (the others are killed below) or all succeeded.
                 codes = [proc.poll() for proc in processes]
@@ -653,8 +373,8 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
                     error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
                     break
                 time.sleep(0.2)
-        except (_Interrupt, KeyboardInterrupt) as caught:
-            stop = _signal_name(caught)
+        except (Interrupt, KeyboardInterrupt) as caught:
+            stop = signal_name(caught)
         except Exception as caught:  # noqa: BLE001 - e.g. the launcher cannot be started: recorded
             error = f"launch failed: {type(caught).__name__}: {caught}"
     finally:
@@ -666,10 +386,10 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
                     log.close()
                     summary = _record(config, arm, seed, out_dir, launch_id, exit_code=exit_code, error=error,
                                       stop=stop, survivors=survivors)
-            except _Interrupt as caught:
+            except Interrupt as caught:
                 stop = caught.signal_name
     if stop is not None:
-        raise _Interrupt(stop)
+        raise Interrupt(stop)
     signals.check()  # a signal that came while the run was being recorded
     return summary
 
@@ -698,7 +418,7 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
     "interrupted", and :class:`ExperimentInterrupted` is raised with a report.
     """
     jobs = [(arm, seed) for seed in config.seeds for arm in config.arms]
-    signals, state = _Signals(), _State()
+    signals, state = InterruptSignals(), _State()
     signals.install()
     try:
         hold_experiment(config, root, progress)
@@ -707,8 +427,8 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
         with maybe_emulated(parse_link(config.link), config.world_size) as network:
             signals.install()  # the network put its own SIGTERM handler (SystemExit) in place: ours again
             _run_jobs(config, root, experiment_dir, jobs, network, progress, signals, state)
-    except (_Interrupt, KeyboardInterrupt) as stop:
-        name = _signal_name(stop)
+    except (Interrupt, KeyboardInterrupt) as stop:
+        name = signal_name(stop)
         raise ExperimentInterrupted(interrupt_report(config, root, jobs, state, name), name) from None
     finally:
         signals.restore()
@@ -717,7 +437,7 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
 
 def _run_jobs(config, root, experiment_dir, jobs, network, progress, signals=None, state=None) -> None:
     """Every job once; a job another process is running is skipped, then waited for at the end."""
-    signals = signals if signals is not None else _Signals()
+    signals = signals if signals is not None else InterruptSignals()
     state = state if state is not None else _State()
     busy = []
     for number, (arm, seed) in enumerate(jobs, start=1):

@@ -12,14 +12,12 @@ every process of the launch exited cleanly: a run the runner killed (interrupted
 can never turn "ok" afterwards. A rank that raises writes ``error-rank<r>.json`` (type,
 message, last frames) before it exits, so the runner records the rank's own error rather
 than the launcher's. Each row of ``steps.jsonl`` is one ``write`` of a whole line after
-its step completed; a reader drops a torn last line (:func:`read_steps`), and a resume
+its step completed; a reader drops a torn last line (:mod:`sparsecomm.experiment.steps_log`), and a resume
 cuts the file back to the checkpoint's step (atomically).
 """
 import argparse
-import ctypes
 import json
 import os
-import signal
 import sys
 import statistics
 import time
@@ -35,86 +33,17 @@ from sparsecomm.experiment.arms import HookMeter, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.dist import discover, init_distributed
 from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.experiment.files import write_json_atomically
+from sparsecomm.experiment.process_tree import LAUNCH_ENV, die_with_parent
+from sparsecomm.experiment.rank_errors import write_rank_error
+from sparsecomm.experiment.steps_log import STEPS_FILE, StepLog, read_steps, rows_up_to, write_steps_atomically
 from sparsecomm.hooks import TopKState, dgc_optimizer
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
 from sparsecomm.tasks import get_task
 
 RESULT_FILE = "result.json"
 """Where a rank started by the runner writes its summary; the runner promotes it to summary.json."""
-LAUNCH_ENV = "SPARSECOMM_LAUNCH"
-"""Set by the runner on every process of one launch (a fresh id per launch): the processes
-it kills, and the id a result or rank error carries (a stale file from another launch is ignored)."""
-RUN_DIR_ENV = "SPARSECOMM_RUN_DIR"
-"""Set by the runner on every process of a launch: the run directory (its leftovers can be found)."""
-STEPS_FILE = "steps.jsonl"
 
-
-def rank_error_path(out_dir: Path, rank: int) -> Path:
-    return out_dir / f"error-rank{rank}.json"
-
-
-def read_steps(out_dir: Path) -> list[dict]:
-    """The rows of ``steps.jsonl`` (none if it is missing); a torn last line (a crash in the
-    middle of a write: no newline, not JSON) is dropped. A malformed line elsewhere raises
-    ValueError naming it."""
-    path = out_dir / STEPS_FILE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    lines = data.split(b"\n")
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if number == len(lines):  # after the last newline: torn
-                break
-            raise ValueError(f"{path}:{number}: not a JSON line") from None
-        if not isinstance(row, dict) or "kind" not in row:
-            raise ValueError(f"{path}:{number}: not a steps row")
-        rows.append(row)
-    return rows
-
-
-def write_steps_atomically(out_dir: Path, rows: list[dict]) -> None:
-    """Replace ``steps.jsonl`` with ``rows`` (temporary file, fsync, rename)."""
-    path = out_dir / STEPS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-class StepLog:
-    """Rank 0's ``steps.jsonl``: each row is one ``write(2)`` of the whole line, issued after
-    its step completed (no buffer holds half a line), so a killed writer leaves whole lines;
-    a short write (a full disk) or a crash of the machine can leave a torn last line, which
-    readers drop (:func:`read_steps`)."""
-
-    def __init__(self, out_dir: Path, append: bool):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
-        self.fd = os.open(out_dir / STEPS_FILE, flags, 0o644)
-
-    def write(self, row: dict) -> None:
-        data = (json.dumps(row) + "\n").encode()
-        while data:
-            data = data[os.write(self.fd, data):]
-
-    def sync(self) -> None:
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 # Large odd multiplier so that (seed, step) pairs never share a sample stream.
 _STEP_STREAM = 0x9E3779B97F4A7C15
@@ -145,14 +74,6 @@ def _probe(task, config: ExperimentConfig):
             return task.loss(module, inputs, targets).item()
 
     return probe
-
-
-def rows_up_to(rows: list[dict], step: int) -> list[dict] | None:
-    """The rows of steps ``<= step``, if they are complete (one train row for each of the
-    steps 1..step, in order); None when some are missing or repeated."""
-    kept = [r for r in rows if isinstance(r.get("step"), int) and r["step"] <= step]
-    train_steps = [r["step"] for r in kept if r["kind"] == "train"]
-    return kept if train_steps == list(range(1, step + 1)) else None
 
 
 def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> tuple[int, dict, list, list]:
@@ -418,17 +339,6 @@ def result_line(summary: dict) -> str:
     return f"final val loss {summary['evals'][-1][2]:.4f}, {summary['median_step_seconds'] * 1e3:.1f} ms/step"
 
 
-def write_json_atomically(path: Path, payload: dict) -> None:
-    """Write to a temporary file and rename: a reader never sees half a file. The temporary
-    name is this writer's own, so two processes writing the same file never mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
-    try:
-        tmp.write_text(json.dumps(payload, indent=1))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 INIT_TRIES = 3
 
 
@@ -464,44 +374,6 @@ def _init_process_group(config: ExperimentConfig) -> None:
             if "connectFullMesh" not in str(error) or attempt == INIT_TRIES - 1:
                 raise
             time.sleep(1.0)
-
-
-def _this_rank() -> int | None:
-    if dist.is_initialized():
-        return dist.get_rank()
-    try:
-        return discover().rank
-    except ValueError:
-        return None
-
-
-def write_rank_error(out_dir: Path | None, error: BaseException, frames: int = 8) -> Path | None:
-    """``error-rank<r>.json`` in the run directory: this rank's exception (type, message, the
-    last frames of its traceback), when it happened, and the launch it belongs to. Never
-    raises (the original error is what matters)."""
-    try:
-        rank = _this_rank()
-        if out_dir is None or rank is None:
-            return None
-        kind = type(error)
-        name = (kind.__qualname__ if kind.__module__ in ("builtins", "__main__")
-                else f"{kind.__module__}.{kind.__qualname__}")
-        stack = traceback.extract_tb(error.__traceback__)[-frames:]
-        path = rank_error_path(out_dir, rank)
-        write_json_atomically(path, {
-            "rank": rank,
-            "type": name,
-            "message": str(error)[:4000],
-            "frames": [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in stack],
-            "traceback": "".join(traceback.format_exception(error))[-8000:],
-            "wall_time": time.time(),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "launch_id": os.environ.get(LAUNCH_ENV),
-            "pid": os.getpid(),
-        })
-        return path
-    except Exception:  # noqa: BLE001 - reporting must not replace the error being reported
-        return None
 
 
 def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch_wall_time: float, *,
@@ -551,26 +423,6 @@ def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launc
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies (however it
-    dies, SIGKILL included), so a killed runner or torchrun agent never leaves ranks
-    training on. Exits at once if the parent is already gone. A no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the death signal was armed
-        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
