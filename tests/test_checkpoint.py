@@ -45,12 +45,13 @@ def _probe(module) -> float:
 class _Job:
     """A small DDP job with every kind of state a checkpoint must capture."""
 
-    def __init__(self, rank, root, *, keep=2):
+    def __init__(self, rank, root, *, keep=2, optimizer="adamw", outputs=4, hook=True):
         torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 4))
+        self.model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, outputs))
         self.ddp = DDP(self.model)
-        self.hook = sparsecomm.register_topk_hook(self.ddp, density=0.1)
-        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=1e-2)
+        self.hook = sparsecomm.register_topk_hook(self.ddp, density=0.1) if hook else None
+        self.optimizer = (torch.optim.AdamW(self.ddp.parameters(), lr=1e-2) if optimizer == "adamw" else
+                          torch.optim.SGD(self.ddp.parameters(), lr=1e-2, momentum=0.9))
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
         self.data = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
         self.manager = CheckpointManager(root, model=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,

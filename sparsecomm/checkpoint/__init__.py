@@ -1,4 +1,5 @@
 """Consistent, verified checkpoints of a DDP job with per-rank error-feedback state."""
+from sparsecomm.checkpoint.background import PendingSave
 from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
 from sparsecomm.checkpoint.errors import (
     CheckpointCorrupt,
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointRefused",
     "LoadedCheckpoint",
     "NoCheckpoint",
+    "PendingSave",
     "committed_steps",
     "rebuild_buckets",
     "step_directory",

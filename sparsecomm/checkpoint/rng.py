@@ -41,3 +41,31 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator] | None = Non
         raise ValueError(f"owned generators differ between checkpoint and job: {missing}")
     for name, generator in generators.items():
         generator.set_state(state["owned"][name])
+
+
+def check_rng(state: dict, generators: dict[str, torch.Generator] | None = None) -> None:
+    """Raise ValueError unless :func:`restore_rng` would accept ``state`` for ``generators``.
+
+    Every state is set on a throwaway generator of the same kind, so nothing this process
+    draws from changes.
+    """
+    generators = generators or {}
+    if not isinstance(state, dict) or not {"python", "numpy", "torch", "owned"} <= set(state):
+        raise ValueError("RNG state lacks one of python, numpy, torch, owned")
+    missing = sorted(set(state["owned"]) ^ set(generators))
+    if missing:
+        raise ValueError(f"owned generators differ between checkpoint and job: {missing}")
+    python = state["python"]
+    random.Random().setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    np_state = state["numpy"]
+    np.random.RandomState().set_state((np_state["key"], np_state["state"].numpy().astype(np.uint32),
+                                       np_state["pos"], np_state["has_gauss"], np_state["cached"]))
+    torch.Generator().set_state(state["torch"])
+    for name, generator in generators.items():
+        torch.Generator(device=generator.device).set_state(state["owned"][name])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) > torch.cuda.device_count():  # what restore_rng could not set
+            raise ValueError(f"RNG state holds {len(state['cuda'])} CUDA generator(s), this process sees "
+                             f"{torch.cuda.device_count()} device(s)")
+        for device, cuda_state in enumerate(state["cuda"]):
+            torch.Generator(device=f"cuda:{device}").set_state(cuda_state)
