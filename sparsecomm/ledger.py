@@ -151,6 +151,7 @@ class ArmLedger:
     residual_reset: bool = False  # some run restored without its error-feedback state
     unverified: tuple[str, ...] = ()  # reasons runs were marked unverified (residual staleness)
     rollbacks: int = 0  # corruptions detected and rolled back, all seeds
+    checkpoint_fallbacks: int = 0  # resumes that skipped a latest checkpoint that did not verify, all seeds
     hook_path: tuple[int, int] | None = None  # (fused, all) sparse calls of the top-k hook, all seeds
     not_ok: tuple[tuple[str, int], ...] = ()  # (status, count) of the runs that did not finish
     num_missing: int = 0  # configured seeds with no summary at all
@@ -228,6 +229,7 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         residual_reset=any(r.extra.get("residual_reset") for r in ok),
         unverified=tuple(sorted({r.extra["unverified_reason"] for r in ok if r.extra.get("unverified_reason")})),
         rollbacks=sum(r.extra.get("rollbacks") or 0 for r in ok),
+        checkpoint_fallbacks=sum(len(r.extra.get("checkpoint_fallbacks") or []) for r in ok),
         hook_path=_hook_path(ok),
         not_ok=tuple(status_counts(failed).items()),
         num_missing=num_missing,
@@ -362,6 +364,9 @@ def format_ledger(ledger: Ledger) -> str:
             lines.append(f"UNVERIFIED {a.arm}: {'; '.join(a.unverified)}")
         if a.rollbacks:
             lines.append(f"{a.arm}: {a.rollbacks} detected corruption(s) rolled back to the last verified checkpoint")
+        if a.checkpoint_fallbacks:
+            lines.append(f"{a.arm}: {a.checkpoint_fallbacks} resume(s) skipped a latest checkpoint that did not verify "
+                         "and restored an older one (more steps recomputed)")
         if a.hook_path is not None:
             fused, sparse = a.hook_path
             why = ("" if fused == sparse else ": the others formed acc in the bucket first (momentum correction, "

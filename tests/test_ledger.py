@@ -138,3 +138,11 @@ def test_the_ledger_says_which_hook_path_ran(tmp_path):
     assert "topk-ef: hook path: fused kernel in 120 of 120 sparse calls" in text  # 3 seeds x 40
     assert "topk-dgc: hook path: fused kernel in 0 of 120 sparse calls: the others formed acc in the bucket first" in text
     assert "dense: hook path" not in text
+
+
+def test_the_ledger_names_resumes_that_fell_back_to_an_older_checkpoint(tmp_path):
+    fallback = [{"restored": 20, "skipped": {"30": "rank 1: sha256 of rank1.pt differs from the manifest"}}]
+    extra = {"topk-ef": {"checkpoint_fallbacks": fallback}}
+    text = format_ledger(build_ledger(write_run_dir(tmp_path / "exp", _curves(), target_loss=1.5, summary_extra=extra)))
+    assert "topk-ef: 3 resume(s) skipped a latest checkpoint that did not verify" in text  # one per seed
+    assert "dense: " not in text.split("resume(s)")[0].splitlines()[-1]

@@ -325,7 +325,7 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL", "SIGKILL-corrupt-latest"])
 def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, uninterrupted, how):
     """Stop the top-k run after its step-100 checkpoint: by Ctrl-C to the command's process
     group (as a terminal sends it: every rank dies, the run is recorded "interrupted", the
@@ -333,13 +333,16 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, unint
     clean up: the ranks must die with it, and steps.jsonl must still parse; a torn last
     line is added to be sure it is dropped). The re-run resumes from the latest checkpoint;
     steps.jsonl then holds exactly the rows up to that step followed by the recomputed
-    ones, and every loss equals the uninterrupted run's."""
+    ones, and every loss equals the uninterrupted run's. With the latest checkpoint
+    corrupted after the kill (a flipped byte in a rank file), the re-run falls back to the
+    one before it, says so in the summary, and still equals the uninterrupted run."""
     root = sweep / "runs"
     reference = uninterrupted
     run_dir = runner.run_directory(RESUME, root, "topk-ef", 0)
     _finished_dense(root)
     proc = _driver(RESUME, root)
-    _wait_for(lambda: _latest_checkpoint(run_dir) >= 100, 120, "checkpoint at step 100", proc)
+    first = 150 if how.endswith("corrupt-latest") else 100  # two checkpoints: one to fall back to
+    _wait_for(lambda: _latest_checkpoint(run_dir) >= first, 120, f"checkpoint at step {first}", proc)
     if how == "SIGINT":
         os.killpg(proc.pid, signal.SIGINT)
     else:
@@ -359,7 +362,14 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, unint
     train = [r["step"] for r in rows if r["kind"] == "train"]
     assert train == list(range(1, len(train) + 1)) and 100 <= len(train) < RESUME.steps, train[-3:]
     resume = _latest_checkpoint(run_dir)
-    kept = [r for r in rows if r["step"] <= resume]
+    restored = resume
+    if how.endswith("corrupt-latest"):
+        shard = run_dir / "checkpoints" / f"step-{resume:08d}" / "rank1.pt"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+        restored = resume - RESUME.checkpoint_every
+    kept = [r for r in rows if r["step"] <= restored]
     with open(run_dir / "steps.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 99999, "train_lo')  # a torn write
     lines = []
@@ -368,7 +378,12 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, unint
     assert "[2/2] dense seed 0: finished earlier, skipped" in " ".join(lines), lines
     run = {r.arm: r for r in load_runs(experiment_dir)}["topk-ef"]
     assert run.status == "ok", run.error
-    assert run.extra["resumed_from_steps"] == [resume] and run.extra["restarts"] == 0
+    assert run.extra["resumed_from_steps"] == [restored] and run.extra["restarts"] == 0
+    fallbacks = run.extra["checkpoint_fallbacks"]
+    if restored != resume:
+        assert [f["restored"] for f in fallbacks] == [restored] and list(fallbacks[0]["skipped"]) == [str(resume)]
+    else:
+        assert fallbacks == []
     rows = load_steps(run.path)
     assert rows[: len(kept)] == kept  # the record up to the checkpoint is kept as it was
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, RESUME.steps + 1))

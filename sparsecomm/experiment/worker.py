@@ -85,6 +85,9 @@ def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> 
     counters = dict(loaded.ledger)
     counters["restore_seconds"] = counters.get("restore_seconds", 0.0) + loaded.seconds
     counters["residual_reset"] = counters.get("residual_reset", False) or loaded.residual_reset
+    if loaded.fell_back:  # the latest checkpoint did not verify: an older one was restored
+        counters["checkpoint_fallbacks"] = counters.get("checkpoint_fallbacks", []) + [
+            {"restored": loaded.step, "skipped": {str(step): reason[:300] for step, reason in loaded.skipped.items()}}]
     rows, evals = [], []
     if rank == 0 and out_dir is not None:
         # Keep what was logged up to the checkpoint; the steps after it are recomputed.
@@ -312,6 +315,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "residual_reset": counters.get("residual_reset", False),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "rollbacks": counters["rollbacks"],
+        "checkpoint_fallbacks": counters.get("checkpoint_fallbacks", []),
         "resumed_from_steps": counters.get("resumed_from", []),
         "last_corruption": counters.get("last_corruption"),
         "staleness": staleness.report() if staleness is not None else None,
