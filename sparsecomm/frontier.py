@@ -10,6 +10,12 @@ density with the verdict as the marker::
     sparsecomm frontier --experiment digits-quick --densities 0.01 0.05 --arms topk-ef topk-dgc
     sparsecomm frontier --densities 0.001 0.003 0.01 --arms topk-ef topk-dgc --seeds 0 1 2
     sparsecomm frontier --densities 0.003 0.01 --arms topk-dgc --link 1gbit     # files named <experiment>-1gbit
+    sparsecomm frontier --densities 0.01 0.03 --arms topk-dgc --selector chunk --index-codec rice \
+        --value-codecs fp32 int4 int2                                              # density x value codec
+
+With ``--value-codecs`` each density runs once per codec (one experiment each, named
+``...-d<density>-<wire>``); the dense runs, which the wire does not change, run once per
+density and are reused (copied) by the other wires' experiments, also across frontiers.
 
 Runs that did not finish (any status other than "ok") are counted per point (``failed``,
 ``dense_failed``, with their statuses) and printed; a density whose dense runs all failed
@@ -30,6 +36,8 @@ from sparsecomm.experiment.compare import (
     check_writable_directory,
     stop_on_interrupt,
 )
+from sparsecomm.compress.index_codecs import INDEX_CODECS
+from sparsecomm.compress.value_codecs import VALUE_CODECS
 from sparsecomm.experiment.config import ARM_NAMES
 from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
 
@@ -51,24 +59,71 @@ class FrontierPoint:
     failed: int = 0  # this arm's runs that did not finish (any status but "ok")
     dense_failed: int = 0  # the same for dense at this density
     not_ok: str = ""  # their statuses, e.g. "arm: 1 interrupted; dense: 2 failed"
+    value_codec: str | None = None  # swept with --value-codecs (None: the experiment's own)
+
+    @property
+    def label(self) -> str:
+        """The arm, with the value codec when the frontier sweeps codecs."""
+        return self.arm if self.value_codec is None else f"{self.arm} {self.value_codec}"
 
 
 def _density_name(base: str, density: float) -> str:
     return f"{base}-frontier-d{density:g}"
 
 
-def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]:
-    """One paired experiment per density; returns a point per (arm, density)."""
+def _experiment_name(config, density: float, value_codec: str | None) -> str:
+    """``<base>-frontier-d<density>``, then the wire where it is not the default (so frontiers
+    over different wires keep apart), e.g. ``...-d0.01-chunk-rice-int4``."""
+    parts = []
+    if config.selector != "exact":
+        parts.append(config.selector + ("" if config.chunk_size == 4096 else str(config.chunk_size)))
+    if config.index_codec != "int32":
+        parts.append(config.index_codec)
+    if (value_codec or config.value_codec) is not None:
+        parts.append(value_codec or config.value_codec)
+    return "-".join([_density_name(config.name, density), *parts])
+
+
+def point_config(config, density: float, arms, value_codec: str | None):
+    """The experiment behind the points of one (density, value codec)."""
+    overrides = {"value_codec": value_codec} if value_codec is not None else {}
+    return config.with_overrides(arms=("dense", *arms), density=density,
+                                 name=_experiment_name(config, density, value_codec), **overrides)
+
+
+def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) -> None:
+    """Copy finished dense runs of this density from sibling frontier experiments (other
+    wires) into ``target`` when they are the same runs: the same run hash, which the wire
+    settings do not enter for dense."""
+    import shutil
+
+    from sparsecomm.experiment.runner import finished_ok, run_directory
+
+    for seed in target.seeds:
+        expected = target.run_hash("dense", seed)
+        wanted = run_directory(target, out_root, "dense", seed)
+        if wanted.exists():
+            continue
+        for done in sorted(out_root.glob(f"{_density_name(base_name, density)}*/runs/{wanted.name}")):
+            if finished_ok(done, expected):
+                wanted.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(done, wanted)
+                break
+
+
+def run_frontier(config, densities, arms, out_root: Path, value_codecs=(None,)) -> list[FrontierPoint]:
+    """One paired experiment per density (and value codec); returns a point per (arm, density, codec)."""
     from sparsecomm import ledger, tolerance
     from sparsecomm.experiment.runner import run_experiment
     from sparsecomm.results import describe_counts, load_experiment, load_runs, status_counts
 
     points = []
-    for density in densities:
-        per_density = config.with_overrides(arms=("dense", *arms), density=density,
-                                            name=_density_name(config.name, density))
-        print(f"frontier: density {density:g}: {len(per_density.arms)} arms x {len(per_density.seeds)} seeds",
-              flush=True)
+    for density, value_codec in [(d, c) for d in densities for c in value_codecs]:
+        per_density = point_config(config, density, arms, value_codec)
+        _reuse_dense_runs(per_density, density, config.name, out_root)
+        codec_text = "" if value_codec is None else f", value codec {value_codec}"
+        print(f"frontier: density {density:g}{codec_text}: {len(per_density.arms)} arms x {len(per_density.seeds)} "
+              "seeds", flush=True)
         run_dir = run_experiment(per_density, out_root)
         runs = load_runs(run_dir)
         missing = ledger.missing_runs(load_experiment(run_dir), runs)
@@ -88,8 +143,8 @@ def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]
             return {"failed": failed, "dense_failed": dense_failed, "not_ok": "; ".join(parts)}
 
         if ledger.no_finished_dense(runs, missing) is not None:
-            points += [FrontierPoint(arm, density, UNAVAILABLE, None, None, None, None, str(run_dir), **failures(arm))
-                       for arm in arms]
+            points += [FrontierPoint(arm, density, UNAVAILABLE, None, None, None, None, str(run_dir), **failures(arm),
+                                     value_codec=value_codec) for arm in arms]
             continue
         book = ledger.build_ledger(run_dir)
         report = tolerance.check(run_dir)
@@ -105,18 +160,19 @@ def run_frontier(config, densities, arms, out_root: Path) -> list[FrontierPoint]
                 bytes_per_step=entry.bytes_per_step.value,
                 run_dir=str(run_dir),
                 **failures(result.arm),
+                value_codec=value_codec,
             ))
     return points
 
 
 def sparsest_equivalent(points: list[FrontierPoint]) -> dict[str, FrontierPoint | None]:
-    """Per arm, the lowest density whose verdict is equivalent (or better)."""
+    """Per arm (and value codec), the lowest density whose verdict is equivalent (or better)."""
     best: dict[str, FrontierPoint | None] = {}
     for point in points:
-        best.setdefault(point.arm, None)
+        best.setdefault(point.label, None)
         if point.verdict in ("equivalent", "better"):
-            if best[point.arm] is None or point.density < best[point.arm].density:
-                best[point.arm] = point
+            if best[point.label] is None or point.density < best[point.label].density:
+                best[point.label] = point
     return best
 
 
@@ -127,7 +183,7 @@ def _fmt(value, unit: str = "") -> str:
 def format_frontier(points: list[FrontierPoint], tolerance: float | None) -> str:
     header = ["arm", "density", "verdict", "loss diff", "steps [s2t]", "time [t2t]", "sent/step",
               "failed runs arm/dense"]
-    rows = [header] + [[p.arm, f"{p.density:g}", p.verdict, _fmt(p.mean_loss_diff), _fmt(p.steps_to_target),
+    rows = [header] + [[p.label, f"{p.density:g}", p.verdict, _fmt(p.mean_loss_diff), _fmt(p.steps_to_target),
                         _fmt(p.time_to_target_s, " s"), _fmt(p.bytes_per_step, " B"),
                         f"{p.failed}/{p.dense_failed}" + (f" ({p.not_ok})" if p.not_ok else "")] for p in points]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -154,13 +210,13 @@ def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
     from sparsecomm import plots
 
     fig, ax = plots._new_axes()
-    arms = {p.arm for p in points}
+    arms = {p.label for p in points}
     styles = plots.arm_styles(arms)
     reached_times = [p.time_to_target_s for p in points if p.time_to_target_s is not None]
     ceiling = 1.2 * max(reached_times) if reached_times else 1.0
     for arm in plots.arm_order(arms):
         # An unavailable point has no verdict to mark; the printed table lists it.
-        mine = sorted((p for p in points if p.arm == arm and p.verdict != UNAVAILABLE), key=lambda p: p.density)
+        mine = sorted((p for p in points if p.label == arm and p.verdict != UNAVAILABLE), key=lambda p: p.density)
         reached = [p for p in mine if p.time_to_target_s is not None]
         ax.plot([p.density for p in reached], [p.time_to_target_s for p in reached], label=arm, **styles[arm])
         for p in mine:
@@ -191,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse techniques to sweep (default: topk-ef topk-dgc)")
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
+    p.add_argument("--selector", choices=("exact", "chunk"), help="how the top-k arms select (docs/wire.md)")
+    p.add_argument("--chunk-size", type=int, help="chunk length of --selector chunk (2..65536, default 4096)")
+    p.add_argument("--index-codec", choices=INDEX_CODECS, help="how the top-k arms write indices (default int32)")
+    p.add_argument("--value-codecs", nargs="+", choices=VALUE_CODECS,
+                   help="sweep these value codecs too (the quantizing ones need --selector chunk)")
     add_link_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
@@ -202,16 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(set(args.densities)) != len(args.densities):
         parser.error(f"--densities must be distinct, got {args.densities}")
+    if args.value_codecs and len(set(args.value_codecs)) != len(args.value_codecs):
+        parser.error(f"--value-codecs must be distinct, got {args.value_codecs}")
+    value_codecs = tuple(args.value_codecs) if args.value_codecs else (None,)
     base = EXPERIMENTS[args.experiment]()
     try:  # validate every per-density configuration before the first launch
         config = base.with_overrides(seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps,
-                                     link=args.link)
+                                     link=args.link, selector=args.selector, chunk_size=args.chunk_size,
+                                     index_codec=args.index_codec)
         if config.link != "loopback":  # its own frontier files beside the loopback one
             config = config.with_overrides(name=f"{config.name}-{config.link}")
         check_local_world_size(config)
         check_link_possible(config)
         for density in args.densities:
-            config.with_overrides(arms=("dense", *args.arms), density=density, name=_density_name(config.name, density))
+            for value_codec in value_codecs:
+                point_config(config, density, tuple(args.arms), value_codec)
         check_writable_directory(args.out, "--out")
         check_writable_directory(args.plots / f"{config.name}-frontier", "--plots")
     except (ValueError, TypeError, RuntimeError, OSError) as error:
@@ -221,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with warnings_to_stderr("sparsecomm frontier"):
-            points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out)
+            points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out, value_codecs)
     except ExperimentInterrupted as error:
         return stop_on_interrupt(error)
     except (ResultFileError, FileNotFoundError) as error:

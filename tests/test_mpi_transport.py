@@ -22,6 +22,7 @@ import pytest
 
 from mpi_launch import run_mpiexec
 from sparsecomm import TopKState
+from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +79,10 @@ def test_transport_in_stats_not_in_config_and_pickled():
 def test_pickle_from_before_transports_loads_as_c10d():
     state = TopKState()
     saved = state.__getstate__()
-    del saved["transport"], saved["_mpi"]
+    # A pickle of that time: the settings were flat fields of the state, and had no transport.
+    config = saved.pop("config")
+    saved |= {name: getattr(config, name) for name in CONFIG_FIELDS if name != "transport"}
+    del saved["_mpi"]
     restored = TopKState.__new__(TopKState)
     restored.__setstate__(saved)
     assert restored.transport == "c10d" and restored._mpi is None

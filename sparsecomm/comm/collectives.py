@@ -2,7 +2,7 @@
 
 Issue these from the hook body, in bucket order, never from a Future callback: callbacks
 run on other threads in any order, and gloo fails or hangs when ranks issue collectives
-in different orders (see DESIGN.md).
+in different orders (docs/architecture.md, "Rules").
 """
 import torch
 import torch.distributed as dist

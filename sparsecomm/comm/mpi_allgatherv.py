@@ -17,7 +17,7 @@ How it works:
 * The collectives run on a duplicate of ``COMM_WORLD``, so they never match a user's own
   MPI traffic.
 
-Issue every call from the hook body, in bucket order (DESIGN.md): MPI, like gloo,
+Issue every call from the hook body, in bucket order (docs/architecture.md, "Rules"): MPI, like gloo,
 requires all ranks to issue collectives on a communicator in the same order. When the
 counts are not known in advance, :meth:`MPIAllgatherv.allgather_counts` exchanges them
 first; it blocks until every rank has reached it (a small collective, issued from the

@@ -56,6 +56,14 @@ def _topk_bytes(state, bucket, before) -> int:
     return state.stats()["bytes_sent"] - before
 
 
+def wire_label(config: ExperimentConfig, prefix: str = "") -> str:
+    """How the top-k arms select and encode, e.g. "chunk 4096 rice/int4" ("" for the default wire)."""
+    if config.selector == "exact" and config.value_codec is None and config.index_codec == "int32":
+        return ""
+    selection = f"chunk {config.chunk_size}" if config.selector == "chunk" else config.selector
+    return f"{prefix}{selection} {config.index_codec}/{config.value_codec or 'bucket dtype'}"
+
+
 def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> ArmHook:
     """The hook for ``arm``, configured from ``config``; not yet registered."""
     if arm == "dense":
@@ -88,11 +96,15 @@ def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> A
             warmup_steps=config.warmup_steps,
             seed=seed,
             module=ddp_model,
+            selector=config.selector,
+            chunk_size=config.chunk_size,
+            index_codec=config.index_codec,
+            value_codec=config.value_codec,
         )
         detail = {"topk-ef": "", "topk-noef": " without error feedback",
                   "topk-dgc": f" with momentum correction {config.dgc_momentum:g}"}[arm]
         return ArmHook(
-            f"sparsecomm topk_hook density {config.density:g}" + detail,
+            f"sparsecomm topk_hook density {config.density:g}" + wire_label(config, " ") + detail,
             state,
             topk_hook,
             _topk_bytes,

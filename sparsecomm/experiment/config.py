@@ -50,6 +50,21 @@ def task_train_samples(task: str) -> int:
     raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
 
 
+WIRE_DEFAULTS = {"selector": "exact", "chunk_size": 4096, "index_codec": "int32", "value_codec": None}
+
+
+def _check_wire(config) -> None:
+    """The top-k arms' wire settings, checked by the hook's own validation (same errors)."""
+    from sparsecomm.hooks.config import TopKConfig
+
+    _check(config.selector in ("exact", "chunk"), "selector", "'exact' or 'chunk'", config.selector)
+    try:
+        TopKConfig.build(density=config.density, selector=config.selector, chunk_size=config.chunk_size,
+                         index_codec=config.index_codec, value_codec=config.value_codec)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"experiment config: {error}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     name: str
@@ -81,6 +96,16 @@ class ExperimentConfig:
     dgc_momentum: float = 0.9
     """Momentum of the topk-dgc arm's hook (DGC momentum correction); that arm's optimizer
     then has no momentum of its own (SGD momentum 0, AdamW betas[0] = 0)."""
+    selector: str = "exact"
+    """How the top-k arms select: "exact" (top-k of each bucket) or "chunk" (the top entries of
+    every ``chunk_size`` entries), as :class:`sparsecomm.TopKState`."""
+    chunk_size: int = 4096
+    index_codec: str = "int32"
+    """How the top-k arms write indices: "int32", or with selector "chunk": "chunk" (12-bit
+    chunk-local for 4096) or "rice" (Rice-coded gaps). See docs/wire.md."""
+    value_codec: str | None = None
+    """How the top-k arms write values: None (the bucket's dtype), "fp32", "bf16", "fp16", or
+    with selector "chunk": "fp8", "int8", "int4", "int2", "sign" (a bf16 scale per chunk)."""
     warmup_steps: int = 2
     """Dense steps before compressed arms compress (DDP rebuilds buckets after step 1)."""
     powersgd_rank: int = 2
@@ -147,6 +172,7 @@ class ExperimentConfig:
         _check(_is_real(self.density) and 0 < self.density <= 1, "density", "in (0, 1]", self.density)
         _check(_is_real(self.dgc_momentum) and 0 < self.dgc_momentum < 1, "dgc_momentum", "in (0, 1)",
                self.dgc_momentum)
+        _check_wire(self)
         _check(_is_int(self.warmup_steps) and self.warmup_steps >= 2, "warmup_steps", "an integer >= 2", self.warmup_steps)
         _check(_is_int(self.powersgd_rank) and self.powersgd_rank >= 1, "powersgd_rank", "an integer >= 1", self.powersgd_rank)
         _check(_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "bucket_cap_mb", "a finite number > 0", self.bucket_cap_mb)
@@ -234,6 +260,10 @@ class ExperimentConfig:
             d.pop(key)
         if d["link"] == "loopback":
             d.pop("link")  # runs from before links existed keep their hash
+        for key, default in WIRE_DEFAULTS.items():
+            # The wire changes only what top-k arms send; at its default, runs keep their earlier hash.
+            if not arm.startswith("topk-") or d[key] == default:
+                d.pop(key)
         if self.policy.staleness_limit != DEFAULT_STALENESS_LIMIT:
             d["staleness_limit"] = self.policy.staleness_limit  # default: runs keep their earlier hash
         d.update(arm=arm, seed=seed)

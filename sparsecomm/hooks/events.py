@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparsecomm.compress.layout import PayloadLayout
+
 STAGES = ("gradient", "packed", "reduced")
 
 
@@ -35,3 +37,4 @@ class HookEvent:
     numels: tuple[int, ...]
     dense: bool  # True when this bucket is reduced densely (warm-up or fallback)
     tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    layout: PayloadLayout | None = None  # of ``payload`` at the packed stage of a top-k payload

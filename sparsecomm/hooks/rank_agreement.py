@@ -13,39 +13,51 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from sparsecomm.compress.index_codecs import INDEX_CODECS
+from sparsecomm.compress.value_codecs import VALUE_CODECS
+from sparsecomm.hooks.config import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES
+
 # Settings compared, and how to show a value (None: the number itself).
 _CHOICES = {
-    "selector": ("exact", "sampled", "random"),
-    "k_scope": ("bucket", "parameter"),
+    "selector": SELECTOR_CHOICES,
+    "k_scope": K_SCOPES,
     "transport": ("c10d", "mpi"),
-    "on_overflow": ("drop", "rollback"),
+    "on_overflow": OVERFLOW_CHOICES,
+    "index_codec": INDEX_CODECS,
+    "value_codec": (None, *VALUE_CODECS),
     "value_dtype": (None, "torch.float32", "torch.bfloat16", "torch.float16"),
     "residual_dtype": (None, "torch.float32", "torch.bfloat16", "torch.float16"),
 }
 
 
 def _fields(state) -> list[tuple[str, float]]:
-    """(name, value as float64) of every setting that must be equal on all ranks."""
+    """(name, value as float64) of every setting that must be equal on all ranks (the
+    state's config and its step)."""
+    config = state.config
+
     def choice(name, value):
         return float(_CHOICES[name].index(None if value is None else str(value) if "dtype" in name else value))
 
-    schedule = zlib.crc32(repr(state.density_schedule.to_list()).encode())
+    schedule = zlib.crc32(repr(config.density_schedule.to_list()).encode())
     return [
-        ("density", state.density),
+        ("density", config.density),
         ("density_schedule", float(schedule)),
-        ("selector", choice("selector", state.selector)),
-        ("k_scope", choice("k_scope", state.k_scope)),
-        ("seed", float(state.seed)),
-        ("error_feedback", float(state.error_feedback)),
-        ("momentum", state.momentum),
-        ("nesterov", float(state.nesterov)),
-        ("local_clip_norm", -1.0 if state.local_clip_norm is None else state.local_clip_norm),
-        ("warmup_steps", float(state.warmup_steps)),
-        ("value_dtype", choice("value_dtype", state.value_dtype)),
-        ("residual_dtype", choice("residual_dtype", state.residual_dtype)),
-        ("transport", choice("transport", state.transport)),
-        ("allow_dense_fallback", float(state.allow_dense_fallback)),
-        ("on_overflow", choice("on_overflow", state.on_overflow)),
+        ("selector", choice("selector", config.selector)),
+        ("k_scope", choice("k_scope", config.k_scope)),
+        ("seed", float(config.seed)),
+        ("error_feedback", float(config.error_feedback)),
+        ("momentum", config.momentum),
+        ("nesterov", float(config.nesterov)),
+        ("local_clip_norm", -1.0 if config.local_clip_norm is None else config.local_clip_norm),
+        ("warmup_steps", float(config.warmup_steps)),
+        ("value_dtype", choice("value_dtype", config.value_dtype)),
+        ("residual_dtype", choice("residual_dtype", config.residual_dtype)),
+        ("transport", choice("transport", config.transport)),
+        ("allow_dense_fallback", float(config.allow_dense_fallback)),
+        ("on_overflow", choice("on_overflow", config.on_overflow)),
+        ("chunk_size", float(config.chunk_size)),
+        ("index_codec", choice("index_codec", config.index_codec)),
+        ("value_codec", choice("value_codec", config.value_codec)),
         ("step", float(state.step)),
     ]
 

@@ -1,13 +1,13 @@
 """Configuration and per-rank memory of the top-k hook (:func:`sparsecomm.topk_hook`)."""
-import math
+import dataclasses
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.comm import mpi_allgatherv
-from sparsecomm.compress.packing import payload_nbytes
-from sparsecomm.hooks.density_schedule import DensitySchedule
+from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
+from sparsecomm.hooks.config import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES, TopKConfig  # noqa: F401  (re-exported)
 from sparsecomm.hooks.events import HookEvent
 from sparsecomm.hooks.grad_scaler import ScaleTracker
 from sparsecomm.hooks.optimizer import warn_on_double_momentum
@@ -17,18 +17,7 @@ from sparsecomm.hooks import state_dict_check
 from sparsecomm.hooks.stats import HookStats
 from sparsecomm.hooks.step_journal import StepJournal
 from sparsecomm.hooks.unused_parameters import UnusedParameterAccounting
-from sparsecomm.hooks.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_real,
-    check_transport,
-    check_value_dtype,
-)
 
-SELECTOR_CHOICES = ("exact", "sampled", "random")
-K_SCOPES = ("bucket", "parameter")
-OVERFLOW_CHOICES = ("drop", "rollback")
 STATE_DICT_FORMAT = 1
 # Int32 indices on the wire bound the size of one bucket.
 MAX_BUCKET_NUMEL = 2**31 - 1
@@ -70,10 +59,18 @@ class TopKState:
     4. ``warmup_steps``: dense steps at the start. At least 2 with error feedback,
        because DDP rebuilds its buckets after the first iteration.
     5. ``selector``: ``"exact"`` top-k, ``"sampled"`` (threshold estimated from a ~1%
-       sample, DGC style; one pass over the bucket instead of a sort), or ``"random"``
-       (random-k: same indices on all ranks, values allreduced; the cheap baseline).
+       sample, DGC style; one pass over the bucket instead of a sort), ``"random"``
+       (random-k: same indices on all ranks, values allreduced; the cheap baseline), or
+       ``"chunk"`` (chunked top-k: the top ``ceil(density * chunk_size)`` entries of every
+       ``chunk_size`` entries of the bucket, as SparseLoCo/DeMo; the compact wire below).
     6. ``value_dtype``: dtype of values on the wire (None: the bucket's dtype). A
        narrower dtype's rounding error stays in the residual, so it is compensated too.
+       With ``selector="chunk"``, ``index_codec`` (``"int32"``; ``"chunk"``: 12-bit
+       chunk-local indices for 4096; ``"rice"``: Rice-coded gaps, ~8.5 bits at 1%) and
+       ``value_codec`` (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"int8"``,
+       ``"int4"``, ``"int2"``, ``"sign"``, with a bfloat16 scale per chunk for the last
+       five) choose the wire; quantization error stays in the residual (exactly:
+       ``decoded + residual == acc``). See docs/wire.md for the formats and their bytes.
     7. ``residual_dtype``: dtype of the residual and the velocity. None (default):
        float32 for 16-bit buckets (bf16/fp16 models, ``fp16_compress_wrapper``), so error
        feedback does not round small gradients away; the bucket's dtype otherwise.
@@ -144,24 +141,7 @@ class TopKState:
     """
 
     __slots__ = (
-        # The fields below are the hyperparameters users tune.
-        "density",
-        "error_feedback",
-        "momentum",
-        "nesterov",
-        "local_clip_norm",
-        "warmup_steps",
-        "selector",
-        "value_dtype",
-        "residual_dtype",  # None: float32 for 16-bit buckets, the bucket's dtype otherwise
-        "seed",
-        "density_schedule",  # DensitySchedule: density by step, ending at `density`
-        # Switches.
-        "allow_dense_fallback",
-        "verify_conservation",
-        "k_scope",
-        "transport",  # "c10d" | "mpi": who all-gathers the sparse payloads
-        "on_overflow",  # "drop" | "rollback": what an overflow step leaves in the memories
+        "config",  # TopKConfig: every setting, frozen (state.density etc. read it)
         # The fields below are internal state.
         "process_group",
         "step",
@@ -171,7 +151,7 @@ class TopKState:
         "_names_from_module",  # True once names came from a module (an unpickled state must be re-bound)
         "_residuals",  # ParameterMemory of error-feedback residuals
         "_velocities",  # ParameterMemory of momentum-correction velocities
-        "_buffers",  # bucket index -> (k, value dtype, payload, gathered): reused every step
+        "_buffers",  # bucket index -> (payload layout, payload, gathered): reused every step
         "_scratch",  # float32 scratch of the largest 16-bit bucket (wide memories), or None
         "_sample_generator",  # per-rank generator for the sampled selector
         "_stats",  # HookStats
@@ -212,47 +192,24 @@ class TopKState:
         residual_dtype: torch.dtype | None = None,
         grad_scaler=None,
         on_overflow: str | None = None,
+        chunk_size: int = 4096,
+        index_codec: str = "int32",
+        value_codec: str | None = None,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(process_group).__name__}"
             )
-        self.density = check_real("density", density, 0.0, 1.0, low_open=True, high_open=False)
-        self.error_feedback = check_bool("error_feedback", error_feedback)
-        self.momentum = check_real("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        self.selector = check_choice("selector", selector, SELECTOR_CHOICES)
-        self.value_dtype = check_value_dtype(value_dtype)
-        self.residual_dtype = check_value_dtype(residual_dtype, name="residual_dtype")
-        self.seed = check_int("seed", seed, 0)
-        self.allow_dense_fallback = check_bool("allow_dense_fallback", allow_dense_fallback)
-        self.verify_conservation = check_bool("verify_conservation", verify_conservation)
-        self.k_scope = check_choice("k_scope", k_scope, K_SCOPES)
-        self.density_schedule = _resolve_schedule(density_schedule, self.density)
-        self.nesterov = check_bool("nesterov", nesterov)
-        self.local_clip_norm = (None if local_clip_norm is None else
-                                check_real("local_clip_norm", local_clip_norm, 0.0, math.inf, low_open=True,
-                                           high_open=True))
         self._scale = None if grad_scaler is None else ScaleTracker(grad_scaler)
-        if on_overflow is None:
-            on_overflow = "drop" if grad_scaler is None else "rollback"
-        self.on_overflow = check_choice("on_overflow", on_overflow, OVERFLOW_CHOICES)
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
-        if self.error_feedback and self.warmup_steps < 2:
-            raise ValueError(
-                f"warmup_steps must be >= 2 when error_feedback=True, got {self.warmup_steps}: "
-                "DDP rebuilds its buckets after the first iteration, so the hook reduces "
-                "densely until then"
-            )
-        if self.momentum > 0 and not self.error_feedback:
-            raise ValueError(
-                f"momentum={self.momentum} (momentum correction) requires error_feedback=True"
-            )
-        if self.verify_conservation and not self.error_feedback:
-            raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
-        self.transport = check_transport(transport, self.selector)
+        self.config = TopKConfig.build(
+            density=density, error_feedback=error_feedback, momentum=momentum, warmup_steps=warmup_steps,
+            selector=selector, value_dtype=value_dtype, residual_dtype=residual_dtype, seed=seed,
+            allow_dense_fallback=allow_dense_fallback, verify_conservation=verify_conservation, k_scope=k_scope,
+            density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
+            transport=transport, on_overflow=on_overflow, has_grad_scaler=grad_scaler is not None,
+            chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec,
+        )
         self.process_group = process_group
         self.step = 0
         self._param_names: dict[int, str] = {}
@@ -273,16 +230,22 @@ class TopKState:
         self._step_open = False
         self._settled = True
         self._agreed = False
-        self._journal = StepJournal() if self.on_overflow == "rollback" else None
+        self._journal = StepJournal() if self.config.on_overflow == "rollback" else None
         self._unused = None
         self._fallback_bound = None
         self._warned_all_dense = False
         if module is not None:
             self.bind(module)
-        if self.transport == "mpi" and dist.is_initialized():
+        if self.config.transport == "mpi" and dist.is_initialized():
             # Fail at construction when we can (every rank reaches the same verdict here).
             comm = mpi_allgatherv.import_mpi().COMM_WORLD
             mpi_allgatherv.check_matches_process_group(self._group(), comm, compare_ranks=False)
+
+    def __getattr__(self, name):
+        # state.density, state.selector, ...: the settings live in the frozen config.
+        if name in CONFIG_FIELDS and name != "config":
+            return getattr(object.__getattribute__(self, "config"), name)
+        raise AttributeError(f"'TopKState' object has no attribute {name!r}")
 
     # ----- parameter names -------------------------------------------------------------
 
@@ -367,13 +330,13 @@ class TopKState:
         """Buckets sent but not yet delivered: non-zero means the step is not finished."""
         return self._pending
 
-    def _emit(self, stage, bucket, names, numels, dense, step=None, **tensors) -> None:
+    def _emit(self, stage, bucket, names, numels, dense, step=None, layout=None, **tensors) -> None:
         if not self._observers:
             return
         if self._rank is None:
             self._rank = dist.get_rank(self._group())
         step = self.step if step is None else step
-        event = HookEvent(stage, step, self._rank, bucket.index(), names, numels, dense, tensors)
+        event = HookEvent(stage, step, self._rank, bucket.index(), names, numels, dense, tensors, layout)
         for observer in self._observers:
             observer(event)
 
@@ -527,17 +490,17 @@ class TopKState:
         s["density"] = self.current_density()
         s["effective_density"] = s["elements_sent"] / s["elements_sparse"] if s["elements_sparse"] else None
         s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
-        s["transport"] = self.transport
+        s["transport"] = self.config.transport
         s["last_step"] = None if self._stats.last_step is None else dict(self._stats.last_step)
         return s
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Warn if momentum correction is on and ``optimizer`` applies momentum too (True if so)."""
-        return warn_on_double_momentum(self.momentum, optimizer)
+        return warn_on_double_momentum(self.config.momentum, optimizer)
 
     def current_density(self) -> float:
         """The density this step sends (the schedule's value at ``self.step``)."""
-        return self.density_schedule(self.step)
+        return self.config.density_schedule(self.step)
 
     def _count(self, **increments) -> None:
         self._stats.count(**increments)
@@ -545,19 +508,7 @@ class TopKState:
     # ----- checkpointing ---------------------------------------------------------------
 
     def _config(self) -> dict:
-        return {
-            "density": self.density,
-            "density_schedule": self.density_schedule.to_list(),
-            "error_feedback": self.error_feedback,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
-            "local_clip_norm": self.local_clip_norm,
-            "warmup_steps": self.warmup_steps,
-            "selector": self.selector,
-            "value_dtype": None if self.value_dtype is None else str(self.value_dtype),
-            "seed": self.seed,
-            "k_scope": self.k_scope,
-        }
+        return self.config.checkpoint_dict()
 
     def state_dict(self) -> dict:
         """This rank's state, with every per-rank entry under ``rank{r}.``.
@@ -585,7 +536,7 @@ class TopKState:
         sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self._config(),
               "memory_scale": None if self._scale is None else self._scale.memory_scale}
         sd[f"{prefix}stats"] = dict(self._stats.totals)
-        memories = [("residual", self._residuals, self.error_feedback), ("velocity", self._velocities, self.momentum > 0)]
+        memories = [("residual", self._residuals, self.config.error_feedback), ("velocity", self._velocities, self.config.momentum > 0)]
         for kind, memory, used in memories:
             entries = memory.state_dict()
             if used:
@@ -636,8 +587,8 @@ class TopKState:
             }
             problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
         if not problems:
-            problems += state_dict_check.mismatches(parsed, self._param_shapes, self.error_feedback,
-                                                    self.momentum > 0, rank)
+            problems += state_dict_check.mismatches(parsed, self._param_shapes, self.config.error_feedback,
+                                                    self.config.momentum > 0, rank)
         memories = parsed.memories
         generator_state = parsed.per_rank.get("sample_generator")
         generator_device = parsed.per_rank.get("sample_generator_device", "cpu")
@@ -711,6 +662,9 @@ class TopKState:
             state["_names_from_module"] = state.get("_bound_module_id") is not None
             state["_param_names"], state["_bound_module_id"] = {}, None
         state = _PICKLE_DEFAULTS | state  # pickles from before these fields existed
+        if "config" not in state:  # pickles from before the settings moved into one TopKConfig
+            settings = {name: state.pop(name) for name in CONFIG_FIELDS if name in state}
+            state["config"] = TopKConfig(**settings)
         if not isinstance(state["_stats"], HookStats):
             state["_stats"] = HookStats(state["_stats"])
         for name, value in state.items():
@@ -734,15 +688,14 @@ class TopKState:
         self._scale = ScaleTracker(grad_scaler)
         self._scale.memory_scale = 1.0
         if self._journal is None:
-            self.on_overflow, self._journal = "rollback", StepJournal()
+            self.config = dataclasses.replace(self.config, on_overflow="rollback")
+            self._journal = StepJournal()
 
     # ----- hot-path helpers ------------------------------------------------------------
 
     def _memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
         """dtype of the residual and velocity of a bucket of ``bucket_dtype``."""
-        if self.residual_dtype is not None:
-            return self.residual_dtype
-        return torch.float32 if bucket_dtype in HALF_DTYPES else bucket_dtype
+        return self.config.memory_dtype(bucket_dtype)
 
     def _wide_copy(self, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``buffer`` converted to ``dtype`` in the shared scratch (used within one hook call only)."""
@@ -754,15 +707,14 @@ class TopKState:
         wide.copy_(buffer)
         return wide
 
-    def _wire_buffers(self, bucket_index: int, k: int, value_dtype: torch.dtype, world_size: int, device):
-        """Payload and gather buffers for a bucket, allocated once per layout."""
+    def _wire_buffers(self, bucket_index: int, layout, world_size: int, device):
+        """Payload and gather buffers for a bucket, allocated once per payload layout."""
         cached = self._buffers.get(bucket_index)
-        if cached is not None and cached[:2] == (k, value_dtype) and cached[2].device == device:
-            return cached[2], cached[3]
-        nbytes = payload_nbytes(k, value_dtype)
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        gathered = torch.empty(world_size * nbytes, dtype=torch.uint8, device=device)
-        self._buffers[bucket_index] = (k, value_dtype, payload, gathered)
+        if cached is not None and cached[0] == layout and cached[1].device == device:
+            return cached[1], cached[2]
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        gathered = torch.empty(world_size * layout.nbytes, dtype=torch.uint8, device=device)
+        self._buffers[bucket_index] = (layout, payload, gathered)
         return payload, gathered
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -775,14 +727,14 @@ class TopKState:
                 )
             rank, _ = self._rank_and_world_size()
             self._sample_generator = torch.Generator(device=device).manual_seed(
-                self.seed * 1_000_003 + rank
+                self.config.seed * 1_000_003 + rank
             )
         return self._sample_generator
 
 
 # Fields that pickles of older versions do not have, with the value that keeps their behaviour.
 _PICKLE_DEFAULTS = {
-    "transport": "c10d", "_mpi": None, "residual_dtype": None, "on_overflow": "drop", "_journal": None,
+    "_mpi": None, "_journal": None,
     "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
     "_unused": None, "_fallback_bound": None, "_warned_all_dense": False,
 }
@@ -799,29 +751,6 @@ def _usable_device(device: str, problems: list | None = None) -> str:
         problems.append(message)
         return "cpu"
     return device
-
-
-def _resolve_schedule(spec, density: float) -> DensitySchedule:
-    """``density_schedule`` argument -> DensitySchedule ending at ``density``."""
-    if spec is None:
-        return DensitySchedule.constant(density)
-    if isinstance(spec, DensitySchedule):
-        if spec.target != density:
-            raise ValueError(f"density_schedule must end at density={density}, but it ends at {spec.target}")
-        return spec
-    if isinstance(spec, dict):
-        if spec.get("kind") != "exponential" or not set(spec) <= {"kind", "steps", "stages"} or "steps" not in spec:
-            raise ValueError(
-                "density_schedule as a dict must be {'kind': 'exponential', 'steps': N[, 'stages': S]}, "
-                f"got {spec!r}"
-            )
-        return DensitySchedule.exponential(density, spec["steps"], spec.get("stages", 4))
-    if isinstance(spec, (list, tuple)):
-        return DensitySchedule.piecewise(spec, density)
-    raise TypeError(
-        "density_schedule must be None, a DensitySchedule, {'kind': 'exponential', 'steps': N} "
-        f"or a list of (first_step, density) pairs, got {type(spec).__name__}"
-    )
 
 
 def _is_ddp(module) -> bool:

@@ -24,12 +24,13 @@ def check_real(name: str, value, low: float, high: float, *, low_open: bool, hig
     return value
 
 
-def check_int(name: str, value, low: int) -> int:
-    """``value`` as an int >= ``low``, else TypeError/ValueError naming ``name``."""
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high] (high None: unbounded), else TypeError/ValueError naming ``name``."""
+    accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= {low}, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+        raise TypeError(f"{name} must be an integer {accepted}, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer {accepted}, got {value}")
     return int(value)
 
 

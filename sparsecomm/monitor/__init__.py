@@ -3,7 +3,7 @@
 Why: faulty cores and memory corrupt training silently and regularly at scale (Llama 3:
 six SDC interruptions in 54 days; Gemini: one every week or two), and a top-k +
 error-feedback job has state nobody else checks: each rank's residual. Each monitor below
-covers one place a fault can hide; none covers all (see reliability.md section 3).
+covers one place a fault can hide; none covers all (docs/reliability.md, "Monitors").
 
 Each monitor: what it detects; where it runs; collective cost; action on detection.
 

@@ -8,9 +8,8 @@ import itertools
 
 import torch
 
-from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.compress.layout import PayloadLayout
 
-_INDEX_BYTES = 4  # int32 indices come first in a payload (see sparsecomm.compress.packing)
 
 
 def locate(names, numels, flat_index: int) -> tuple[str, int]:
@@ -32,38 +31,21 @@ def offset_of(names, numels, name: str) -> int | None:
     return None
 
 
-def payload_layout(payload: torch.Tensor, acc: torch.Tensor, indices: torch.Tensor, state=None):
-    """(capacity k, value dtype) of a packed sparse payload.
-
-    The value dtype is ``state.value_dtype`` (None: the bucket's dtype), or the bucket's
-    dtype without a state. The capacity is the smallest k >= the number of selected
-    entries whose payload has this size. That is exact whenever the selector fills every
-    slot (exact top-k does: k = sum of the per-parameter k's) and for 4-byte values; a
-    sampled selector that leaves slots empty with 2-byte values could be ambiguous (two
-    capacities pad to the same size) and then the smaller one is taken. The event does
-    not carry k, so this is inferred rather than read (see the monitor package's notes).
-    """
-    value_dtype = (getattr(state, "value_dtype", None) if state is not None else None) or acc.dtype
-    k = indices.numel()
-    while payload_nbytes(k, value_dtype) < payload.numel():
-        k += 1
-    if payload_nbytes(k, value_dtype) != payload.numel():
-        raise ValueError(
-            f"a payload of {payload.numel()} bytes does not hold {indices.numel()} or more "
-            f"{value_dtype} values; pass the TopKState (state=...) if the wire dtype differs from the bucket's"
-        )
-    return k, value_dtype
-
-
-def payload_values(payload: torch.Tensor, k: int, value_dtype: torch.dtype) -> torch.Tensor:
-    """The value region of a payload as a tensor of ``value_dtype`` (a copy, never a view)."""
-    start = _INDEX_BYTES * k
-    raw = payload[start : start + k * value_dtype.itemsize]
-    return raw.clone().view(value_dtype)  # the clone is aligned whatever the byte offset
-
-
-def value_byte_offset(k: int, value_dtype: torch.dtype, position: int) -> int:
-    """Byte offset in the payload of the ``position``-th value (little-endian)."""
-    if not 0 <= position < k:
-        raise IndexError(f"payload position {position} outside a payload of capacity {k}")
-    return _INDEX_BYTES * k + position * value_dtype.itemsize
+def payload_layout(payload: torch.Tensor, acc, indices: torch.Tensor, state=None, event=None) -> PayloadLayout:
+    """The layout of a packed sparse payload: the one the hook sent with the event, else
+    inferred from the payload's size (capacity: the smallest k >= the number of selected
+    entries whose payload has this size; the value dtype: ``state.value_dtype``, else the
+    bucket's). Inference is exact whenever the selector fills every slot and for 4-byte
+    values; a sampled selector that leaves slots empty with 2-byte values could be
+    ambiguous (two capacities pad to the same size), which is why the hook sends the layout."""
+    layout = getattr(event, "layout", None)
+    if layout is not None:
+        return layout
+    value_dtype = (getattr(state, "value_dtype", None) if state is not None else None) or \
+        (acc.dtype if acc is not None else None)
+    if value_dtype is None:
+        raise ValueError("the payload's layout is unknown: pass the TopKState (state=...)")
+    try:
+        return PayloadLayout.inferred(payload, indices.numel(), value_dtype)
+    except ValueError as error:
+        raise ValueError(f"{error}; pass the TopKState (state=...) if the wire dtype differs from the bucket's") from None

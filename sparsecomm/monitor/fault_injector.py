@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from sparsecomm.monitor._layout import locate, offset_of, payload_layout, value_byte_offset
+from sparsecomm.monitor._layout import locate, offset_of, payload_layout
 
 TARGETS = ("parameter", "gradient", "payload", "residual")
 _STAGE = {"gradient": "gradient", "residual": "packed", "payload": "packed"}
@@ -135,8 +135,9 @@ class _Injector:
             if inside.numel() == 0:
                 return  # nothing of that parameter selected this time: wait
             position = int(inside[0])
-        k, value_dtype = payload_layout(payload, acc, indices, self.state)
-        first_byte = value_byte_offset(k, value_dtype, position)
+        layout = payload_layout(payload, acc, indices, self.state, event)
+        value_dtype = layout.value_dtype
+        first_byte = layout.value_byte_offset(position)
         before_bytes = payload[first_byte : first_byte + value_dtype.itemsize].clone()
         self._corrupt_bytes(payload, first_byte, value_dtype)
         after_bytes = payload[first_byte : first_byte + value_dtype.itemsize].clone()

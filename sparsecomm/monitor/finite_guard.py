@@ -10,7 +10,7 @@ Cost: one ``aminmax`` pass (no temporaries) over the gradient, the compensated b
 the residual; the detailed scan that names the parameter runs only after a hit.
 
 Guards alone are far from sufficient: in fault-injection studies NaN/Inf is about 1% of
-the outcomes of silent data corruption (reliability.md section 3); most corruptions are
+the outcomes of silent data corruption (docs/reliability.md, "Monitors"); most corruptions are
 finite and wrong. Pair it with the digest and spike monitors.
 
 What a rank that raises here leaves behind: its bucket was never sent, so its peers wait
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from sparsecomm.monitor._layout import locate, payload_layout, payload_values
+from sparsecomm.monitor._layout import locate, payload_layout
 from sparsecomm.monitor.errors import NonFiniteError
 
 ACTIONS = ("raise", "record")
@@ -84,9 +84,8 @@ class FiniteGuard:
             return
         if payload.is_floating_point():  # random-k: the values themselves
             values = payload
-        elif self.state is not None:
-            k, value_dtype = payload_layout(payload, acc, indices, self.state)
-            values = payload_values(payload, k, value_dtype)[: indices.numel()]
+        elif self.state is not None or event.layout is not None:
+            values = payload_layout(payload, acc, indices, self.state, event).values_copy(payload)[: indices.numel()]
         else:
             values = acc[indices]
         self._check(event, "payload", values, positions=indices)

@@ -13,7 +13,7 @@ backward raised (a guard in the hook, a failed collective) passes the error as
 committed, so all of them raise instead of one rank stopping while the others step on.
 
 Runs in the training loop, never in the hook: it issues a collective, and collectives
-issued from Future callbacks run in arbitrary order across ranks (see DESIGN.md). Cost
+issued from Future callbacks run in arbitrary order across ranks (docs/architecture.md, "Rules"). Cost
 per checked step: one pass over the gradients and one all-reduce of three int64.
 """
 import torch

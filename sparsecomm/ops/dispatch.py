@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from sparsecomm import compress
-from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.ops import native, reference
 
 # op name -> reference implementation
@@ -99,11 +99,7 @@ def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, z
 
 def payload_views(payload: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 indices, values) views of one payload, or ``[world_size, k]`` views of a gathered buffer."""
-    rows = payload.view(-1, payload_nbytes(k, value_dtype))
-    index_bytes = 4 * k
-    indices = rows[:, :index_bytes].view(torch.int32)
-    values = rows[:, index_bytes : index_bytes + k * value_dtype.itemsize].view(value_dtype)
-    return indices, values
+    return PayloadLayout(k, value_dtype).views(payload)
 
 
 def unpack_payloads(gathered: torch.Tensor, out: torch.Tensor, k: int, value_dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""Stage 6: decode what arrived and accumulate it into the bucket (in the Future callback).
+
+Payloads are added in rank order onto zeros, so with two ranks the result is bitwise what
+an allreduce gives. In rollback mode each callback also notes whether the reduced bucket
+holds an Inf/NaN (the step is then undone at the start of the next one); only entries some
+rank sent can be non-finite (a sent Inf/NaN, or a sum that overflowed), so only those are read.
+"""
+import time
+
+import torch
+
+from sparsecomm import ops
+from sparsecomm.compress.layout import PayloadLayout
+
+
+def fixed(call, layout: PayloadLayout):
+    """The callback of a fixed-size all-gather: scatter-add every payload into the bucket."""
+    state = call.state
+
+    def accumulate(fut: torch.futures.Future) -> torch.Tensor:
+        started = time.perf_counter()
+        gathered = fut.value()
+        indices, values = layout.views(gathered)
+        ops.unpack_add(indices, values, call.out, True)  # in place: no second bucket-size tensor
+        state._count(seconds_unpack=time.perf_counter() - started)
+        if state._journal is not None:
+            _note(state, call.out, indices)
+        return call.out
+
+    return accumulate
+
+
+def variable(call, counts, value_dtype):
+    """The callback of the variable-size MPI all-gather."""
+    state = call.state
+
+    def accumulate(fut: torch.futures.Future) -> torch.Tensor:
+        started = time.perf_counter()
+        out = unpack_variable(fut.value(), counts, call.out, value_dtype)
+        state._count(seconds_unpack=time.perf_counter() - started)
+        if state._journal is not None:
+            _note(state, out, variable_indices(fut.value(), counts, value_dtype))
+        return out
+
+    return accumulate
+
+
+def scatter_values(call, indices):
+    """The callback of random-k's allreduce: the summed values at the shared indices."""
+    state = call.state
+
+    def scatter(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()
+        if state._journal is not None:
+            state._journal.note_reduced(~torch.isfinite(reduced).all())
+        call.out.zero_()
+        call.out[indices] = reduced.to(call.out.dtype)
+        return call.out
+
+    return scatter
+
+
+def _note(state, out: torch.Tensor, index_rows: torch.Tensor) -> None:
+    state._journal.note_reduced(~torch.isfinite(out.index_select(0, index_rows.reshape(-1).long())).all())
+
+
+def unpack_variable(gathered: torch.Tensor, counts, out: torch.Tensor, value_dtype) -> torch.Tensor:
+    """Overwrite ``out`` with the sum of back-to-back payloads of ``counts[r]`` entries, in rank order."""
+    out.zero_()
+    offset = 0
+    for m in counts:
+        layout = PayloadLayout(m, value_dtype)
+        if m:  # onto zeros in rank order: the same additions as the fixed-size unpack
+            indices, values = layout.views(gathered[offset : offset + layout.nbytes])
+            ops.unpack_add(indices, values, out, False)
+        offset += layout.nbytes
+    return out
+
+
+def variable_indices(gathered: torch.Tensor, counts, value_dtype) -> torch.Tensor:
+    """Every index in back-to-back variable payloads (for the finiteness check)."""
+    parts, offset = [torch.zeros(1, dtype=torch.int32, device=gathered.device)], 0
+    for m in counts:
+        layout = PayloadLayout(m, value_dtype)
+        if m:
+            parts.append(layout.payload_views(gathered[offset : offset + layout.nbytes])[0])
+        offset += layout.nbytes
+    return torch.cat(parts)
+
+
+def sent(packed, like: torch.Tensor) -> torch.Tensor:
+    """The dense tensor that this rank's packed entries decode to (for the conservation audit)."""
+    if packed.layout is None:  # random-k: bare values at the indices
+        return torch.zeros_like(like).index_put_((packed.indices,), packed.values.to(like.dtype))
+    out = torch.zeros_like(like)
+    if packed.layout.capacity:  # an empty variable payload decodes to nothing
+        indices, values = packed.layout.views(packed.send)
+        ops.unpack_add(indices, values, out, False)
+    return out

@@ -1,0 +1,78 @@
+"""The wire settings in experiments: config fields, run hashes, and the frontier's codec sweep."""
+import hashlib
+import json
+
+import pytest
+
+from sparsecomm import frontier
+from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.experiment.named import EXPERIMENTS
+from sparsecomm.results import load_runs
+
+
+def _hash_without_wire(config: ExperimentConfig, arm: str, seed: int) -> str:
+    """The run hash as it was computed before the wire fields existed (an independent recomputation)."""
+    d = config.to_dict()
+    for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour",
+                "selector", "chunk_size", "index_codec", "value_codec"):
+        d.pop(key)
+    d.pop("link")
+    d.update(arm=arm, seed=seed)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def test_default_wire_keeps_earlier_run_hashes_and_codecs_do_not_change_dense_runs():
+    base = EXPERIMENTS["digits-quick"]()
+    for arm in ("dense", "topk-ef"):
+        assert base.run_hash(arm, 0) == _hash_without_wire(base, arm, 0)
+    chunked = base.with_overrides(selector="chunk", index_codec="rice", value_codec="int4")
+    assert chunked.run_hash("dense", 0) == base.run_hash("dense", 0)
+    assert chunked.run_hash("topk-ef", 0) != base.run_hash("topk-ef", 0)
+    assert chunked.with_overrides(value_codec="int2").run_hash("topk-ef", 0) != chunked.run_hash("topk-ef", 0)
+
+
+@pytest.mark.parametrize("overrides,named", [
+    ({"index_codec": "rice"}, "index_codec"),
+    ({"value_codec": "int2"}, "value_codec"),
+    ({"selector": "sampled"}, "selector"),
+    ({"selector": "chunk", "chunk_size": 1}, "chunk_size"),
+    ({"selector": "chunk", "value_codec": "int5"}, "value_codec"),
+])
+def test_bad_wire_settings_are_refused_naming_the_field(overrides, named):
+    with pytest.raises(ValueError, match=named):
+        EXPERIMENTS["digits-quick"]().with_overrides(**overrides)
+
+
+def test_bad_codec_sweeps_fail_before_any_run(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        frontier.main(["--densities", "0.01", "--value-codecs", "int4", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "value_codec" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        frontier.main(["--densities", "0.01", "--selector", "chunk", "--value-codecs", "int4", "int4",
+                       "--out", str(tmp_path)])
+    assert "--value-codecs must be distinct" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path, capsys):
+    # digits-quick, 1 density x 2 codecs x (dense + topk-ef) x 2 seeds, 40 steps: 6 launches, not 8.
+    out, plots = tmp_path / "runs", tmp_path / "plots"
+    code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef",
+                          "--selector", "chunk", "--index-codec", "rice", "--value-codecs", "int4", "sign",
+                          "--seeds", "0", "1", "--steps", "40", "--out", str(out), "--plots", str(plots)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    points = json.loads((out / "digits-quick-frontier.json").read_text())
+    assert [(p["arm"], p["value_codec"]) for p in points] == [("topk-ef", "int4"), ("topk-ef", "sign")]
+    assert "topk-ef int4" in printed and "topk-ef sign" in printed
+    first, second = (load_runs(p["run_dir"]) for p in points)
+    dense_first = {r.seed: r for r in first if r.arm == "dense"}
+    dense_second = {r.seed: r for r in second if r.arm == "dense"}
+    # The second codec's dense runs are the first's (copied, not trained again): same losses, same times.
+    for seed in (0, 1):
+        assert dense_second[seed].final_val_loss == dense_first[seed].final_val_loss
+        assert dense_second[seed].median_step_seconds == dense_first[seed].median_step_seconds
+    assert printed.count("finished earlier, skipped") >= 2
+    sparse = {r.seed: r for r in second if r.arm == "topk-ef"}
+    assert "chunk 4096 rice/sign" in sparse[0].extra["hook"]
+    assert (plots / "digits-quick-frontier" / "frontier.png").stat().st_size > 10_000

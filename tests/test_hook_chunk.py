@@ -1,0 +1,125 @@
+"""selector="chunk" in the hook: chunked top-k with the compact index and value codecs.
+
+Every rank trains on its own data. What is checked against what: the reduced bucket
+against the sum, in rank order, of every rank's payload decoded on its own (so exchange
+and accumulation are tested, rank mixing included); conservation by the hook's
+independent audit (``verify_conservation``); bytes against the layout worked by hand in
+test_wire_codecs; settings and checkpoints by their errors.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparsecomm
+from ddp_models import mlp, rank_data
+from multiprocess import run_on_ranks
+from sparsecomm.compress.chunk_layout import ChunkLayout
+
+
+def _train(rank, world_size, index_codec, value_codec, steps=6):
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=64, depth=3), bucket_cap_mb=0.01)
+    state = sparsecomm.register_topk_hook(ddp, density=0.02, selector="chunk", chunk_size=512,
+                                          index_codec=index_codec, value_codec=value_codec,
+                                          verify_conservation=True)
+    seen = []
+
+    def observe(event):
+        if not event.dense and event.stage == "packed":
+            seen.append((event.step, event.bucket_index, event.layout, event.tensors["payload"].clone()))
+        elif not event.dense and event.stage == "reduced":
+            seen.append((event.step, event.bucket_index, None, event.tensors["reduced"].clone()))
+
+    state.add_observer(observe)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for x in rank_data(rank, steps, (16, 64)):
+        loss = torch.nn.functional.mse_loss(ddp(x), 2 * x[:, :4])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, seen)
+    saved = state.state_dict()
+    refusal = ""
+    try:
+        sparsecomm.TopKState(density=0.02, selector="chunk", chunk_size=512, index_codec=index_codec,
+                             value_codec="int8" if value_codec != "int8" else "int4").load_state_dict(saved)
+    except ValueError as error:
+        refusal = str(error)
+    return gathered, state.stats(), saved["config"], refusal
+
+
+@pytest.mark.parametrize("index_codec,value_codec", [("rice", "int2"), ("chunk", "int4"), ("int32", "sign"),
+                                                     ("rice", "fp8")])
+def test_reduced_bucket_is_the_rank_ordered_sum_of_decoded_payloads(index_codec, value_codec):
+    results = run_on_ranks(_train, index_codec, value_codec, world_size=3, timeout=180)
+    everyone, stats, config, refusal = results[0]
+    assert (config["chunk_size"], config["index_codec"], config["value_codec"]) == (512, index_codec, value_codec)
+    assert "value_codec" in refusal
+    world_size = len(everyone)
+    packed = {}
+    for rank, seen in enumerate(everyone):
+        for step, bucket, layout, tensor in seen:
+            if layout is not None:
+                packed.setdefault((step, bucket), {})[rank] = (layout, tensor)
+    checked = 0
+    for rank, seen in enumerate(everyone):
+        for step, bucket, layout, reduced in seen:
+            if layout is not None:
+                continue
+            payloads = packed[(step, bucket)]
+            assert len({p[1].numel() for p in payloads.values()}) == 1  # one fixed size on every rank
+            expected = torch.zeros(reduced.numel())
+            for r in range(world_size):  # rank order, onto zeros
+                row_layout, payload = payloads[r]
+                indices, values = row_layout.decode(payload)
+                expected.index_add_(0, indices, values.float())
+            assert torch.equal(reduced, expected), (rank, step, bucket)
+            checked += 1
+    assert checked >= 3 * 4
+    # Payloads differ between ranks (each rank has its own data).
+    some = next(iter(packed.values()))
+    assert not torch.equal(some[0][1], some[1][1])
+    last = stats["last_step"]
+    assert last["sparse_calls"] > 0 and last["fused_calls"] == 0
+    assert last["bytes_received"] == (world_size - 1) * last["bytes_sent"]
+
+
+def test_bytes_sent_follow_the_layout():
+    results = run_on_ranks(_train, "rice", "int2", world_size=2, timeout=180)
+    stats = results[0][1]
+    last = stats["last_step"]
+    # Small buckets (0.01 MB): every bucket's payload is the ChunkLayout of its size, to the byte.
+    last_packed = [(layout, payload) for step, _, layout, payload in results[0][0][0]
+                   if layout is not None and step == last["step"]]
+    assert len(last_packed) == last["sparse_calls"] > 1
+    assert last["bytes_sent"] == sum(ChunkLayout(layout.numel, 512, 0.02, "rice", "int2").nbytes
+                                     for layout, _ in last_packed)
+    assert last["bytes_sent"] < last["bytes_dense"] / 20
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"index_codec": "rice"}, "index_codec"),
+    ({"value_codec": "int2"}, "value_codec"),
+    ({"selector": "chunk", "chunk_size": 1}, "chunk_size"),
+    ({"selector": "chunk", "chunk_size": 70000}, "chunk_size"),
+    ({"selector": "chunk", "k_scope": "parameter"}, "k_scope"),
+    ({"selector": "chunk", "value_codec": "int4", "value_dtype": torch.float16}, "value_dtype"),
+    ({"value_codec": "bf16", "value_dtype": torch.float16}, "value_codec"),
+    ({"selector": "chunk", "value_codec": "int3"}, "value_codec"),
+    ({"selector": "chunk", "index_codec": "gzip"}, "index_codec"),
+    ({"chunk_size": 1024}, "chunk_size"),
+])
+def test_settings_are_refused_with_the_argument_named(kwargs, named):
+    with pytest.raises((ValueError, TypeError), match=named):
+        sparsecomm.TopKState(**kwargs)
+
+
+def test_float_value_codec_is_the_value_dtype():
+    assert sparsecomm.TopKState(value_codec="bf16").config.value_dtype == torch.bfloat16
+    state = sparsecomm.TopKState(selector="chunk", value_codec="fp16")
+    assert state.config.value_dtype == torch.float16 and state.config.value_codec is None
+
+
+def test_checkpoints_of_other_selectors_do_not_name_the_wire():
+    assert "index_codec" not in sparsecomm.TopKState()._config()
