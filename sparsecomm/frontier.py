@@ -71,9 +71,8 @@ def _density_name(base: str, density: float) -> str:
     return f"{base}-frontier-d{density:g}"
 
 
-def _experiment_name(config, density: float, value_codec: str | None) -> str:
-    """``<base>-frontier-d<density>``, then the wire where it is not the default (so frontiers
-    over different wires keep apart), e.g. ``...-d0.01-chunk-rice-int4``."""
+def _wire_parts(config, value_codec: str | None) -> list[str]:
+    """The wire settings that are not the default, e.g. ["chunk", "rice", "int4"]."""
     parts = []
     if config.selector != "exact":
         parts.append(config.selector + ("" if config.chunk_size == 4096 else str(config.chunk_size)))
@@ -81,7 +80,19 @@ def _experiment_name(config, density: float, value_codec: str | None) -> str:
         parts.append(config.index_codec)
     if (value_codec or config.value_codec) is not None:
         parts.append(value_codec or config.value_codec)
-    return "-".join([_density_name(config.name, density), *parts])
+    return parts
+
+
+def _experiment_name(config, density: float, value_codec: str | None) -> str:
+    """``<base>-frontier-d<density>``, then the wire where it is not the default (so frontiers
+    over different wires keep apart), e.g. ``...-d0.01-chunk-rice-int4``."""
+    return "-".join([_density_name(config.name, density), *_wire_parts(config, value_codec)])
+
+
+def frontier_stem(config, value_codecs) -> str:
+    """Name of the frontier's summary and plot folder: ``<base>[-<wire>][-codecs]-frontier``."""
+    parts = _wire_parts(config, value_codecs[0] if len(value_codecs) == 1 else None)
+    return "-".join([config.name, *parts, *(["codecs"] if len(value_codecs) > 1 else []), "frontier"])
 
 
 def point_config(config, density: float, arms, value_codec: str | None):
@@ -279,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             for value_codec in value_codecs:
                 point_config(config, density, tuple(args.arms), value_codec)
         check_writable_directory(args.out, "--out")
-        check_writable_directory(args.plots / f"{config.name}-frontier", "--plots")
+        check_writable_directory(args.plots / frontier_stem(config, value_codecs), "--plots")
     except (ValueError, TypeError, RuntimeError, OSError) as error:
         parser.error(str(error))
     from sparsecomm.experiment.runner import ExperimentInterrupted
@@ -295,10 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print()
     print(format_frontier(points, config.policy.quality_tolerance))
-    summary = args.out / f"{config.name}-frontier.json"
+    summary = args.out / f"{frontier_stem(config, value_codecs)}.json"
     summary.parent.mkdir(parents=True, exist_ok=True)
     summary.write_text(json.dumps([asdict(p) for p in points], indent=1))
-    figure = plot_frontier(points, args.plots / f"{config.name}-frontier" / "frontier.png")
+    figure = plot_frontier(points, args.plots / frontier_stem(config, value_codecs) / "frontier.png")
     print(f"\nwrote {summary}\nplot: {figure}")
     return 0
 

@@ -62,7 +62,7 @@ def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path,
                           "--seeds", "0", "1", "--steps", "40", "--out", str(out), "--plots", str(plots)])
     assert code == 0
     printed = capsys.readouterr().out
-    points = json.loads((out / "digits-quick-frontier.json").read_text())
+    points = json.loads((out / "digits-quick-chunk-rice-codecs-frontier.json").read_text())
     assert [(p["arm"], p["value_codec"]) for p in points] == [("topk-ef", "int4"), ("topk-ef", "sign")]
     assert "topk-ef int4" in printed and "topk-ef sign" in printed
     first, second = (load_runs(p["run_dir"]) for p in points)
@@ -75,4 +75,4 @@ def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path,
     assert printed.count("finished earlier, skipped") >= 2
     sparse = {r.seed: r for r in second if r.arm == "topk-ef"}
     assert "chunk 4096 rice/sign" in sparse[0].extra["hook"]
-    assert (plots / "digits-quick-frontier" / "frontier.png").stat().st_size > 10_000
+    assert (plots / "digits-quick-chunk-rice-codecs-frontier" / "frontier.png").stat().st_size > 10_000
