@@ -123,3 +123,45 @@ def test_float_value_codec_is_the_value_dtype():
 
 def test_checkpoints_of_other_selectors_do_not_name_the_wire():
     assert "index_codec" not in sparsecomm.TopKState()._config()
+
+
+# ----- monitors read chunked payloads through their layout ---------------------------------
+
+
+def _chunk_event(layout, acc):
+    from sparsecomm.hooks.events import HookEvent
+
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    indices, decoded = layout.encode(acc, None, payload)
+    event = HookEvent("packed", 5, 0, 0, ("w",), (acc.numel(),), False,
+                      {"acc": acc, "residual": None, "indices": indices, "payload": payload, "values": decoded},
+                      layout)
+    return event, payload, indices
+
+
+def test_finite_guard_decodes_a_chunk_payload_whose_scale_was_corrupted():
+    from sparsecomm.monitor import FiniteGuard, NonFiniteError
+
+    layout = ChunkLayout(64, 16, 0.25, "rice", "int4")
+    event, payload, indices = _chunk_event(layout, torch.linspace(-1, 1, 64))
+    FiniteGuard()(event)  # clean: silent
+    payload[2:4] = torch.tensor([0x7FC0], dtype=torch.int16).view(torch.uint8)  # chunk 1's bf16 scale -> NaN
+    with pytest.raises(NonFiniteError) as caught:
+        FiniteGuard()(event)
+    assert caught.value.tensor == "payload" and 16 <= caught.value.element < 32
+
+
+def test_payload_injector_flips_one_packed_code_of_a_chunk_payload():
+    from sparsecomm.monitor.fault_injector import BitFlipInjector
+
+    layout = ChunkLayout(64, 16, 0.25, "chunk", "int4")
+    acc = torch.linspace(-1, 1, 64)
+    event, payload, indices = _chunk_event(layout, acc)
+    clean = payload.clone()
+    BitFlipInjector("payload", step=5, rank=None, bit=5, index=1)(event)  # bit 5 of the byte holding codes 0, 1
+    changed = (payload != clean).nonzero().flatten().tolist()
+    assert changed == [layout.scale_bytes + layout.index_bytes]  # the value region's first byte, nothing else
+    clean_indices, clean_values = layout.decode(clean)
+    hit_indices, hit_values = layout.decode(payload)
+    assert torch.equal(hit_indices, clean_indices)
+    assert (hit_values != clean_values).nonzero().flatten().tolist() == [1]
