@@ -9,7 +9,12 @@ the extension compiles against the installed torch::
 Switches (environment): ``SPARSECOMM_BUILD_EXT=0`` skips the extension, ``=1`` makes a
 failed build an error (default: warn and install the pure-torch path); ``USE_CUDA=0|1``
 never/always adds the CUDA sources (default: when nvcc and a CUDA torch are present);
-``DEBUG=1`` builds with ``-O0 -g``; ``SPARSECOMM_NATIVE_ARCH=0`` omits ``-march=native``.
+``DEBUG=1`` builds with ``-O0 -g``.
+
+The CPU kernels are compiled for several instruction-set levels (x86-64 with GCC: the
+baseline, AVX2 and AVX-512; elsewhere the baseline only) and choose one at run time, so the
+package runs on any CPU of its architecture, whichever machine built it (csrc/README.md,
+"CPU levels").
 """
 import glob
 import os
@@ -42,10 +47,13 @@ def _native_extension() -> dict:
     use_cuda = os.environ.get("USE_CUDA")
     with_cuda = use_cuda == "1" or (use_cuda is None and torch.version.cuda is not None and CUDA_HOME is not None)
     cxx = ["-O0", "-g"] if debug else ["-O3"]
-    cxx += ["-fopenmp"]
-    if os.environ.get("SPARSECOMM_NATIVE_ARCH", "1") != "0":
-        cxx += ["-march=native"]  # AVX-512 where the build machine has it
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # No -march: each CPU kernel is compiled once per level (csrc/cpu/isa/*.cpp) and the
+    # running CPU picks one. No FMA contraction either: it would round differently at the
+    # levels that have FMA, and the kernels are bit-exact at every level.
+    cxx += ["-fopenmp", "-ffp-contract=off"]
+    # csrc/cpu/*.cpp are the kernel bodies, compiled through csrc/cpu/isa/ only.
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/dispatch/*.cpp")) \
+        + sorted(glob.glob("csrc/cpu/isa/*.cpp"))
     extra = {"cxx": cxx}
     extension_class = CppExtension
     if with_cuda:

@@ -1,6 +1,7 @@
-// The one operator schema of sparsecomm. CPU implementations register in csrc/cpu/*.cpp,
-// CUDA ones in csrc/cuda/*.cu. The semantics every backend implements (and the pure-torch
-// twins in sparsecomm/ops/reference.py) are written down in csrc/README.md.
+// The one operator schema of sparsecomm. CPU implementations register in
+// csrc/cpu/dispatch/cpu_ops.cpp, CUDA ones in csrc/cuda/*.cu. The semantics every backend
+// implements (and the pure-torch twins in sparsecomm/ops/reference.py) are written down in
+// csrc/README.md.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -24,4 +25,10 @@ TORCH_LIBRARY(sparsecomm, m) {
   m.def("topk_threshold(Tensor x, int k, float max_relative_error) -> (Tensor, Tensor)");
   // Scatter-add of world_size payloads into the dense bucket.
   m.def("unpack_add(Tensor indices, Tensor values, Tensor(a!) out, bool zero_out) -> ()");
+  // The instruction-set level of the CPU kernels in this process: "default", "avx2" or
+  // "avx512" (csrc/README.md, "CPU levels"); raises if SPARSECOMM_CPU_CAPABILITY names a
+  // level this CPU or build lacks.
+  m.def("cpu_capability() -> str");
+  // The CPU levels compiled in, and those of them this CPU supports (lowest first).
+  m.def("cpu_levels() -> (str[], str[])");
 }

@@ -10,7 +10,7 @@
 
 #include "magnitude_key.h"
 
-namespace sparsecomm {
+namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 
 struct CandidateList {
   const int32_t* index;  // bucket-relative, ascending
@@ -108,4 +108,4 @@ int64_t emit_selected(const CandidateList& list, const Selection& s, size_t l, T
   return position;
 }
 
-}  // namespace sparsecomm
+}  // namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE

@@ -14,7 +14,7 @@
 // gets a cleanup pass over its residual: on an all-finite step, none.
 #include "sampled_candidates.h"
 
-namespace sparsecomm {
+namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 namespace {
 
 Slabs& threshold_slabs() {
@@ -66,27 +66,18 @@ int64_t ef_threshold_pack_impl(const at::Tensor& grad, const c10::optional<at::T
   return sent;
 }
 
-at::Tensor ef_threshold_pack_cpu(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, double divisor,
-                                 bool add_residual, double threshold, const at::Tensor& indices_out,
-                                 const at::Tensor& values_out, int64_t index_offset) {
-  check_pack_arguments("ef_threshold_pack", grad, residual, add_residual, indices_out, values_out);
-  TORCH_CHECK(divisor > 0, "ef_threshold_pack: divisor must be > 0, got ", divisor);
-  TORCH_CHECK(index_offset >= 0 && index_offset + grad.numel() <= std::numeric_limits<int32_t>::max(),
-              "ef_threshold_pack: index_offset + n must fit in int32, got ", index_offset);
-  int64_t sent = 0;
-  SPARSECOMM_DISPATCH_FLOATING(grad.scalar_type(), "ef_threshold_pack", T, [&] {
-    SPARSECOMM_DISPATCH_FLOATING(values_out.scalar_type(), "ef_threshold_pack", V, [&] {
-      sent = ef_threshold_pack_impl<T, V>(grad, residual, static_cast<float>(divisor), add_residual,
-                                          static_cast<float>(threshold), indices_out, values_out, index_offset);
-    });
-  });
-  return at::scalar_tensor(sent, grad.options().dtype(at::kLong));
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
-  m.impl("ef_threshold_pack", &ef_threshold_pack_cpu);
+// Arguments checked by the caller (dispatch/cpu_ops.cpp).
+int64_t ef_threshold_pack(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, float divisor,
+                          bool add_residual, float threshold, const at::Tensor& indices_out,
+                          const at::Tensor& values_out, int64_t index_offset) {
+  return SPARSECOMM_DISPATCH_FLOATING(grad.scalar_type(), "ef_threshold_pack", T, [&] {
+    return SPARSECOMM_DISPATCH_FLOATING(values_out.scalar_type(), "ef_threshold_pack", V, [&] {
+      return ef_threshold_pack_impl<T, V>(grad, residual, divisor, add_residual, threshold, indices_out, values_out,
+                                          index_offset);
+    });
+  });
 }
 
-}  // namespace sparsecomm
+}  // namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE

@@ -21,12 +21,7 @@
 // ever grow, so the steady state allocates no bucket-sized memory.
 #include "sampled_candidates.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#include <type_traits>
-
-namespace sparsecomm {
+namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 namespace {
 
 struct Workspace {
@@ -83,7 +78,7 @@ template <typename T, typename Visit>
 void for_each_at_or_above(const T* g, const T* r, float divisor, uint32_t bar, int64_t begin, int64_t end,
                           Visit visit) {
   int64_t i = begin;
-#if defined(__AVX512F__)
+#if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
   if constexpr (std::is_same_v<T, float>) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i nan_key = _mm512_set1_epi32(static_cast<int32_t>(kNanKey));
@@ -93,6 +88,17 @@ void for_each_at_or_above(const T* g, const T* r, float divisor, uint32_t bar, i
       const __m512 acc = r ? _mm512_loadu_ps(r + i) : _mm512_div_ps(_mm512_loadu_ps(g + i), divisor16);
       const __m512i keys = _mm512_min_epu32(_mm512_and_si512(_mm512_castps_si512(acc), magnitude_mask), nan_key);
       for (__mmask16 hits = _mm512_cmpge_epu32_mask(keys, bar16); hits; hits &= hits - 1) {
+        visit(i + __builtin_ctz(hits));
+      }
+    }
+  }
+#elif SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256i bar8 = _mm256_set1_epi32(static_cast<int32_t>(bar));
+    const __m256 divisor8 = _mm256_set1_ps(divisor);
+    for (; i + 8 <= end; i += 8) {
+      const __m256 acc = r ? _mm256_loadu_ps(r + i) : _mm256_div_ps(_mm256_loadu_ps(g + i), divisor8);
+      for (uint32_t hits = keys_at_or_above(magnitude_keys(acc), bar8); hits; hits &= hits - 1) {
         visit(i + __builtin_ctz(hits));
       }
     }
@@ -164,7 +170,7 @@ void two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, int6
     int64_t sure = sure_offset[c], candidate = candidate_offset[c];
     int64_t begin = chunks.begin(c);
     const int64_t end = chunks.end(c);
-#if defined(__AVX512F__)
+#if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
     if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
       // fp32 in, fp32 out (the common case): 16 entries per step, branch-free within a
       // step; sent entries leave +0 in the residual: acc - acc for a finite acc, and the
@@ -254,27 +260,16 @@ void ef_topk_pack_impl(const at::Tensor& grad, const c10::optional<at::Tensor>& 
   }
 }
 
-void ef_topk_pack_cpu(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, double divisor,
-                      bool add_residual, int64_t k, const at::Tensor& indices_out, const at::Tensor& values_out,
-                      int64_t index_offset) {
-  check_pack_arguments("ef_topk_pack", grad, residual, add_residual, indices_out, values_out);
-  TORCH_CHECK(k >= 1 && k <= grad.numel(), "ef_topk_pack: k must be in [1, ", grad.numel(), "], got ", k);
-  TORCH_CHECK(indices_out.numel() >= k, "ef_topk_pack: indices_out holds ", indices_out.numel(), " < k=", k);
-  TORCH_CHECK(index_offset >= 0 && index_offset + grad.numel() <= std::numeric_limits<int32_t>::max(),
-              "ef_topk_pack: index_offset + n must fit in int32, got ", index_offset);
-  TORCH_CHECK(divisor > 0, "ef_topk_pack: divisor must be > 0, got ", divisor);
+}  // namespace
+
+// Arguments checked by the caller (dispatch/cpu_ops.cpp).
+void ef_topk_pack(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, float divisor, bool add_residual,
+                  int64_t k, const at::Tensor& indices_out, const at::Tensor& values_out, int64_t index_offset) {
   SPARSECOMM_DISPATCH_FLOATING(grad.scalar_type(), "ef_topk_pack", T, [&] {
     SPARSECOMM_DISPATCH_FLOATING(values_out.scalar_type(), "ef_topk_pack", V, [&] {
-      ef_topk_pack_impl<T, V>(grad, residual, static_cast<float>(divisor), add_residual, k, indices_out,
-                              values_out, index_offset);
+      ef_topk_pack_impl<T, V>(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset);
     });
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
-  m.impl("ef_topk_pack", &ef_topk_pack_cpu);
-}
-
-}  // namespace sparsecomm
+}  // namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE

@@ -1,23 +1,14 @@
-// Shared pieces of the CPU kernels: magnitude keys, radix digits, the error-feedback
-// arithmetic of csrc/README.md, and a fixed chunking of the input.
+// Shared pieces of the CPU kernels: magnitude keys (8 at a time at the AVX2 level), radix
+// digits, the error-feedback arithmetic of csrc/README.md, and a fixed chunking of the input.
 #pragma once
 
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/scalar_tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "dependencies.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
+#ifndef SPARSECOMM_CPU_NAMESPACE
+#error "kernel code is compiled once per CPU level, through isa/compile_level.h"
+#endif
 
-namespace sparsecomm {
+namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 
 // Ranks entries by magnitude: the bits of float32(|x|). Monotone for finite values,
 // +-Inf above every finite value, NaN above Inf, so non-finite values are selected first
@@ -38,6 +29,28 @@ inline float key_as_float(uint32_t key) {
   std::memcpy(&x, &key, sizeof(x));
   return x;
 }
+
+#if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX2
+// magnitude_key of 8 floats at once.
+inline __m256i magnitude_keys(__m256 x) {
+  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+  return _mm256_min_epu32(magnitude, _mm256_set1_epi32(static_cast<int32_t>(kNanKey)));
+}
+
+// Bit j set where keys[j] >= bar[j] as unsigned numbers (AVX2 compares signed only):
+// where max(key, bar) == key.
+inline uint32_t keys_at_or_above(__m256i keys, __m256i bar) {
+  const __m256i at_or_above = _mm256_cmpeq_epi32(_mm256_max_epu32(keys, bar), keys);
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(at_or_above)));
+}
+
+inline uint32_t max_lane(__m256i keys) {
+  const __m128i half = _mm_max_epu32(_mm256_castsi256_si128(keys), _mm256_extracti128_si256(keys, 1));
+  const __m128i quarter = _mm_max_epu32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m128i eighth = _mm_max_epu32(quarter, _mm_shuffle_epi32(quarter, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(eighth));
+}
+#endif
 
 // The 31 key bits as three radix digits, most significant first: 12 + 12 + 7 bits.
 // 12-bit histograms (4096 x 4 bytes) stay in L1 while the data streams past.
@@ -144,31 +157,6 @@ inline uint32_t boundary_bin(const int64_t* histogram, uint32_t bins, int64_t ne
   TORCH_INTERNAL_ASSERT(false, "boundary_bin: histogram holds fewer than ", need, " entries");
 }
 
-// Checks shared by the pack operators (see csrc/README.md, "Errors").
-inline void check_pack_arguments(const char* op, const at::Tensor& grad, const c10::optional<at::Tensor>& residual,
-                                 bool add_residual, const at::Tensor& indices_out, const at::Tensor& values_out) {
-  TORCH_CHECK(grad.dim() == 1 && grad.is_contiguous(), op, ": grad must be a contiguous 1-D tensor");
-  TORCH_CHECK(grad.numel() <= std::numeric_limits<int32_t>::max(), op,
-              ": grad has ", grad.numel(), " elements; int32 indices allow at most 2^31 - 1");
-  TORCH_CHECK(indices_out.dim() == 1 && indices_out.is_contiguous() && indices_out.scalar_type() == at::kInt, op,
-              ": indices_out must be a contiguous 1-D int32 tensor");
-  TORCH_CHECK(values_out.dim() == 1 && values_out.is_contiguous(), op, ": values_out must be a contiguous 1-D tensor");
-  TORCH_CHECK(values_out.numel() >= indices_out.numel(), op, ": values_out holds ", values_out.numel(),
-              " entries, indices_out ", indices_out.numel());
-  TORCH_CHECK(!add_residual || residual.has_value(), op, ": add_residual=True needs a residual");
-  for (const at::Tensor* t : {&indices_out, &values_out}) {
-    TORCH_CHECK(t->device() == grad.device(), op, ": outputs must be on grad's device ", grad.device());
-  }
-  if (residual.has_value()) {
-    const at::Tensor& r = *residual;
-    TORCH_CHECK(r.dim() == 1 && r.is_contiguous() && r.numel() == grad.numel() && r.scalar_type() == grad.scalar_type(),
-                op, ": residual must be a contiguous 1-D tensor matching grad (", grad.numel(), " x ",
-                grad.scalar_type(), ")");
-    TORCH_CHECK(r.device() == grad.device(), op, ": residual must be on grad's device ", grad.device());
-    TORCH_CHECK(r.data_ptr() != grad.data_ptr(), op, ": residual may not alias grad");
-  }
-}
-
 // grad dtype T x wire dtype V, each fp32, bf16 or fp16.
 #define SPARSECOMM_DISPATCH_FLOATING(TYPE, NAME, ALIAS, ...)                                   \
   [&] {                                                                                        \
@@ -180,4 +168,4 @@ inline void check_pack_arguments(const char* op, const at::Tensor& grad, const c
     }                                                                                          \
   }()
 
-}  // namespace sparsecomm
+}  // namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE

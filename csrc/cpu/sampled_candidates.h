@@ -18,12 +18,7 @@
 
 #include "candidate_select.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#include <type_traits>
-
-namespace sparsecomm {
+namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 
 constexpr int64_t kSampledMinElements = 1 << 20;  // below this the two passes are cheap anyway
 constexpr int64_t kSampleRuns = 2048, kSampleRun = 32, kSamples = kSampleRuns * kSampleRun;
@@ -78,7 +73,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
   int64_t count = 0;
   uint32_t largest = 0;
   int64_t i = begin;
-#if defined(__AVX512F__) && defined(__BMI2__)
+#if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
   if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i nan_key = _mm512_set1_epi32(static_cast<int32_t>(kNanKey));
@@ -108,6 +103,35 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       count += found;
     }
     largest = _mm512_reduce_max_epu32(largest16);
+  }
+#elif SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX2
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
+    // 8 entries per step. Without compress instructions the (few) hits are appended one by
+    // one; each sent one leaves +0, as above.
+    const __m256i bound8 = _mm256_set1_epi32(static_cast<int32_t>(bound));
+    const __m256 divisor8 = _mm256_set1_ps(divisor);
+    __m256i largest8 = _mm256_setzero_si256();
+    for (; i + 8 <= end; i += 8) {
+      __m256 acc = _mm256_div_ps(_mm256_loadu_ps(g + i), divisor8);  // same roundings as compensate()
+      if (add_residual) acc = _mm256_add_ps(acc, _mm256_loadu_ps(r + i));
+      const __m256i keys = magnitude_keys(acc);
+      largest8 = _mm256_max_epu32(largest8, keys);
+      if (r) _mm256_storeu_ps(r + i, acc);
+      uint32_t hits = keys_at_or_above(keys, bound8);
+      if (!hits) continue;
+      alignas(32) float lane[8];
+      _mm256_store_ps(lane, acc);
+      for (; hits; hits &= hits - 1) {
+        const int j = __builtin_ctz(hits);
+        if (count < capacity) {
+          slab_index[count] = static_cast<int32_t>(i + j);
+          slab_value[count] = lane[j];
+          if (r) r[i + j] = 0.0f;
+        }
+        ++count;
+      }
+    }
+    largest = max_lane(largest8);
   }
 #endif
   for (; i < end; ++i) {
@@ -210,4 +234,4 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
   return Sampled::done;
 }
 
-}  // namespace sparsecomm
+}  // namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE

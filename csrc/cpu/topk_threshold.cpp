@@ -7,7 +7,7 @@
 // defeat the bound.
 #include "sampled_candidates.h"
 
-namespace sparsecomm {
+namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 namespace {
 
 Slabs& estimate_slabs() {
@@ -81,25 +81,18 @@ std::pair<uint32_t, int64_t> topk_threshold_impl(const at::Tensor& x, int64_t k,
   return best;
 }
 
-std::tuple<at::Tensor, at::Tensor> topk_threshold_cpu(const at::Tensor& x, int64_t k, double max_relative_error) {
-  TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "topk_threshold: x must be a contiguous 1-D tensor");
-  TORCH_CHECK(k >= 1 && k <= x.numel(), "topk_threshold: k must be in [1, ", x.numel(), "], got ", k);
-  TORCH_CHECK(max_relative_error >= 0, "topk_threshold: max_relative_error must be >= 0, got ", max_relative_error);
-  std::pair<uint32_t, int64_t> best;
-  SPARSECOMM_DISPATCH_FLOATING(x.scalar_type(), "topk_threshold", T, [&] {
+}  // namespace
+
+// Arguments checked by the caller (dispatch/cpu_ops.cpp).
+std::pair<uint32_t, int64_t> topk_threshold(const at::Tensor& x, int64_t k, double max_relative_error) {
+  return SPARSECOMM_DISPATCH_FLOATING(x.scalar_type(), "topk_threshold", T, [&] {
+    std::pair<uint32_t, int64_t> best;
     if (!sampled_threshold<T>(x.const_data_ptr<T>(), x.numel(), k, max_relative_error * static_cast<double>(k),
                               &best)) {
       best = topk_threshold_impl<T>(x, k, max_relative_error);
     }
+    return best;
   });
-  return {at::scalar_tensor(key_as_float(best.first), x.options().dtype(at::kFloat)),
-          at::scalar_tensor(best.second, x.options().dtype(at::kLong))};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
-  m.impl("topk_threshold", &topk_threshold_cpu);
-}
-
-}  // namespace sparsecomm
+}  // namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE

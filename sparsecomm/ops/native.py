@@ -15,6 +15,7 @@ import torch
 OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
 KERNELS_ENV = "SPARSECOMM_KERNELS"
 KERNEL_CHOICES = ("auto", "native", "triton", "reference")
+CPU_CAPABILITY_ENV = "SPARSECOMM_CPU_CAPABILITY"
 
 
 class NativeKernelsUnavailableWarning(UserWarning):
@@ -105,3 +106,25 @@ def topk_threshold(x, k, max_relative_error=0.05):
 def unpack_add(indices, values, out, zero_out=True) -> None:
     """Scatter-add the payload rows into ``out`` in row order."""
     _ops().unpack_add(indices, values, out, zero_out)
+
+
+# The CPU kernels' instruction-set level (csrc/README.md, "CPU levels").
+
+def cpu_capability() -> str:
+    """The level the CPU kernels run at in this process: "default", "avx2" or "avx512".
+
+    Chosen once per process: the widest compiled level this CPU supports, or the one
+    ``SPARSECOMM_CPU_CAPABILITY`` names. Raises RuntimeError when the extension is missing or
+    the variable names a level this build or this CPU lacks (as every CPU kernel call then does).
+    """
+    return _ops().cpu_capability()
+
+
+def compiled_cpu_levels() -> tuple[str, ...]:
+    """The CPU levels the extension was built with, lowest first."""
+    return tuple(_ops().cpu_levels()[0])
+
+
+def supported_cpu_levels() -> tuple[str, ...]:
+    """The compiled CPU levels this CPU supports, lowest first: what ``SPARSECOMM_CPU_CAPABILITY`` may name."""
+    return tuple(_ops().cpu_levels()[1])

@@ -1,0 +1,54 @@
+// The CPU kernels of one level: what csrc/cpu/<op>.cpp defines in sparsecomm::cpu_<level>,
+// and what dispatch/cpu_ops.cpp calls once it has checked the arguments (csrc/README.md,
+// "Errors") and chosen the level. Each kernel dispatches on the dtypes itself.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "cpu_levels.h"
+
+namespace sparsecomm {
+
+using EfTopkPackKernel = void(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, float divisor,
+                              bool add_residual, int64_t k, const at::Tensor& indices_out,
+                              const at::Tensor& values_out, int64_t index_offset);
+// Returns how many entries were sent.
+using EfThresholdPackKernel = int64_t(const at::Tensor& grad, const c10::optional<at::Tensor>& residual,
+                                      float divisor, bool add_residual, float threshold,
+                                      const at::Tensor& indices_out, const at::Tensor& values_out,
+                                      int64_t index_offset);
+// Returns (threshold key, count of entries with a key at or above it).
+using TopkThresholdKernel = std::pair<uint32_t, int64_t>(const at::Tensor& x, int64_t k, double max_relative_error);
+// Returns how many indices lay outside the bucket (skipped: the caller raises).
+using UnpackAddKernel = int64_t(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out,
+                                bool zero_out);
+
+struct CpuKernels {
+  EfTopkPackKernel* ef_topk_pack;
+  EfThresholdPackKernel* ef_threshold_pack;
+  TopkThresholdKernel* topk_threshold;
+  UnpackAddKernel* unpack_add;
+};
+
+#define SPARSECOMM_DECLARE_CPU_KERNELS(LEVEL_NAMESPACE) \
+  namespace LEVEL_NAMESPACE {                           \
+  EfTopkPackKernel ef_topk_pack;                        \
+  EfThresholdPackKernel ef_threshold_pack;              \
+  TopkThresholdKernel topk_threshold;                   \
+  UnpackAddKernel unpack_add;                           \
+  inline CpuKernels kernels() { return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add}; } \
+  }
+
+SPARSECOMM_DECLARE_CPU_KERNELS(cpu_default)
+#if SPARSECOMM_CPU_X86_LEVELS
+SPARSECOMM_DECLARE_CPU_KERNELS(cpu_avx2)
+SPARSECOMM_DECLARE_CPU_KERNELS(cpu_avx512)
+#endif
+
+#undef SPARSECOMM_DECLARE_CPU_KERNELS
+
+}  // namespace sparsecomm

@@ -1,0 +1,267 @@
+"""Every CPU level of the native kernels (csrc/README.md, "CPU levels") computes the same bytes.
+
+A process chooses its level once, so each level runs in a subprocess with
+SPARSECOMM_CPU_CAPABILITY set; this file is that subprocess's script too. It runs every CPU
+operator on fixed-seed inputs: odd sizes (the 8- and 16-lane loops end in scalar tails),
+NaN and +-Inf among the values, every dtype pair at one size, and buckets of >= 2^20 entries
+for the sampled one-pass strategies. Outputs must match the pure-torch reference
+(sparsecomm/ops/reference.py) as tests/test_kernels.py compares them, and the levels must
+agree byte for byte, payload order included. topk_threshold has no single right answer
+(backends may stop refining early), so its threshold is checked for the contract's count
+and bound, and across levels for equal bytes.
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+from sparsecomm import ops
+from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.ops import native, reference
+
+LOADED, WHY_NOT = native.load()
+SUPPORTED = native.supported_cpu_levels() if LOADED else ()
+# Levels that must be refused here: a name no build has, and any level this CPU or build lacks.
+REFUSED = ("avx1024",) + tuple(level for level in ("avx2", "avx512") if level not in SUPPORTED)
+pytestmark = [pytest.mark.skipif(not LOADED, reason=f"native extension not built: {WHY_NOT}"),
+              pytest.mark.timeout(300)]
+
+SUBPROCESS_TIMEOUT = 120
+INF, NAN = float("inf"), float("nan")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PAIRS = [(g, v) for g in DTYPES for v in DTYPES]
+FP32 = [(torch.float32, torch.float32)]  # the pair with hand-written vector loops
+SAMPLED = 2**20 + 3  # ef_topk_pack and topk_threshold take their one-pass strategy from 2^20 entries
+OFFSET = 5
+
+
+def _inputs(n, dtype, seed):
+    """A randn gradient with NaN, +Inf and -Inf at three places, and a small residual."""
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=generator)
+    residual = torch.randn(n, generator=generator) * 0.1
+    if n >= 7:
+        grad[[1, n // 2, n - 2]] = torch.tensor([NAN, INF, -INF])
+    return grad.to(dtype), residual.to(dtype)
+
+
+def _topk(grad, residual, divisor, add_residual, k, value_dtype):
+    def run(impl):
+        r = None if residual is None else residual.clone()
+        indices = torch.full((k,), -1, dtype=torch.int32)
+        values = torch.empty(k, dtype=value_dtype)
+        impl.ef_topk_pack(grad, r, divisor, add_residual, k, indices, values, OFFSET)
+        return [indices, values] + ([] if r is None else [r])
+    return run
+
+
+def _threshold(grad, residual, divisor, add_residual, threshold, capacity, value_dtype):
+    def run(impl):
+        r = None if residual is None else residual.clone()
+        indices = torch.full((capacity,), -1, dtype=torch.int32)
+        values = torch.full((capacity,), 7.0, dtype=value_dtype)
+        count = impl.ef_threshold_pack(grad, r, divisor, add_residual, threshold, indices, values, OFFSET)
+        return [count.reshape(1), indices, values] + ([] if r is None else [r])
+    return run
+
+
+def _estimate(x, k):
+    def run(impl):
+        threshold, count = impl.topk_threshold(x, k, 0.05)
+        return [threshold.reshape(1), count.reshape(1)]
+    return run
+
+
+def _unpack(n, k, world_size, out_dtype, value_dtype, zero_out, seed):
+    generator = torch.Generator().manual_seed(seed)
+    gathered = torch.zeros(world_size * payload_nbytes(k, value_dtype), dtype=torch.uint8)
+    indices, values = ops.payload_views(gathered, k, value_dtype)  # strided rows
+    for rank in range(world_size):  # overlapping index sets across ranks
+        indices[rank] = torch.randperm(n, generator=generator)[:k].int()
+        values[rank] = (torch.randn(k, generator=generator) * 100).to(value_dtype)
+    # +Inf from rank 0 and -Inf from rank 1 at one index: NaN there.
+    values[0, 0] = INF
+    same = torch.nonzero(indices[1] == indices[0, 0]).flatten()
+    position = int(same[0]) if same.numel() else 0
+    indices[1, position] = indices[0, 0]
+    values[1, position] = -INF
+    start = torch.randn(n + 1, generator=generator).to(out_dtype)
+
+    def run(impl):
+        out = start.clone()[1:]  # not 64-byte aligned: the streaming stores' head and tail run
+        impl.unpack_add(indices, values, out, zero_out)
+        return [out]
+    return run
+
+
+@dataclass(frozen=True)
+class Case:
+    run: Callable  # impl (native or reference) -> list of output tensors
+    unordered: bool = False  # a payload in unspecified order: compared with the reference sorted by index
+    estimate: tuple | None = None  # topk_threshold's (x, k): checked by its contract, not against bytes
+
+
+@functools.cache
+def cases() -> dict[str, Case]:
+    found = {}
+    for n in (1, 7, 1003, 65_537, SAMPLED):
+        for dtype, value_dtype in PAIRS if n == 1003 else FP32:
+            grad, residual = _inputs(n, dtype, seed=n)
+            for k in sorted({1, max(1, n // 100), n}) if n < SAMPLED else (n // 100,):
+                for divisor, add_residual, r in ((3.0, True, residual), (2.0, False, None)):
+                    name = f"ef_topk_pack n={n} {dtype}->{value_dtype} k={k} residual={r is not None}"
+                    found[name] = Case(_topk(grad, r, divisor, add_residual, k, value_dtype), unordered=True)
+    for n in (7, 1003, 65_537, SAMPLED):
+        for dtype, value_dtype in PAIRS if n == 1003 else FP32:
+            grad, residual = _inputs(n, dtype, seed=n + 1)
+            settings = [(1.5, max(1, n // 50))] if n == SAMPLED else [(1.5, n), (1.5, max(1, n // 50)), (INF, 2),
+                                                                       (NAN, n)]
+            for threshold, capacity in settings:
+                for divisor, add_residual, r in ((3.0, True, residual), (2.0, False, None)):
+                    name = (f"ef_threshold_pack n={n} {dtype}->{value_dtype} threshold={threshold} "
+                            f"capacity={capacity} residual={r is not None}")
+                    found[name] = Case(_threshold(grad, r, divisor, add_residual, threshold, capacity, value_dtype))
+    for n in (1003, 200_003, SAMPLED):
+        for dtype in DTYPES if n == 200_003 else (torch.float32,):
+            x, _ = _inputs(n, dtype, seed=n + 2)
+            for k in (1, n // 100, n // 10):
+                found[f"topk_threshold n={n} {dtype} k={k}"] = Case(_estimate(x, k), estimate=(x, k))
+    for n, k, world_size in ((1003, 300, 3), (65_537, 6_000, 2)):
+        for out_dtype, value_dtype in PAIRS if n == 1003 else FP32:
+            for zero_out in (True, False):
+                name = f"unpack_add n={n} {value_dtype}->{out_dtype} world_size={world_size} zero_out={zero_out}"
+                found[name] = Case(_unpack(n, k, world_size, out_dtype, value_dtype, zero_out, seed=n))
+    return found
+
+
+# ----- the subprocess --------------------------------------------------------------------
+
+
+def _run_every_case(path: str) -> None:
+    results = {name: [t.clone() for t in case.run(native)] for name, case in cases().items()}
+    torch.save({"capability": native.cpu_capability(), "results": results}, path)
+
+
+def _report_refusal() -> None:
+    messages = {}
+    for what, call in (("cpu_capability", native.cpu_capability),
+                       ("kernel", lambda: native.topk_threshold(torch.ones(3), 1))):
+        try:
+            call()
+            messages[what] = None
+        except RuntimeError as error:
+            messages[what] = str(error)
+    print(json.dumps(messages))
+
+
+def _subprocess(level: str | None, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("SPARSECOMM_CPU_CAPABILITY", None)
+    if level is not None:
+        env["SPARSECOMM_CPU_CAPABILITY"] = level
+    result = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, f"level {level}: {result.stdout}\n{result.stderr}"
+    return result
+
+
+# ----- the tests -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def level_results(tmp_path_factory) -> dict:
+    """level -> {"capability": the level the subprocess reported, "results": name -> outputs}."""
+    folder = tmp_path_factory.mktemp("levels")
+    found = {}
+    for level in SUPPORTED:
+        path = folder / f"{level}.pt"
+        _subprocess(level, "run", str(path))
+        found[level] = torch.load(path)
+    return found
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict:
+    """The reference's outputs (None for topk_threshold: checked by its contract instead)."""
+    return {name: None if case.estimate else case.run(reference) for name, case in cases().items()}
+
+
+def _assert_matches_reference(name, want, got, unordered):
+    if unordered:
+        order_want, order_got = torch.argsort(want[0].long()), torch.argsort(got[0].long())
+        want = [want[0][order_want], want[1][order_want], *want[2:]]
+        got = [got[0][order_got], got[1][order_got], *got[2:]]
+    assert len(want) == len(got), name
+    for position, (w, g) in enumerate(zip(want, got)):
+        assert w.dtype == g.dtype and w.shape == g.shape, (name, position)
+        if w.is_floating_point():  # NaN at the same places (their bits are unspecified), all else bitwise
+            nan = torch.isnan(w)
+            assert torch.equal(nan, torch.isnan(g)), (name, position)
+            w, g = w[~nan], g[~nan]
+        assert torch.equal(w.reshape(-1).view(torch.uint8), g.reshape(-1).view(torch.uint8)), (name, position)
+
+
+def _assert_estimate_keeps_the_contract(name, x, k, got):
+    threshold, count = got
+    key = reference.magnitude_key(x)
+    assert int(count) == int((key >= reference.magnitude_key(threshold.reshape(1))).sum()), name
+    closest = int(reference.topk_threshold(x, k, 0.05)[1])
+    if abs(closest - k) <= 0.05 * k:
+        assert abs(int(count) - k) <= 0.05 * k, (name, int(count))
+    else:  # ties at the k-th defeat the bound: the closest count, as the reference
+        assert int(count) == closest, (name, int(count), closest)
+
+
+@pytest.mark.parametrize("level", SUPPORTED)
+def test_the_subprocess_runs_the_level_it_was_given(level_results, level):
+    assert level_results[level]["capability"] == level
+
+
+@pytest.mark.parametrize("level", SUPPORTED)
+def test_every_operator_matches_the_reference(level_results, expected, level):
+    results = level_results[level]["results"]
+    for name, case in cases().items():
+        if case.estimate:
+            _assert_estimate_keeps_the_contract(name, *case.estimate, results[name])
+        else:
+            _assert_matches_reference(name, expected[name], results[name], case.unordered)
+
+
+def test_every_level_gives_the_same_bytes(level_results):
+    first, *others = SUPPORTED
+    for level in others:
+        for name, outputs in level_results[first]["results"].items():
+            for position, (a, b) in enumerate(zip(outputs, level_results[level]["results"][name])):
+                assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), \
+                    f"{name}, output {position}: {first} and {level} differ"
+
+
+def test_without_the_variable_the_widest_supported_level_runs():
+    result = _subprocess(None, "report")
+    assert result.stdout.strip() == SUPPORTED[-1]
+    assert native.compiled_cpu_levels()[0] == "default" and set(SUPPORTED) <= set(native.compiled_cpu_levels())
+
+
+@pytest.mark.parametrize("level", REFUSED)
+def test_a_level_this_cpu_lacks_is_refused_with_the_choices(level):
+    messages = json.loads(_subprocess(level, "refuse").stdout)
+    # Asking for the level and calling a kernel both fail, naming the variable, the value and
+    # the levels this CPU supports; no kernel runs.
+    assert messages["cpu_capability"] is not None and messages["kernel"] == messages["cpu_capability"]
+    assert f"SPARSECOMM_CPU_CAPABILITY={level}" in messages["kernel"]
+    assert f"supports: {', '.join(SUPPORTED)}" in messages["kernel"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        _run_every_case(sys.argv[2])
+    elif sys.argv[1] == "refuse":
+        _report_refusal()
+    else:  # report
+        print(native.cpu_capability())
