@@ -1,0 +1,219 @@
+"""Persistence of the top-k hook's state: checkpoints (``state_dict``) and pickles.
+
+A mixin of :class:`~sparsecomm.hooks.topk_state.TopKState`, apart from the hook and the
+step bookkeeping: what is saved (every per-rank memory under ``rank{r}.``, the config, the
+grad scaler's scale the memories are in), what a load checks before it changes anything
+(:mod:`sparsecomm.hooks.state_dict_check`), and what a pickle leaves behind (what belongs
+to the process: the group, communicators, observers, the DDP model).
+"""
+import warnings
+
+import torch
+
+from sparsecomm.hooks import state_dict_check
+from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
+from sparsecomm.hooks.config import TopKConfig
+from sparsecomm.hooks.stats import HookStats
+from sparsecomm.hooks.step_journal import StepJournal
+
+STATE_DICT_FORMAT = 1
+
+
+class PersistentState:
+    """state_dict / load_state_dict / pickling of a TopKState."""
+
+    __slots__ = ()
+
+    def _config(self) -> dict:
+        return self.config.checkpoint_dict()
+
+    def state_dict(self) -> dict:
+        """This rank's state, with every per-rank entry under ``rank{r}.``.
+
+        ``rank{r}.residual.{name}``, ``rank{r}.velocity.{name}``, ``rank{r}.stats``,
+        ``rank{r}.sample_generator`` and ``rank{r}.sample_generator_device`` differ per
+        rank; ``format``, ``world_size``, ``step``, ``config`` and ``memory_scale`` (the
+        grad scaler's scale the memories are in, None without a scaler) are the same on
+        every rank. Rank-qualified keys matter for torch.distributed.checkpoint, which
+        treats an unqualified key saved by every rank as replicated and hands rank 0's
+        value to all. With a bound module and error feedback, every parameter has a
+        residual entry (zeros before the first sparse step), so the dict is also a
+        complete template for DCP to load into. Refused while a collective is in flight.
+        The last step is settled first (a skipped step is undone), so the dict is what
+        the next step starts from.
+        """
+        if self._pending:
+            raise RuntimeError(
+                f"TopKState.state_dict() with {self._pending} collective(s) in flight: the "
+                "residuals are mid-update; save between steps (after optimizer.step())"
+            )
+        self._settle()
+        rank, world_size = self._rank_and_world_size()
+        prefix = f"rank{rank}."
+        sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self._config(),
+              "memory_scale": None if self._scale is None else self._scale.memory_scale}
+        sd[f"{prefix}stats"] = dict(self._stats.totals)
+        memories = [("residual", self._residuals, self.config.error_feedback), ("velocity", self._velocities, self.config.momentum > 0)]
+        for kind, memory, used in memories:
+            entries = memory.state_dict()
+            if used:
+                for name, (numel, dtype) in self._param_shapes.items():
+                    entries.setdefault(name, torch.zeros(numel, dtype=self._memory_dtype(dtype)))
+            for name, tensor in sorted(entries.items()):
+                sd[f"{prefix}{kind}.{name}"] = tensor
+        if self._sample_generator is not None:
+            sd[f"{prefix}sample_generator"] = self._sample_generator.get_state()
+            sd[f"{prefix}sample_generator_device"] = str(self._sample_generator.device)
+        return sd
+
+    def load_state_dict(self, state_dict: dict, *, strict: bool = True) -> None:
+        """Restore this rank's state from ``state_dict`` (made by :meth:`state_dict`).
+
+        A malformed dict (keys or values :meth:`state_dict` never writes: a 2-D or
+        non-float residual, a negative step, a key that is not ``rank<r>.<kind>.<name>``)
+        is always refused with a ValueError naming the key. Strict (default): also refuses
+        another rank's state, a different world size, a different configuration and, for a
+        bound state, residuals missing, extra or of the wrong size for any parameter, and
+        memories holding Inf or NaN; every message gives both values. Lenient (``strict=False``): in those
+        cases the residuals and velocities are reset to zero with a warning, and
+        ``stats()["residual_reset"]`` becomes True so the ledger can report it (error
+        feedback then restarts from nothing; convergence usually survives an occasional
+        reset, DeepSpeed's 1-bit optimizers always reset). Memories saved under a grad
+        scaler come back in the units of this state's scaler (or unscaled without one).
+        The sampled selector's generator comes back on the device it was saved from.
+        """
+        if self._pending:
+            raise RuntimeError(f"TopKState.load_state_dict() with {self._pending} collective(s) in flight")
+        rank, world_size = self._rank_and_world_size()
+        parsed = state_dict_check.parse(state_dict, rank, STATE_DICT_FORMAT)  # malformed: always refused
+        problems = []
+        if parsed.saved_world_size != world_size:
+            problems.append(
+                f"state_dict was saved with world_size={parsed.saved_world_size}, this job has world_size={world_size}"
+            )
+        if rank not in parsed.ranks:
+            problems.append(
+                f"state_dict holds the state of rank(s) {parsed.ranks}, this is rank {rank}: "
+                "every rank's residual differs; save and load each rank's own state dict"
+            )
+        if parsed.config != self._config():
+            diffs = {
+                key: (parsed.config.get(key), value)
+                for key, value in self._config().items()
+                if parsed.config.get(key) != value
+            }
+            problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
+        if not problems:
+            problems += state_dict_check.mismatches(parsed, self._param_shapes, self.config.error_feedback,
+                                                    self.config.momentum > 0, rank)
+        memories = parsed.memories
+        generator_state = parsed.per_rank.get("sample_generator")
+        generator_device = parsed.per_rank.get("sample_generator_device", "cpu")
+        if generator_state is not None and not problems:
+            generator_device = _usable_device(generator_device, problems)
+        reset = bool(problems)
+        if reset and strict:
+            raise ValueError("; ".join(problems) + "; pass strict=False to reset the residuals instead")
+        if reset:
+            warnings.warn(
+                "TopKState.load_state_dict(strict=False): resetting error-feedback residuals: " + "; ".join(problems),
+                stacklevel=2,
+            )
+            memories = {"residual": {}, "velocity": {}}
+        self._residuals.load_state_dict(memories["residual"])
+        self._velocities.load_state_dict(memories["velocity"])
+        self._load_memory_scale(None if reset else parsed.memory_scale)
+        self._sample_generator = None
+        if generator_state is not None and not reset:
+            self._sample_generator = torch.Generator(device=generator_device).set_state(generator_state)
+        self.step = parsed.step
+        self._stats = HookStats(parsed.per_rank.get("stats", {}))
+        self._stats.totals["residual_reset"] = reset or bool(self._stats.totals.get("residual_reset"))
+        self._buffers = {}
+        self._forget_step()
+
+    def _load_memory_scale(self, saved_scale: float | None) -> None:
+        """Memories saved in units of a scaler's ``saved_scale``: keep them in this state's units."""
+        if self._scale is not None:
+            self._scale.memory_scale = 1.0 if saved_scale is None else float(saved_scale)
+        elif saved_scale is not None and saved_scale != 1.0:
+            self._residuals.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
+            self._velocities.scale_(1.0 / saved_scale)
+
+    def _forget_step(self) -> None:
+        """Memories were replaced: nothing of the last step is left to settle or undo."""
+        self._settled, self._step_open, self._agreed = True, False, False
+        if self._journal is not None:
+            self._journal.forget()
+        if self._unused is not None:
+            self._unused.forget()
+
+    def __getstate__(self) -> dict:
+        """Everything but what belongs to this process: the process group, the ids of its
+        parameters, communicators, observers, the DDP model (as PowerSGDState drops its group)."""
+        if self._pending:
+            raise RuntimeError(
+                f"cannot pickle a TopKState with {self._pending} collective(s) in flight: "
+                "save between steps, after backward() and optimizer.step() returned"
+            )
+        self._settle()
+        state = {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
+        state["_mpi"] = None  # a communicator and a thread of this process
+        state["_observers"] = []  # observers belong to this process (monitors, injectors)
+        state["_rank"] = None
+        state["_param_names"] = {}  # keyed by id(): meaningless in another process
+        state["_bound_module_id"] = None
+        state["_unused"] = None  # holds the DDP model; bind() again in the new process
+        state["_scale"] = None if self._scale is None else self._scale.memory_scale  # the scaler is the loop's
+        if self._sample_generator is not None:
+            state["_sample_generator"] = (self._sample_generator.get_state(), str(self._sample_generator.device))
+        state["_buffers"] = {}
+        state["_scratch"] = None
+        state["_journal"] = None if self._journal is None else StepJournal()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        generator = state.pop("_sample_generator")
+        memory_scale = state.pop("_scale", None)
+        if "_names_from_module" not in state:  # pickles from before ids were dropped
+            state["_names_from_module"] = state.get("_bound_module_id") is not None
+            state["_param_names"], state["_bound_module_id"] = {}, None
+        state = _PICKLE_DEFAULTS | state  # pickles from before these fields existed
+        if "config" not in state:  # pickles from before the settings moved into one TopKConfig
+            settings = {name: state.pop(name) for name in CONFIG_FIELDS if name in state}
+            state["config"] = TopKConfig(**settings)
+        if not isinstance(state["_stats"], HookStats):
+            state["_stats"] = HookStats(state["_stats"])
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.process_group = None
+        self._scale = None
+        self._agreed = False  # a new process: compare the ranks again at the first call
+        # The memories are in units of the old scaler's scale; with no scaler here they
+        # are brought to unscaled units (pass the new scaler with set_grad_scaler()).
+        self._load_memory_scale(memory_scale)
+        self._sample_generator = None
+        if generator is not None:
+            generator_state, device = generator if isinstance(generator, tuple) else (generator, "cpu")
+            self._sample_generator = torch.Generator(device=_usable_device(device)).set_state(generator_state)
+
+
+# Fields that pickles of older versions do not have, with the value that keeps their behaviour.
+_PICKLE_DEFAULTS = {
+    "_mpi": None, "_journal": None,
+    "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
+    "_unused": None, "_fallback_bound": None, "_warned_all_dense": False,
+}
+
+
+def _usable_device(device: str, problems: list | None = None) -> str:
+    """``device`` if this process can hold a generator there; else an error (or a problem noted)."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        message = (f"the sampled selector's generator was saved on {device}, which this process does not have; "
+                   "restore the state on a machine with that device")
+        if problems is None:
+            raise ValueError(message)
+        problems.append(message)
+        return "cpu"
+    return device
