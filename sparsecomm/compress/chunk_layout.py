@@ -2,7 +2,10 @@
 
 One payload per bucket and rank, of a size fixed by (numel, chunk_size, density, codecs)::
 
-    [ scales: chunks x bfloat16 (scaled value codecs only) | index region | value region | pad to 8 ]
+    [ scales: groups x bfloat16 (scaled value codecs only) | index region | value region | pad to 8 ]
+
+A scale group is a chunk, or, with ``scale_group`` > 0, that many consecutive payload
+entries (how exact top-k, one chunk the size of the bucket, gets scales at a useful grain).
 
 The index region is written by the index codec (:mod:`sparsecomm.compress.index_codecs`),
 the value region by the value codec (:mod:`sparsecomm.compress.value_codecs`); entries
@@ -26,6 +29,19 @@ class ChunkLayout:
     density: float
     index_codec: str
     value_codec: str
+    scale_group: int = 0  # entries per value scale; 0: one scale per chunk
+
+    @property
+    def scale_groups(self) -> int:
+        if self.scale_group:
+            return -(-self.capacity // self.scale_group)
+        return self.geometry.chunks
+
+    def group_of_entry(self, device=None) -> torch.Tensor:
+        """int64 [capacity]: the scale group of every payload entry."""
+        if self.scale_group:
+            return torch.arange(self.capacity, device=device) // self.scale_group
+        return self.geometry.chunk_of_entry(device)
 
     @property
     def geometry(self) -> ChunkGeometry:
@@ -38,7 +54,7 @@ class ChunkLayout:
 
     @property
     def scale_bytes(self) -> int:
-        return value_codecs.SCALE_BYTES * self.geometry.chunks if value_codecs.has_scale(self.value_codec) else 0
+        return value_codecs.SCALE_BYTES * self.scale_groups if value_codecs.has_scale(self.value_codec) else 0
 
     @property
     def index_bytes(self) -> int:
@@ -77,15 +93,15 @@ class ChunkLayout:
         geometry = self.geometry
         indices = chunk_topk(acc, geometry)
         values = acc[indices]
-        chunk = geometry.chunk_of_entry(acc.device)
-        scales, value_region = value_codecs.encode(self.value_codec, values, chunk, geometry.chunks)
+        group = self.group_of_entry(acc.device)
+        scales, value_region = value_codecs.encode(self.value_codec, values, group, self.scale_groups)
         scale_out, index_out, value_out, pad = self._regions(payload)
         if scales is not None:
             scale_out.copy_(value_codecs.scales_to_bytes(scales))
         index_out.copy_(index_codecs.encode(self.index_codec, indices, geometry))
         value_out.copy_(value_region)
         pad.zero_()
-        decoded = value_codecs.decode(self.value_codec, scales, value_region, chunk)
+        decoded = value_codecs.decode(self.value_codec, scales, value_region, group)
         if residual is not None:
             wide = decoded.to(acc.dtype)
             kept = torch.where(torch.isfinite(wide), values - wide, values)
@@ -100,10 +116,9 @@ class ChunkLayout:
         """(bucket-relative indices int64, values) of one payload, in payload order."""
         geometry = self.geometry
         scale_region, index_region, value_region, _ = self._regions(payload)
-        scales = value_codecs.scales_from_bytes(scale_region, geometry.chunks) if self.scale_bytes else None
-        chunk = geometry.chunk_of_entry(payload.device)
+        scales = value_codecs.scales_from_bytes(scale_region, self.scale_groups) if self.scale_bytes else None
         return (index_codecs.decode(self.index_codec, index_region, geometry),
-                value_codecs.decode(self.value_codec, scales, value_region, chunk))
+                value_codecs.decode(self.value_codec, scales, value_region, self.group_of_entry(payload.device)))
 
     def views(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 indices, values), each [rows, capacity], of back-to-back payloads: decoded

@@ -26,7 +26,7 @@ from sparsecomm.compress import bitpack
 from sparsecomm.compress.chunking import ChunkGeometry
 
 INDEX_CODECS = ("int32", "chunk", "rice")
-MAX_RICE_PARAMETER = 16
+MAX_RICE_PARAMETER = 30  # gaps of up to 2**31 (one chunk the size of the largest bucket)
 
 
 def chunk_index_bits(chunk_size: int) -> int:
@@ -126,8 +126,16 @@ def _rice_encode(local: torch.Tensor, geometry: ChunkGeometry) -> torch.Tensor:
     return bitpack.bits_to_bytes(stream)
 
 
+# Above this many entries per chunk the rounds of the vectorised decoder cost more than a
+# plain walk along each chunk's bits (few, long chunks: exact top-k as one chunk).
+_MAX_VECTOR_ROUNDS = 256
+
+
 def _rice_decode(region: torch.Tensor, geometry: ChunkGeometry) -> torch.Tensor:
-    """Decode every chunk at once, one gap per chunk per round (k rounds)."""
+    """Decode every chunk at once, one gap per chunk per round (k rounds); for long chunks,
+    walk each chunk's bits instead."""
+    if geometry.k_full > _MAX_VECTOR_ROUNDS:
+        return _rice_decode_walk(region, geometry)
     device = region.device
     (_, full_bits), (_, last_bits) = rice_chunk_bits(geometry)
     total = (geometry.chunks - 1) * full_bits + last_bits
@@ -156,3 +164,31 @@ def _rice_decode(region: torch.Tensor, geometry: ChunkGeometry) -> torch.Tensor:
         cursor = torch.where(active, zero + 1 + r, cursor)
     keep = torch.arange(geometry.k_full, device=device).unsqueeze(0) < counts.unsqueeze(1)
     return local[keep]
+
+
+def _rice_decode_walk(region: torch.Tensor, geometry: ChunkGeometry) -> torch.Tensor:
+    """The same decoding, one code after another (host lists: fast for a few long chunks)."""
+    import numpy as np
+
+    (_, full_bits), (_, last_bits) = rice_chunk_bits(geometry)
+    total = (geometry.chunks - 1) * full_bits + last_bits
+    bits = bitpack.bytes_to_bits(region[: bitpack.packed_nbytes(total, 1)].cpu())[:total].numpy()
+    padded = np.concatenate([bits, np.zeros(MAX_RICE_PARAMETER + 2, dtype=bits.dtype)])
+    position = np.arange(padded.size)
+    next_zero = np.minimum.accumulate(np.where(padded == 0, position, padded.size)[::-1])[::-1].tolist()
+    r_of_chunk, chunk_start = (t.tolist() for t in _chunk_bit_starts(geometry, "cpu"))
+    counts = geometry.counts.tolist()
+    out = []
+    for r, cursor, count in zip(r_of_chunk, chunk_start, counts):
+        # low[p]: the r-bit number whose least significant bit is at p
+        low = np.zeros(padded.size, dtype=np.int64)
+        for bit in range(r):
+            low[: padded.size - bit] += padded[bit:].astype(np.int64) << bit
+        low = low.tolist()
+        index = -1
+        for _ in range(count):
+            zero = next_zero[cursor]
+            index += (((zero - cursor) << r) | (low[zero + 1] if r else 0)) + 1
+            out.append(index)
+            cursor = zero + 1 + r
+    return torch.tensor(out, dtype=torch.int64, device=region.device)

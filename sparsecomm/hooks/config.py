@@ -93,17 +93,22 @@ class TopKConfig:
         config._check_combinations()
         return config
 
+    @property
+    def compact_wire(self) -> bool:
+        """Indices or values written by a codec other than int32 + a float dtype."""
+        return self.index_codec != "int32" or self.value_codec is not None
+
     def _check_combinations(self) -> None:
-        if self.selector != "chunk":
-            if self.index_codec != "int32":
-                raise ValueError(f"index_codec={self.index_codec!r} writes chunk-local indices: it needs "
-                                 f"selector='chunk' (got selector={self.selector!r}); other selectors send int32")
-            if self.chunk_size != TopKConfig.chunk_size:
-                raise ValueError(f"chunk_size={self.chunk_size} is a setting of selector='chunk' "
-                                 f"(got selector={self.selector!r})")
-        elif self.k_scope != "bucket":
-            raise ValueError("selector='chunk' takes the top entries of every chunk of the bucket: it needs "
-                             f"k_scope='bucket', got k_scope={self.k_scope!r}")
+        if self.selector in ("sampled", "random") and self.index_codec != "int32":
+            raise ValueError(f"index_codec={self.index_codec!r} needs selector 'exact' or 'chunk' (a payload of a "
+                             f"size known to every rank), got selector={self.selector!r}")
+        if self.selector != "chunk" and self.chunk_size != TopKConfig.chunk_size:
+            raise ValueError(f"chunk_size={self.chunk_size} is a setting of selector='chunk' "
+                             f"(got selector={self.selector!r})")
+        if (self.selector == "chunk" or self.compact_wire) and self.k_scope != "bucket":
+            raise ValueError(f"selector={self.selector!r} with index_codec={self.index_codec!r} and value_codec="
+                             f"{self.value_codec!r} encodes whole buckets: it needs k_scope='bucket', got "
+                             f"k_scope={self.k_scope!r}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:
@@ -133,7 +138,7 @@ class TopKConfig:
             "k_scope": self.k_scope,
             # Only where they mean something, so checkpoints of the other selectors stay as they were.
             **({"chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec}
-               if self.selector == "chunk" else {}),
+               if self.selector == "chunk" or self.compact_wire else {}),
         }
 
     def memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
@@ -157,9 +162,10 @@ def _resolve_value_codec(value_codec, value_dtype, selector: str):
         if value_dtype is not None and value_dtype != FLOAT_CODECS[value_codec]:
             raise ValueError(f"value_codec={value_codec!r} and value_dtype={value_dtype} disagree; give one of them")
         return FLOAT_CODECS[value_codec], None
-    if selector != "chunk":
-        raise ValueError(f"value_codec={value_codec!r} quantizes with a scale per chunk: it needs selector='chunk' "
-                         f"(got selector={selector!r}); other selectors take value_codec 'fp32', 'bf16' or 'fp16'")
+    if selector not in ("exact", "chunk"):
+        raise ValueError(f"value_codec={value_codec!r} quantizes with a scale per group of entries: it needs "
+                         f"selector 'exact' or 'chunk' (got selector={selector!r}); the others take value_codec "
+                         "'fp32', 'bf16' or 'fp16'")
     if value_dtype is not None:
         raise ValueError(f"value_codec={value_codec!r} sets the wire values; value_dtype={value_dtype} must be None")
     return None, value_codec

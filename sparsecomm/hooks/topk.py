@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.conservation import ConservationAudit
 from sparsecomm.hooks.pipeline import acc, decode, dense, exchange, plan, record, select_encode
 from sparsecomm.hooks.topk_state import (  # noqa: F401  (TopKState and the constants are re-exported)
@@ -128,7 +129,8 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
              if config.verify_conservation else None)
     variable = config.transport == "mpi" and config.selector == "sampled" and config.k_scope == "bucket"
     # 2. acc, unless the kernel forms it (exact top-k; the threshold pack over MPI).
-    fused = acc.fused(state) and (config.selector == "exact" or variable)
+    chunked = isinstance(call.layout, ChunkLayout)  # chunked selection, or exact top-k on the compact wire
+    fused = acc.fused(state) and ((config.selector == "exact" and not chunked) or variable)
     if not fused:
         acc.compensate(call, velocity, residual)
     # 3. select + encode.
@@ -138,7 +140,7 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
         payload, gathered = state._wire_buffers(call.index, call.layout, call.world_size, call.out.device)
         if variable:
             packed = select_encode.variable_payload(call, residual, fused, payload, gathered)
-        elif config.selector == "chunk":
+        elif chunked:
             packed = select_encode.chunk_payload(call, residual, payload)
         else:
             packed = select_encode.fixed_payload(call, residual, fused, payload)

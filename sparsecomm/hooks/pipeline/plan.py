@@ -12,6 +12,9 @@ from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
 
 MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one bucket
+# Entries per value scale of exact top-k on the compact wire (consecutive in index order):
+# a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
+EXACT_SCALE_GROUP = 64
 
 
 class BucketCall:
@@ -84,13 +87,17 @@ def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_d
     """The layout of the bucket's sparse payload (None for random-k, which sends bare values)."""
     if config.selector == "random":
         return None
-    if config.selector != "chunk":
+    if config.selector != "chunk" and not config.compact_wire:
         return PayloadLayout(k, value_dtype)
     if config.value_codec is None and value_dtype not in FLOAT_CODECS.values():
-        raise ValueError(f"selector='chunk' writes values with a value codec; a {value_dtype} bucket needs one: "
-                         f"pass value_codec (e.g. 'fp32') or value_dtype=torch.float32")
-    return ChunkLayout(buffer.numel(), config.chunk_size, density, config.index_codec,
-                       config.value_codec or codec_of_dtype(value_dtype))
+        raise ValueError(f"a chunked or compact payload writes values with a value codec; a {value_dtype} bucket needs "
+                         f"one: pass value_codec (e.g. 'fp32') or value_dtype=torch.float32")
+    value_codec = config.value_codec or codec_of_dtype(value_dtype)
+    if config.selector == "chunk":
+        return ChunkLayout(buffer.numel(), config.chunk_size, density, config.index_codec, value_codec)
+    # Exact top-k on the compact wire: the whole bucket is one chunk; scales per EXACT_SCALE_GROUP entries.
+    return ChunkLayout(buffer.numel(), buffer.numel(), density, config.index_codec, value_codec,
+                       scale_group=EXACT_SCALE_GROUP)
 
 
 def selection_sizes(config, density: float, numels: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
