@@ -25,6 +25,15 @@ TORCH_LIBRARY(sparsecomm, m) {
   m.def("topk_threshold(Tensor x, int k, float max_relative_error) -> (Tensor, Tensor)");
   // Scatter-add of world_size payloads into the dense bucket.
   m.def("unpack_add(Tensor indices, Tensor values, Tensor(a!) out, bool zero_out) -> ()");
+  // selector="chunk": fused error feedback + per-chunk top-k + index and value codecs into
+  // one payload; returns (bucket-relative indices int64, decoded values). Codec ids: index
+  // 0 int32, 1 chunk, 2 rice; value 0 fp32, 1 bf16, 2 fp16, 3 fp8, 4 int8, 5 int4, 6 int2,
+  // 7 sign (csrc/README.md).
+  m.def("chunk_encode(Tensor grad, Tensor(a!)? residual, float divisor, bool add_residual, int chunk_size, "
+        "int k_full, int k_last, int index_codec, int value_codec, Tensor(b!) payload) -> (Tensor, Tensor)");
+  // Decode world_size chunked payloads and add them, in rank order, into the dense bucket.
+  m.def("chunk_decode_add(Tensor gathered, int chunk_size, int k_full, int k_last, int index_codec, "
+        "int value_codec, Tensor(a!) out, bool zero_out) -> ()");
   // The instruction-set level of the CPU kernels in this process: "default", "avx2" or
   // "avx512" (csrc/README.md, "CPU levels"); raises if SPARSECOMM_CPU_CAPABILITY names a
   // level this CPU or build lacks.

@@ -11,11 +11,20 @@ For each bucket size n and density, timed in one run on the same buffers:
 * unpack     scatter-add of world_size payloads into the bucket: zero + scatter, and the
   scatter alone (M adds/s)
 
-and the ratios: fused / floor, reference / fused. The residual is reset before every timed
-call (untimed), so each call sees the same step. Prints a table, writes JSON with the
-machine, torch version and git commit.
+and the ratios: fused / floor, reference / fused. For the chunked selection
+(``selector="chunk"``), per index + value codec pair (``--chunk-pairs``):
+
+* encode     the dispatched ``chunk_encode``: EF + per-chunk top-k + codecs, and / floor
+* decode     ``chunk_decode_add`` of world_size different payloads onto zeros (zeroing
+  included), in M payload entries/s
+* B/entry    payload bytes (scales, indices, values, padding) per selected entry
+
+The residual is reset before every timed call (untimed), so each call sees the same step.
+Prints the tables (the header names the CPU, its vector ISA and the level the CPU kernels
+run at), writes JSON with the machine, torch version and git commit.
 
     python experiments/bench_kernels.py --sizes 1e6 25e6 100e6 --densities 0.001 0.01
+    python experiments/bench_kernels.py --sizes 25e6 100e6 --densities 0.01 --only-chunk
     python experiments/bench_kernels.py --device cuda --sizes 1e6 25e6 100e6   # on a GPU
 """
 import argparse
@@ -31,9 +40,12 @@ import torch
 
 from cpu_info import describe_cpu, vector_isa  # experiments/cpu_info.py, beside this script
 from sparsecomm import compress, ops
+from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.experiment.runner import _git_commit
-from sparsecomm.ops import reference
+from sparsecomm.ops import native, reference
+
+CHUNK_PAIRS = ("chunk+int2", "rice+int2", "rice+int4", "int32+fp32")
 
 
 def _timer(device: torch.device):
@@ -122,6 +134,52 @@ def bench(n: int, density: float, world_size: int, repeats: int, reference_repea
     return row
 
 
+def bench_chunk(n: int, density: float, world_size: int, repeats: int, device, chunk_size: int,
+                pairs) -> list[dict]:
+    """Chunked selection: encode vs the floor, decode + accumulate, bytes per entry, per codec pair."""
+    measure = _timer(device)
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=generator).to(device)
+    residual0 = (torch.randn(n, generator=generator) * 0.1).to(device)
+    residual, acc = residual0.clone(), torch.empty_like(grad)
+
+    def reset():
+        residual.copy_(residual0)
+
+    floor = measure(lambda: torch.add(grad, residual, out=acc), repeats)
+    rows = []
+    for pair in pairs:
+        index_codec, value_codec = pair.split("+")
+        layout = ChunkLayout(n, chunk_size, density, index_codec, value_codec)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        encode = measure(lambda: ops.dispatch.chunk_encode(grad, residual, world_size, True, layout, payload),
+                         repeats, reset)
+        # world_size different payloads: rank r's gradient is the bucket shifted by r entries x 104729.
+        gathered = torch.empty(world_size * layout.nbytes, dtype=torch.uint8, device=device)
+        for rank in range(world_size):
+            shifted = torch.roll(grad, rank * 104_729)
+            ops.dispatch.chunk_encode(shifted, None, world_size, False, layout,
+                                      gathered[rank * layout.nbytes : (rank + 1) * layout.nbytes])
+            del shifted
+        decode = measure(lambda: ops.dispatch.chunk_decode_add(gathered, layout, acc, True), repeats)
+        rows.append({
+            "n": n, "density": density, "chunk_size": chunk_size, "world_size": world_size,
+            "index_codec": index_codec, "value_codec": value_codec, "entries": layout.capacity,
+            "encode_implementation": ops.dispatch._chunk_implementation("chunk_encode", grad, layout).__module__,
+            "floor_seconds": floor, "encode_seconds": encode, "encode_over_floor": encode / floor,
+            "decode_seconds": decode, "decode_entries_per_s": world_size * layout.capacity / decode,
+            "bytes_per_entry": layout.bytes_per_entry,
+        })
+    return rows
+
+
+def _kernel_level() -> str:
+    try:
+        return native.cpu_capability()
+    except RuntimeError as error:
+        return f"none ({error})"
+
+
 def _machine(device) -> dict:
     info = {"machine": platform.machine(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}
@@ -133,37 +191,13 @@ def _machine(device) -> dict:
     except OSError:
         pass
     info["vector_isa"] = vector_isa()
+    info["cpu_kernel_level"] = _kernel_level()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 25e6], help="elements per bucket (>= 1)")
-    parser.add_argument("--densities", nargs="+", type=float, default=[0.001, 0.01], help="fractions in (0, 1]")
-    parser.add_argument("--world-size", type=int, default=2, help="payloads to unpack (>= 1)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (>= 1)")
-    parser.add_argument("--reference-repeats", type=int, default=1,
-                        help="timed repeats of the slow pure-torch reference (>= 1)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (>= 1)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    parser.add_argument("--out", type=Path, default=Path("bench_kernels.json"), help="JSON result file")
-    args = parser.parse_args(argv)
-    if any(not 0 < d <= 1 for d in args.densities):
-        parser.error(f"--densities must be in (0, 1], got {args.densities}")
-    if any(n < 1 for n in args.sizes):
-        parser.error(f"--sizes must be >= 1, got {args.sizes}")
-    if min(args.repeats, args.reference_repeats, args.world_size, args.threads) < 1:
-        parser.error("--repeats, --reference-repeats, --world-size and --threads must be >= 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-    torch.set_num_threads(args.threads)
-    rows = [bench(int(n), d, args.world_size, args.repeats, args.reference_repeats, device)
-            for n in args.sizes for d in args.densities]
-    machine = _machine(device)
-    print(f"{describe_cpu()}; {args.threads} threads, device {device}, torch {torch.__version__}")
+def _print_exact(rows) -> None:
     print(f"fused: {rows[0]['fused_implementation']}, unpack: {rows[0]['unpack_implementation']}")
     print(f"{'n':>11} {'density':>7} {'floor':>7} {'copy':>7} {'fused':>7} {'f/floor':>7} {'ref':>8} {'ref/f':>6} "
           f"{'thr-pk':>7} {'estim':>7} {'err%':>5} {'unpack':>7} {'scatter':>7} {'M add/s':>7} {'zero':>6}")
@@ -176,7 +210,64 @@ def main(argv=None) -> int:
               f"{r['scatter_adds_per_s'] / 1e6:>7.0f} {r['zero_seconds'] * 1e3:>6.1f}")
     print("times in ms; f/floor = fused / read-read-write pass; ref/f = torch.topk reference / fused; "
           "M add/s = scatter alone (unpack = zero + scatter)")
-    args.out.write_text(json.dumps({**machine, "git_commit": _git_commit(), "rows": rows}, indent=1))
+
+
+def _print_chunk(rows) -> None:
+    if not rows:
+        return
+    print(f"chunked selection (chunk_size {rows[0]['chunk_size']}, world_size {rows[0]['world_size']}), "
+          f"encode: {rows[0]['encode_implementation']}")
+    print(f"{'n':>11} {'density':>7} {'codecs':>11} {'floor':>7} {'encode':>7} {'e/floor':>7} {'decode':>7} "
+          f"{'M ent/s':>7} {'B/entry':>7}")
+    for r in rows:
+        print(f"{r['n']:>11} {r['density']:>7g} {r['index_codec'] + '+' + r['value_codec']:>11} "
+              f"{r['floor_seconds'] * 1e3:>7.1f} {r['encode_seconds'] * 1e3:>7.1f} {r['encode_over_floor']:>7.2f} "
+              f"{r['decode_seconds'] * 1e3:>7.1f} {r['decode_entries_per_s'] / 1e6:>7.0f} "
+              f"{r['bytes_per_entry']:>7.3f}")
+    print("times in ms; e/floor = fused chunk encode / read-read-write pass; decode = world_size payloads "
+          "decoded and added onto zeros (zeroing included), M ent/s = payload entries per second")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 25e6], help="elements per bucket (>= 1)")
+    parser.add_argument("--densities", nargs="+", type=float, default=[0.001, 0.01], help="fractions in (0, 1]")
+    parser.add_argument("--world-size", type=int, default=2, help="payloads to unpack (>= 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (>= 1)")
+    parser.add_argument("--reference-repeats", type=int, default=1,
+                        help="timed repeats of the slow pure-torch reference (>= 1)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (>= 1)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--chunk-size", type=int, default=4096, help="chunk size of the chunked rows (2..65536)")
+    parser.add_argument("--chunk-pairs", nargs="*", default=list(CHUNK_PAIRS),
+                        help="index+value codec pairs of the chunked rows (none: no chunked rows)")
+    parser.add_argument("--only-chunk", action="store_true", help="only the chunked rows")
+    parser.add_argument("--out", type=Path, default=Path("bench_kernels.json"), help="JSON result file")
+    args = parser.parse_args(argv)
+    if any(not 0 < d <= 1 for d in args.densities):
+        parser.error(f"--densities must be in (0, 1], got {args.densities}")
+    if any(n < 1 for n in args.sizes):
+        parser.error(f"--sizes must be >= 1, got {args.sizes}")
+    if min(args.repeats, args.reference_repeats, args.world_size, args.threads) < 1:
+        parser.error("--repeats, --reference-repeats, --world-size and --threads must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    torch.set_num_threads(args.threads)
+    rows = [] if args.only_chunk else [bench(int(n), d, args.world_size, args.repeats, args.reference_repeats,
+                                             device) for n in args.sizes for d in args.densities]
+    chunk_rows = [row for n in args.sizes for d in args.densities
+                  for row in bench_chunk(int(n), d, args.world_size, args.repeats, device, args.chunk_size,
+                                         args.chunk_pairs)]
+    machine = _machine(device)
+    print(f"{describe_cpu()}; {args.threads} threads, device {device}, torch {torch.__version__}")
+    print(f"CPU {machine.get('cpu_model', platform.processor())}; vector ISA {machine['vector_isa']}; "
+          f"CPU kernels at level {machine['cpu_kernel_level']}")
+    if rows:
+        _print_exact(rows)
+    _print_chunk(chunk_rows)
+    args.out.write_text(json.dumps({**machine, "git_commit": _git_commit(), "rows": rows, "chunk_rows": chunk_rows},
+                                   indent=1))
     print(f"wrote {args.out}")
     return 0
 

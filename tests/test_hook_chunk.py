@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from ddp_models import mlp, rank_data
+from ddp_models import fit_doubling, mlp, rank_data
 from multiprocess import run_on_ranks
 from sparsecomm.compress.chunk_layout import ChunkLayout
 
@@ -175,13 +175,7 @@ def _train_exact(rank, world_size, index_codec, value_codec, momentum):
     ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=48, depth=3), bucket_cap_mb=0.02)
     state = sparsecomm.register_topk_hook(ddp, density=0.03, index_codec=index_codec, value_codec=value_codec,
                                           momentum=momentum, verify_conservation=True)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for x in rank_data(rank, 8, (16, 48)):
-        loss = torch.nn.functional.mse_loss(ddp(x), 2 * x[:, :4])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return [p.detach().clone() for p in ddp.parameters()], state.stats()["last_step"]
+    return fit_doubling(ddp, rank, 8, 48), state.stats()["last_step"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

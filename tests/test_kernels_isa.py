@@ -3,10 +3,11 @@
 A process chooses its level once, so each level runs in a subprocess with
 SPARSECOMM_CPU_CAPABILITY set; this file is that subprocess's script too. It runs every CPU
 operator on fixed-seed inputs: odd sizes (the 8- and 16-lane loops end in scalar tails),
-NaN and +-Inf among the values, every dtype pair at one size, and buckets of >= 2^20 entries
-for the sampled one-pass strategies. Outputs must match the pure-torch reference
-(sparsecomm/ops/reference.py) as tests/test_kernels.py compares them, and the levels must
-agree byte for byte, payload order included. topk_threshold has no single right answer
+NaN and +-Inf among the values, every dtype pair at one size, buckets of >= 2^20 entries
+for the sampled one-pass strategies, and the chunked-selection ops with every codec pair.
+Outputs must match the pure-torch reference (sparsecomm/ops/reference.py) as
+tests/test_kernels.py compares them, and the levels must agree byte for byte, payload
+order included. topk_threshold has no single right answer
 (backends may stop refining early), so its threshold is checked for the contract's count
 and bound, and across levels for equal bytes.
 """
@@ -22,7 +23,10 @@ import pytest
 import torch
 
 from sparsecomm import ops
+from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.packing import payload_nbytes
+from sparsecomm.compress.value_codecs import VALUE_CODECS
 from sparsecomm.ops import native, reference
 
 LOADED, WHY_NOT = native.load()
@@ -100,6 +104,31 @@ def _unpack(n, k, world_size, out_dtype, value_dtype, zero_out, seed):
     return run
 
 
+def _chunk_encode(grad, residual, divisor, add_residual, layout):
+    def run(impl):
+        r = None if residual is None else residual.clone()
+        payload = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+        indices, decoded = impl.chunk_encode(grad, r, divisor, add_residual, layout, payload)
+        return [payload, indices, decoded] + ([] if r is None else [r])
+    return run
+
+
+def _chunk_decode_add(layout, world_size, seed):
+    rows = []
+    for rank in range(world_size):
+        grad, residual = _inputs(layout.numel, torch.float32, seed=seed + rank)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        reference.chunk_encode(grad, residual, 2.0, True, layout, payload)
+        rows.append(payload)
+    gathered = torch.cat(rows)
+
+    def run(impl):
+        out = torch.randn(layout.numel + 1)[1:]
+        impl.chunk_decode_add(gathered, layout, out, True)
+        return [out]
+    return run
+
+
 @dataclass(frozen=True)
 class Case:
     run: Callable  # impl (native or reference) -> list of output tensors
@@ -137,6 +166,16 @@ def cases() -> dict[str, Case]:
             for zero_out in (True, False):
                 name = f"unpack_add n={n} {value_dtype}->{out_dtype} world_size={world_size} zero_out={zero_out}"
                 found[name] = Case(_unpack(n, k, world_size, out_dtype, value_dtype, zero_out, seed=n))
+    for n, chunk_size, density in ((10_003, 4096, 0.01), (1003, 100, 0.3), (65_537, 65_536, 0.002)):
+        grad, residual = _inputs(n, torch.float32, seed=n + 3)
+        for index_codec in INDEX_CODECS:
+            for value_codec in VALUE_CODECS:
+                layout = ChunkLayout(n, chunk_size, density, index_codec, value_codec)
+                what = f"n={n} chunk_size={chunk_size} density={density} {index_codec}+{value_codec}"
+                for divisor, add_residual, r in ((3.0, True, residual), (2.0, False, None)):
+                    found[f"chunk_encode {what} residual={r is not None}"] = Case(
+                        _chunk_encode(grad, r, divisor, add_residual, layout))
+                found[f"chunk_decode_add {what}"] = Case(_chunk_decode_add(layout, 3, seed=n))
     return found
 
 

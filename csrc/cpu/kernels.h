@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "chunk_format.h"
 #include "cpu_levels.h"
 
 namespace sparsecomm {
@@ -27,11 +28,21 @@ using TopkThresholdKernel = std::pair<uint32_t, int64_t>(const at::Tensor& x, in
 using UnpackAddKernel = int64_t(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out,
                                 bool zero_out);
 
+// Writes payload (f.nbytes), indices (int64) and decoded (f.selected each); updates residual.
+using ChunkEncodeKernel = void(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, float divisor,
+                               bool add_residual, const ChunkFormat& f, const at::Tensor& payload,
+                               const at::Tensor& indices, const at::Tensor& decoded);
+// Returns how many entries were corrupt (skipped: the caller raises).
+using ChunkDecodeAddKernel = int64_t(const at::Tensor& gathered, const ChunkFormat& f, const at::Tensor& out,
+                                     bool zero_out);
+
 struct CpuKernels {
   EfTopkPackKernel* ef_topk_pack;
   EfThresholdPackKernel* ef_threshold_pack;
   TopkThresholdKernel* topk_threshold;
   UnpackAddKernel* unpack_add;
+  ChunkEncodeKernel* chunk_encode;
+  ChunkDecodeAddKernel* chunk_decode_add;
 };
 
 #define SPARSECOMM_DECLARE_CPU_KERNELS(LEVEL_NAMESPACE) \
@@ -40,7 +51,11 @@ struct CpuKernels {
   EfThresholdPackKernel ef_threshold_pack;              \
   TopkThresholdKernel topk_threshold;                   \
   UnpackAddKernel unpack_add;                           \
-  inline CpuKernels kernels() { return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add}; } \
+  ChunkEncodeKernel chunk_encode;                       \
+  ChunkDecodeAddKernel chunk_decode_add;                \
+  inline CpuKernels kernels() {                         \
+    return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add, &chunk_encode, &chunk_decode_add}; \
+  }                                                     \
   }
 
 SPARSECOMM_DECLARE_CPU_KERNELS(cpu_default)

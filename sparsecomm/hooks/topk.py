@@ -128,9 +128,10 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
     audit = (ConservationAudit(state, call.grad, call.numels, call.world_size, velocity, residual)
              if config.verify_conservation else None)
     variable = config.transport == "mpi" and config.selector == "sampled" and config.k_scope == "bucket"
-    # 2. acc, unless the kernel forms it (exact top-k; the threshold pack over MPI).
+    # 2. acc, unless the kernel forms it (exact top-k; the threshold pack over MPI; the native chunk encoder).
     chunked = isinstance(call.layout, ChunkLayout)  # chunked selection, or exact top-k on the compact wire
-    fused = acc.fused(state) and ((config.selector == "exact" and not chunked) or variable)
+    fused = (select_encode.chunk_fused(call) if chunked
+             else acc.fused(state) and (config.selector == "exact" or variable))
     if not fused:
         acc.compensate(call, velocity, residual)
     # 3. select + encode.
@@ -141,7 +142,7 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
         if variable:
             packed = select_encode.variable_payload(call, residual, fused, payload, gathered)
         elif chunked:
-            packed = select_encode.chunk_payload(call, residual, payload)
+            packed = select_encode.chunk_payload(call, residual, fused, payload)
         else:
             packed = select_encode.fixed_payload(call, residual, fused, payload)
     # 4. memories and records.

@@ -26,6 +26,8 @@ _REFERENCE: dict[str, Callable] = {
     "select_and_pack": compress.select_and_pack,
     **{op: getattr(reference, op) for op in native.OPS},
 }
+# Ops with Triton twins (sparsecomm/ops/triton); the chunk ops have none.
+_TRITON_OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
 # (op name, device type) -> implementation registered by the user or a test
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
@@ -46,7 +48,7 @@ def _builtin(op: str, device_type: str) -> Callable:
     choice = native.requested_kernels()
     if op not in native.OPS or choice == "reference" or device_type not in ("cpu", "cuda"):
         return _REFERENCE[op]
-    if device_type == "cuda" and choice != "native":
+    if device_type == "cuda" and choice != "native" and op in _TRITON_OPS:
         from sparsecomm.ops import triton as triton_ops
 
         usable, _ = triton_ops.available()
@@ -95,6 +97,34 @@ def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
 def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, zero_out: bool = True) -> None:
     """Dispatching :func:`sparsecomm.ops.reference.unpack_add`."""
     implementation("unpack_add", out.device.type)(indices, values, out, zero_out)
+
+
+def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
+    """The native chunk kernels are CPU-only (no CUDA or Triton twin), take one scale per
+    chunk and (encode) float32 gradients; anything else runs the reference, which gives
+    the same bits. A registered kernel wins, as everywhere."""
+    registered = _KERNELS.get((op, tensor.device.type))
+    if registered is not None:
+        return registered
+    if (tensor.device.type != "cpu" or getattr(layout, "scale_group", 0)
+            or (op == "chunk_encode" and tensor.dtype != torch.float32)):
+        return _REFERENCE[op]
+    return _builtin(op, "cpu")
+
+
+def native_chunk_encode(grad: torch.Tensor, layout) -> bool:
+    """Whether :func:`chunk_encode` runs a kernel (not the reference) for ``grad`` and ``layout``."""
+    return _chunk_implementation("chunk_encode", grad, layout) is not reference.chunk_encode
+
+
+def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """Dispatching :func:`sparsecomm.ops.reference.chunk_encode`: (indices int64, decoded values)."""
+    return _chunk_implementation("chunk_encode", grad, layout)(grad, residual, divisor, add_residual, layout, payload)
+
+
+def chunk_decode_add(gathered: torch.Tensor, layout, out: torch.Tensor, zero_out: bool = True) -> None:
+    """Dispatching :func:`sparsecomm.ops.reference.chunk_decode_add`."""
+    _chunk_implementation("chunk_decode_add", out, layout)(gathered, layout, out, zero_out)
 
 
 def payload_views(payload: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
+OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add", "chunk_encode", "chunk_decode_add")
 KERNELS_ENV = "SPARSECOMM_KERNELS"
 KERNEL_CHOICES = ("auto", "native", "triton", "reference")
 CPU_CAPABILITY_ENV = "SPARSECOMM_CPU_CAPABILITY"
@@ -76,6 +76,33 @@ def _register_fakes() -> None:
     def _(indices, values, out, zero_out):
         return None
 
+    @torch.library.register_fake("sparsecomm::chunk_encode")
+    def _(grad, residual, divisor, add_residual, chunk_size, k_full, k_last, index_codec, value_codec, payload):
+        chunks = -(-grad.numel() // chunk_size)
+        selected = (chunks - 1) * k_full + k_last
+        return (grad.new_empty((selected,), dtype=torch.int64),
+                grad.new_empty((selected,), dtype=_DECODED_DTYPES.get(value_codec, torch.float32)))
+
+    @torch.library.register_fake("sparsecomm::chunk_decode_add")
+    def _(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out, zero_out):
+        return None
+
+
+# Codec ids of the chunk ops: positions in INDEX_CODECS and VALUE_CODECS (csrc/README.md).
+_DECODED_DTYPES = {1: torch.bfloat16, 2: torch.float16}  # value codec id -> decoded dtype (else float32)
+
+
+def _codec_ids(layout) -> tuple[int, int]:
+    from sparsecomm.compress import index_codecs, value_codecs
+
+    return index_codecs.INDEX_CODECS.index(layout.index_codec), value_codecs.VALUE_CODECS.index(layout.value_codec)
+
+
+def _chunk_geometry(layout) -> tuple[int, int, int, int, int]:
+    """(chunk_size, k_full, k_last, index codec id, value codec id) of a ChunkLayout."""
+    geometry = layout.geometry
+    return (layout.chunk_size, geometry.k_full, geometry.k_last, *_codec_ids(layout))
+
 
 def _ops():
     loaded, reason = load()
@@ -106,6 +133,16 @@ def topk_threshold(x, k, max_relative_error=0.05):
 def unpack_add(indices, values, out, zero_out=True) -> None:
     """Scatter-add the payload rows into ``out`` in row order."""
     _ops().unpack_add(indices, values, out, zero_out)
+
+
+def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """Fused error feedback + chunked top-k + codecs into ``payload``; (indices int64, decoded)."""
+    return _ops().chunk_encode(grad, residual, float(divisor), add_residual, *_chunk_geometry(layout), payload)
+
+
+def chunk_decode_add(gathered, layout, out, zero_out=True) -> None:
+    """Decode the back-to-back payloads of ``gathered`` and add them into ``out`` in row order."""
+    _ops().chunk_decode_add(gathered, *_chunk_geometry(layout), out, zero_out)
 
 
 # The CPU kernels' instruction-set level (csrc/README.md, "CPU levels").

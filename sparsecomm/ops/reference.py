@@ -125,3 +125,20 @@ def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, z
         out.zero_()
     for row_indices, row_values in zip(indices, values):
         out.index_add_(0, row_indices.long(), row_values.to(out.dtype))
+
+
+def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """``selector="chunk"``: the compensated acc encoded by ``layout`` (a ChunkLayout) into
+    ``payload``; residual updated. Returns (bucket-relative indices int64, decoded values)."""
+    _check_vectors("chunk_encode", {"grad": grad, "residual": residual, "payload": payload}, grad)
+    if add_residual and residual is None:
+        raise ValueError("chunk_encode: add_residual=True needs a residual")
+    acc = compensated(grad, residual, divisor, add_residual)
+    return layout.encode(acc, residual, payload)
+
+
+def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
+    """Decode every payload of ``gathered`` (rows of ``layout.nbytes``) and add them into
+    ``out`` in row (rank) order."""
+    indices, values = layout.views(gathered)
+    unpack_add(indices, values, out, zero_out)

@@ -10,16 +10,23 @@ import time
 import torch
 
 from sparsecomm import ops
+from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
 
 
-def fixed(call, layout: PayloadLayout):
+def fixed(call, layout: PayloadLayout | ChunkLayout):
     """The callback of a fixed-size all-gather: scatter-add every payload into the bucket."""
     state = call.state
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         started = time.perf_counter()
         gathered = fut.value()
+        if isinstance(layout, ChunkLayout):
+            ops.dispatch.chunk_decode_add(gathered, layout, call.out, True)
+            state._count(seconds_unpack=time.perf_counter() - started)
+            if state._journal is not None:  # unsent entries are 0: the whole bucket says the same
+                state._journal.note_reduced(~torch.isfinite(call.out).all())
+            return call.out
         indices, values = layout.views(gathered)
         ops.unpack_add(indices, values, call.out, True)  # in place: no second bucket-size tensor
         state._count(seconds_unpack=time.perf_counter() - started)
@@ -93,7 +100,9 @@ def sent(packed, like: torch.Tensor) -> torch.Tensor:
     if packed.layout is None:  # random-k: bare values at the indices
         return torch.zeros_like(like).index_put_((packed.indices,), packed.values.to(like.dtype))
     out = torch.zeros_like(like)
-    if packed.layout.capacity:  # an empty variable payload decodes to nothing
+    if isinstance(packed.layout, ChunkLayout):
+        ops.dispatch.chunk_decode_add(packed.send, packed.layout, out, False)
+    elif packed.layout.capacity:  # an empty variable payload decodes to nothing
         indices, values = packed.layout.views(packed.send)
         ops.unpack_add(indices, values, out, False)
     return out

@@ -22,6 +22,7 @@ from sparsecomm import compress, ops
 from sparsecomm.compress.error_feedback import divide_
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.sampled_threshold import sample_positions, sample_size, threshold_of_sample
+from sparsecomm.hooks.pipeline import acc
 
 
 class Packed:
@@ -56,11 +57,20 @@ def fixed_payload(call, residual, fused: bool, payload: torch.Tensor) -> Packed:
     return Packed(payload, layout, indices, value_view[: indices.numel()], fused)
 
 
-def chunk_payload(call, residual, payload: torch.Tensor) -> Packed:
-    """Chunked top-k of the compensated acc, written by the layout's index and value codecs;
-    the residual keeps ``acc - decoded`` (quantization error included)."""
-    indices, decoded = call.layout.encode(call.grad, residual, payload)
-    return Packed(payload, call.layout, indices, decoded, False)
+def chunk_fused(call) -> bool:
+    """Does the chunk encoder form acc itself? Where a kernel (not the reference) encodes this
+    bucket and nothing needs acc written (acc.fused); the reference keeps the compensation pass."""
+    return acc.fused(call.state) and ops.dispatch.native_chunk_encode(call.grad, call.layout)
+
+
+def chunk_payload(call, residual, fused: bool, payload: torch.Tensor) -> Packed:
+    """Chunked top-k of acc, written by the layout's index and value codecs; the residual
+    keeps ``acc - decoded`` (quantization error included). ``fused`` (:func:`chunk_fused`):
+    the kernel forms ``grad / world_size + residual`` in the same pass, leaving ``call.grad``
+    as it is; otherwise ``call.grad`` already holds acc."""
+    divisor, add_residual = (float(call.world_size), residual is not None) if fused else (1.0, False)
+    indices, decoded = ops.dispatch.chunk_encode(call.grad, residual, divisor, add_residual, call.layout, payload)
+    return Packed(payload, call.layout, indices, decoded, fused)
 
 
 def _exact_topk_pack(call, residual, compensated: bool, payload) -> torch.Tensor:
