@@ -134,7 +134,8 @@ def test_network_is_torn_down_after_an_exception():
 def test_network_is_torn_down_when_the_process_is_signalled(sig):
     before = _ours()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import time
+        import faulthandler, signal, time
+        faulthandler.register(signal.SIGUSR1)  # the test asks where it is stuck if it does not exit
         from sparsecomm.links import parse_link
         from sparsecomm.links.netns import EmulatedNetwork
         with EmulatedNetwork(parse_link("1gbit"), 2):
@@ -144,7 +145,13 @@ def test_network_is_torn_down_when_the_process_is_signalled(sig):
     assert holder.stdout.readline().strip() == "up"
     assert len(_ours()) == len(before) + 3
     holder.send_signal(sig)
-    holder.wait(timeout=30)
+    try:
+        holder.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        holder.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        holder.kill()
+        pytest.fail(f"the process did not exit within 30 s of {sig.name}; its stacks:\n{holder.communicate()[1]}")
     assert _ours() == before
 
 
