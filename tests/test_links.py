@@ -136,6 +136,9 @@ def test_network_is_torn_down_when_the_process_is_signalled(sig):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import faulthandler, signal, time
         faulthandler.register(signal.SIGUSR1)  # the test asks where it is stuck if it does not exit
+        # Ctrl-C's handler, as an interactive process has: a job started in the background
+        # (CI under nohup, cron) inherits SIGINT ignored, and the signal would do nothing.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from sparsecomm.links import parse_link
         from sparsecomm.links.netns import EmulatedNetwork
         with EmulatedNetwork(parse_link("1gbit"), 2):
