@@ -9,6 +9,9 @@ The model (p workers, link rate B bytes/s per rank each way, alpha seconds per m
 
 - dense ring allreduce of D bytes: ``2 (p-1) alpha + 2 (p-1)/p * D / B``;
 - sparse ring allgather of s bytes per rank: ``(p-1) alpha + (p-1) * s / B``;
+- owner exchange (``exchange="owner"``) of the same payload: an all-to-all of its p
+  shares and an all-gather of the owners' replies, ``2 (p-1) alpha + 2 (p-1)/p * s / B``
+  (:func:`owner_exchange_seconds`): flat in p, as a ring allreduce of the payload;
 - dense fallback (the hook's own rule): when ``p * s >= D`` the sparse payloads all
   together would not be smaller than the dense buffer, so the hook allreduces densely
   (for fp32 values + int32 indices: density >= D / (8 p n) = 1 / (2p)). The projection
@@ -90,6 +93,32 @@ def ring_allgather_seconds(nbytes_per_rank: float, p: int, *, rate_bytes_per_s: 
                            collectives: float = 1) -> float:
     """Ring allgather of ``nbytes_per_rank`` from each of ``p`` workers."""
     return (p - 1) * alpha_s * collectives + (p - 1) * nbytes_per_rank / rate_bytes_per_s
+
+
+def owner_exchange_seconds(nbytes_per_rank: float, p: int, *, rate_bytes_per_s: float, alpha_s: float,
+                           collectives: float = 1) -> float:
+    """The owner exchange (``exchange="owner"``) of a payload of ``nbytes_per_rank``: an
+    all-to-all sending each of the p-1 other owners its 1/p (pairwise: p-1 messages), then
+    a ring all-gather of the owners' replies, 1/p of a payload each. Per rank about
+    2 (p-1)/p payloads cross the link whatever p is: the cost of a ring allreduce of the
+    payload."""
+    share = nbytes_per_rank / p
+    scatter = (p - 1) * alpha_s * collectives + (p - 1) * share / rate_bytes_per_s
+    return scatter + ring_allgather_seconds(share, p, rate_bytes_per_s=rate_bytes_per_s, alpha_s=alpha_s,
+                                            collectives=collectives)
+
+
+def exchange_bytes_received(exchange: str, payload_bytes: float, dense_bytes: float, p: int) -> float:
+    """Bytes one rank takes in per bucket: ``dense`` (ring allreduce of the buffer),
+    ``allgather`` (every other rank's payload), ``owner`` (the p-1 messages for its range,
+    then the p-1 other replies, each 1/p of a payload)."""
+    if exchange == "dense":
+        return 2 * (p - 1) / p * dense_bytes
+    if exchange == "allgather":
+        return (p - 1) * payload_bytes
+    if exchange == "owner":
+        return 2 * (p - 1) * payload_bytes / p
+    raise ValueError(f"exchange must be 'dense', 'allgather' or 'owner', got {exchange!r}")
 
 
 def falls_back_to_dense(sparse_bytes_per_rank: float, dense_bytes: float, p: int) -> bool:

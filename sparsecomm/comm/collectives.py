@@ -29,3 +29,14 @@ def allgather_future(
         return out
 
     return work.get_future().then(gathered)
+
+
+def all_to_all_bytes(received: torch.Tensor, send: torch.Tensor, send_sizes, received_sizes,
+                     group: dist.ProcessGroup) -> None:
+    """``all_to_all_single`` of byte buffers, blocking: ``send_sizes[r]`` bytes of ``send`` go to
+    rank r, ``received_sizes[r]`` bytes from rank r land in ``received`` (rank order).
+
+    Blocking because what arrives is reduced and sent on in the same hook call (the owner
+    exchange): the next collective must be issued from the hook body too."""
+    dist.all_to_all_single(received, send, output_split_sizes=list(received_sizes),
+                           input_split_sizes=list(send_sizes), group=group)

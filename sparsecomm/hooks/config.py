@@ -25,6 +25,7 @@ from sparsecomm.hooks.validation import (
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
 OVERFLOW_CHOICES = ("drop", "rollback")
+EXCHANGE_CHOICES = ("allgather", "owner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,8 @@ class TopKConfig:
     chunk_size: int = 4096
     index_codec: str = "int32"
     value_codec: str | None = None  # a quantizing codec; the float ones are value_dtype
+    # How the sparse payloads travel: every rank's to every rank, or through range owners.
+    exchange: str = "allgather"
 
     @classmethod
     def build(cls, *, density_schedule=None, on_overflow=None, has_grad_scaler: bool = False,
@@ -89,6 +92,7 @@ class TopKConfig:
             chunk_size=check_int("chunk_size", s.get("chunk_size", cls.chunk_size), MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
             index_codec=check_choice("index_codec", s.get("index_codec", cls.index_codec), INDEX_CODECS),
             value_codec=value_codec,
+            exchange=check_choice("exchange", s.get("exchange", cls.exchange), EXCHANGE_CHOICES),
         )
         config._check_combinations()
         return config
@@ -109,6 +113,13 @@ class TopKConfig:
             raise ValueError(f"selector={self.selector!r} with index_codec={self.index_codec!r} and value_codec="
                              f"{self.value_codec!r} encodes whole buckets: it needs k_scope='bucket', got "
                              f"k_scope={self.k_scope!r}")
+        if self.exchange == "owner":
+            if self.selector != "chunk":
+                raise ValueError(f"exchange='owner' sends every owner the chunks of its range, so it needs "
+                                 f"selector='chunk', got selector={self.selector!r}")
+            if self.transport != "c10d":
+                raise ValueError(f"exchange='owner' runs over the process group's all_to_all_single: it needs "
+                                 f"transport='c10d', got transport={self.transport!r}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:
@@ -139,6 +150,7 @@ class TopKConfig:
             # Only where they mean something, so checkpoints of the other selectors stay as they were.
             **({"chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec}
                if self.selector == "chunk" or self.compact_wire else {}),
+            **({"exchange": self.exchange} if self.exchange != TopKConfig.exchange else {}),
         }
 
     def memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:

@@ -71,3 +71,36 @@ class ConservationAudit:
                 f"step {step}, bucket {bucket_index}: the residual kept {new_residual[bad[:5]].tolist()} where acc is "
                 f"{acc[bad[:5]].tolist()} (indices {bad[:5].tolist()}): non-finite entries must leave 0"
             )
+
+
+def check_owner_conservation(part, received: torch.Tensor, old_memory, reply: torch.Tensor, new_memory,
+                             bucket_index: int, step: int) -> None:
+    """The owner exchange's second level: ``decoded reply + new owner residual == sum of the
+    decoded messages + old owner residual``, with the sum rebuilt here by the reference
+    decoder (rank order, onto zeros, in the owner residual's dtype), not read from the hook.
+
+    ``part`` is the owner's ChunkLayout, ``received`` the p messages back to back;
+    ``old_memory``/``new_memory`` the owner residual slice before/after (the audit needs
+    error feedback, so both exist)."""
+    dtype = new_memory.dtype
+    acc = torch.zeros(part.numel, dtype=dtype, device=reply.device)
+    for row in received.view(-1, part.nbytes):
+        indices, values = part.decode(row)
+        acc.index_add_(0, indices, values.to(dtype))
+    acc = acc + old_memory
+    indices, values = part.decode(reply)
+    sent = torch.zeros_like(acc).index_put_((indices,), values.to(dtype))
+    finite = torch.isfinite(acc)
+    wrong = finite & (sent + new_memory != acc)
+    if bool(wrong.any()):
+        bad = wrong.nonzero().flatten()
+        raise ConservationError(
+            f"step {step}, bucket {bucket_index}, owner level: reply + owner residual != sum of the messages + old "
+            f"owner residual at {bad.numel()} of {acc.numel()} entries; first indices {bad[:5].tolist()}: expected "
+            f"{acc[bad[:5]].tolist()}, got {(sent + new_memory)[bad[:5]].tolist()}")
+    kept = ~finite & (new_memory != 0)
+    if bool(kept.any()):
+        bad = kept.nonzero().flatten()
+        raise ConservationError(
+            f"step {step}, bucket {bucket_index}, owner level: the owner residual kept {new_memory[bad[:5]].tolist()} "
+            f"where the sum is {acc[bad[:5]].tolist()}: non-finite entries must leave 0")

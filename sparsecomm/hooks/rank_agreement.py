@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.value_codecs import VALUE_CODECS
-from sparsecomm.hooks.config import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES
+from sparsecomm.hooks.config import EXCHANGE_CHOICES, K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES
 
 # Settings compared, and how to show a value (None: the number itself).
 _CHOICES = {
@@ -24,6 +24,7 @@ _CHOICES = {
     "transport": ("c10d", "mpi"),
     "on_overflow": OVERFLOW_CHOICES,
     "index_codec": INDEX_CODECS,
+    "exchange": EXCHANGE_CHOICES,
     "value_codec": (None, *VALUE_CODECS),
     "value_dtype": (None, "torch.float32", "torch.bfloat16", "torch.float16"),
     "residual_dtype": (None, "torch.float32", "torch.bfloat16", "torch.float16"),
@@ -58,6 +59,7 @@ def _fields(state) -> list[tuple[str, float]]:
         ("chunk_size", float(config.chunk_size)),
         ("index_codec", choice("index_codec", config.index_codec)),
         ("value_codec", choice("value_codec", config.value_codec)),
+        ("exchange", choice("exchange", config.exchange)),
         ("step", float(state.step)),
     ]
 

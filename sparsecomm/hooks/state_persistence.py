@@ -13,6 +13,7 @@ import torch
 from sparsecomm.hooks import state_dict_check
 from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
 from sparsecomm.hooks.config import TopKConfig
+from sparsecomm.hooks.parameter_memory import ParameterMemory
 from sparsecomm.hooks.stats import HookStats
 from sparsecomm.hooks.step_journal import StepJournal
 
@@ -53,7 +54,9 @@ class PersistentState:
         sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self._config(),
               "memory_scale": None if self._scale is None else self._scale.memory_scale}
         sd[f"{prefix}stats"] = dict(self._stats.totals)
-        memories = [("residual", self._residuals, self.config.error_feedback), ("velocity", self._velocities, self.config.momentum > 0)]
+        memories = [("residual", self._residuals, self.config.error_feedback),
+                    ("velocity", self._velocities, self.config.momentum > 0),
+                    ("owner_residual", self._owner_residuals, self._has_owner_memory())]
         for kind, memory, used in memories:
             entries = memory.state_dict()
             if used:
@@ -105,7 +108,7 @@ class PersistentState:
             problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
         if not problems:
             problems += state_dict_check.mismatches(parsed, self._param_shapes, self.config.error_feedback,
-                                                    self.config.momentum > 0, rank)
+                                                    self.config.momentum > 0, rank, self._has_owner_memory())
         memories = parsed.memories
         generator_state = parsed.per_rank.get("sample_generator")
         generator_device = parsed.per_rank.get("sample_generator_device", "cpu")
@@ -119,9 +122,11 @@ class PersistentState:
                 "TopKState.load_state_dict(strict=False): resetting error-feedback residuals: " + "; ".join(problems),
                 stacklevel=2,
             )
-            memories = {"residual": {}, "velocity": {}}
+            memories = {"residual": {}, "velocity": {}, "owner_residual": {}}
         self._residuals.load_state_dict(memories["residual"])
         self._velocities.load_state_dict(memories["velocity"])
+        self._owner_residuals.load_state_dict(memories["owner_residual"])
+        self._owner_ranges, self._owner_buffers = {}, {}
         self._load_memory_scale(None if reset else parsed.memory_scale)
         self._sample_generator = None
         if generator_state is not None and not reset:
@@ -137,8 +142,11 @@ class PersistentState:
         if self._scale is not None:
             self._scale.memory_scale = 1.0 if saved_scale is None else float(saved_scale)
         elif saved_scale is not None and saved_scale != 1.0:
-            self._residuals.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
-            self._velocities.scale_(1.0 / saved_scale)
+            for memory in (self._residuals, self._velocities, self._owner_residuals):
+                memory.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
+
+    def _has_owner_memory(self) -> bool:
+        return self.config.error_feedback and self.config.exchange == "owner"
 
     def _forget_step(self) -> None:
         """Memories were replaced: nothing of the last step is left to settle or undo."""
@@ -168,6 +176,7 @@ class PersistentState:
         if self._sample_generator is not None:
             state["_sample_generator"] = (self._sample_generator.get_state(), str(self._sample_generator.device))
         state["_buffers"] = {}
+        state["_owner_buffers"] = {}
         state["_scratch"] = None
         state["_journal"] = None if self._journal is None else StepJournal()
         return state
@@ -179,6 +188,7 @@ class PersistentState:
             state["_names_from_module"] = state.get("_bound_module_id") is not None
             state["_param_names"], state["_bound_module_id"] = {}, None
         state = _PICKLE_DEFAULTS | state  # pickles from before these fields existed
+        state.setdefault("_owner_residuals", ParameterMemory())
         if "config" not in state:  # pickles from before the settings moved into one TopKConfig
             settings = {name: state.pop(name) for name in CONFIG_FIELDS if name in state}
             state["config"] = TopKConfig(**settings)
@@ -202,7 +212,8 @@ class PersistentState:
 _PICKLE_DEFAULTS = {
     "_mpi": None, "_journal": None,
     "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
-    "_unused": None, "_fallback_bound": None, "_warned_all_dense": False,
+    "_unused": None, "_fallback_bound": None, "_warned_all_dense": False, "_owner_ranges": {},
+    "_owner_buffers": {},
 }
 
 

@@ -19,6 +19,9 @@ COUNTERS = (
     "seconds_select_pack",  # host time: error feedback + selection + packing
     "seconds_unpack",  # host time: scatter-add of the gathered payloads
     "seconds_count_exchange",  # host time blocked exchanging payload sizes (transport="mpi", sampled)
+    "owner_calls",  # sparse calls that went through range owners (exchange="owner")
+    "seconds_owner_scatter",  # host time blocked in the owner exchange's all_to_all_single
+    "seconds_owner_reduce",  # host time of the owner's decode + sum + select + encode
     "skipped_steps",  # steps undone in the hook's memory (overflow, or skip_step())
     "unused_restored",  # parameters whose sent entries went back to the residual (unused by every rank)
 )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.conservation import ConservationAudit
-from sparsecomm.hooks.pipeline import acc, decode, dense, exchange, plan, record, select_encode
+from sparsecomm.hooks.pipeline import acc, decode, dense, exchange, owner, plan, record, select_encode
 from sparsecomm.hooks.topk_state import (  # noqa: F401  (TopKState and the constants are re-exported)
     K_SCOPES,
     MAX_BUCKET_NUMEL,
@@ -119,8 +119,9 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
     """Steps 2-6 for one planned bucket: (future of the reduced bucket, dense)."""
     state, config = call.state, call.state.config
     velocity, residual = acc.memories(call, call.with_residual)
+    owner_memory = owner.owner_residual(call, residual) if config.exchange == "owner" else None
     if state._journal is not None:
-        state._journal.record(call.index, [m for m in (velocity, residual) if m is not None])
+        state._journal.record(call.index, [m for m in (velocity, residual, owner_memory) if m is not None])
     call.emit("gradient", call.dense, gradient=call.out)
     if call.dense:
         return dense.reduce_dense(call, velocity, residual), True
@@ -128,6 +129,8 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
     audit = (ConservationAudit(state, call.grad, call.numels, call.world_size, velocity, residual)
              if config.verify_conservation else None)
     variable = config.transport == "mpi" and config.selector == "sampled" and config.k_scope == "bucket"
+    if config.exchange == "owner":
+        return _reduce_through_owners(call, velocity, residual, owner_memory, audit, started), False
     # 2. acc, unless the kernel forms it (exact top-k; the threshold pack over MPI; the native chunk encoder).
     chunked = isinstance(call.layout, ChunkLayout)  # chunked selection, or exact top-k on the compact wire
     fused = (select_encode.chunk_fused(call) if chunked
@@ -160,6 +163,24 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
         accumulate = decode.fixed(call, call.layout)
     state._count(bytes_received=received)
     return fut.then(accumulate), False
+
+
+def _reduce_through_owners(call: plan.BucketCall, velocity, residual, owner_memory, audit,
+                           started) -> torch.futures.Future:
+    """Steps 2-6 with ``exchange="owner"`` (:mod:`sparsecomm.hooks.pipeline.owner`)."""
+    state = call.state
+    bufs = owner.buffers(call, call.grad.dtype if residual is None else residual.dtype)
+    fused = select_encode.chunk_fused(call)
+    if not fused:
+        acc.compensate(call, velocity, residual)
+    packed = owner.encode(call, residual, fused, bufs.send)
+    record.after_packing(call, packed, velocity, residual, audit)
+    record.count_sparse_call(call, packed, 0, started)
+    fut, received = owner.exchange(call, packed, bufs, owner_memory, audit=audit is not None)
+    rank = state._rank_and_world_size()[0]
+    state._count(owner_calls=1, bytes_received=received,
+                 bytes_sent=owner.sent_bytes(call.layout, rank) - packed.send.numel())
+    return fut.then(owner.accumulate(call, call.layout, bufs))
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future:

@@ -102,6 +102,14 @@ class TopKState(PersistentState):
        quarter of the previous one), a list of ``(first_step, density)`` pairs ending at
        ``density``, or a :class:`~sparsecomm.hooks.density_schedule.DensitySchedule`.
        ``stats()["density"]`` is the density of the current step.
+    11. ``exchange``: how the payloads travel. ``"allgather"`` (default): every rank
+       receives every other rank's payload, (p-1) k entries, growing with the world size.
+       ``"owner"`` (with ``selector="chunk"``): every rank owns a contiguous range of the
+       bucket's chunks; one all-to-all sends each owner the entries of its range, the
+       owner sums them, adds its owner residual (second-level error feedback) and selects
+       again, and one all-gather returns every owner's result: about k entries sent and
+       2 k received per rank whatever p is. Costs one more residual-sized memory per rank
+       and a blocking all-to-all in the hook (docs/exchange.md).
 
     At its first call the hook checks, with one small all-gather over the group, that
     every rank runs it with the same settings and at the same step, and raises the same
@@ -151,6 +159,9 @@ class TopKState(PersistentState):
         "_names_from_module",  # True once names came from a module (an unpickled state must be re-bound)
         "_residuals",  # ParameterMemory of error-feedback residuals
         "_velocities",  # ParameterMemory of momentum-correction velocities
+        "_owner_residuals",  # ParameterMemory of the owner exchange's second-level residuals
+        "_owner_ranges",  # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
+        "_owner_buffers",  # bucket index -> OwnerBuffers (exchange="owner")
         "_buffers",  # bucket index -> (payload layout, payload, gathered): reused every step
         "_scratch",  # float32 scratch of the largest 16-bit bucket (wide memories), or None
         "_sample_generator",  # per-rank generator for the sampled selector
@@ -195,6 +206,7 @@ class TopKState(PersistentState):
         chunk_size: int = 4096,
         index_codec: str = "int32",
         value_codec: str | None = None,
+        exchange: str = "allgather",
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -208,7 +220,7 @@ class TopKState(PersistentState):
             allow_dense_fallback=allow_dense_fallback, verify_conservation=verify_conservation, k_scope=k_scope,
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow, has_grad_scaler=grad_scaler is not None,
-            chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec,
+            chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
         )
         self.process_group = process_group
         self.step = 0
@@ -218,6 +230,9 @@ class TopKState(PersistentState):
         self._names_from_module = False
         self._residuals = ParameterMemory()
         self._velocities = ParameterMemory()
+        self._owner_residuals = ParameterMemory()
+        self._owner_ranges: dict[int, tuple] = {}
+        self._owner_buffers: dict[int, object] = {}
         self._buffers: dict[int, tuple] = {}
         self._scratch = None
         self._sample_generator: torch.Generator | None = None
@@ -434,6 +449,7 @@ class TopKState(PersistentState):
             if factor is not None:
                 self._residuals.scale_(factor)
                 self._velocities.scale_(factor)
+                self._owner_residuals.scale_(factor)
 
     def skip_step(self) -> None:
         """The loop skipped the step that just finished (for reasons the hook cannot see,
@@ -461,6 +477,8 @@ class TopKState(PersistentState):
             raise RuntimeError(f"reset_residuals() with {self._pending} collective(s) in flight")
         self._residuals.clear()
         self._velocities.clear()
+        self._owner_residuals.clear()
+        self._owner_ranges = {}
         if self._journal is not None:
             self._journal.forget()
         if self._unused is not None:

@@ -12,6 +12,7 @@ import torch
 from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
+from sparsecomm.compress.owner_layout import OwnerLayout
 
 
 def fixed(call, layout: PayloadLayout | ChunkLayout):
@@ -100,6 +101,9 @@ def sent(packed, like: torch.Tensor) -> torch.Tensor:
     if packed.layout is None:  # random-k: bare values at the indices
         return torch.zeros_like(like).index_put_((packed.indices,), packed.values.to(like.dtype))
     out = torch.zeros_like(like)
+    if isinstance(packed.layout, OwnerLayout):  # the messages for every owner, decoded by the reference
+        indices, values = packed.layout.decode(packed.send)
+        return out.index_put_((indices,), values.to(out.dtype))
     if isinstance(packed.layout, ChunkLayout):
         ops.dispatch.chunk_decode_add(packed.send, packed.layout, out, False)
     elif packed.layout.capacity:  # an empty variable payload decodes to nothing

@@ -9,6 +9,7 @@ import torch
 from sparsecomm import compress
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
+from sparsecomm.compress.owner_layout import OwnerLayout
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
 
 MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one bucket
@@ -61,7 +62,7 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
     call.value_dtype = config.value_dtype or buffer.dtype
     density = state.current_density()
     call.ks, call.k = selection_sizes(config, density, call.numels)
-    call.layout = payload_layout(config, density, buffer, call.k, call.value_dtype)
+    call.layout = payload_layout(config, density, buffer, call.k, call.value_dtype, call.world_size)
     if call.layout is not None:
         call.k = call.layout.capacity
     smaller = sparse_is_smaller(config, buffer.numel(), call.k, buffer.dtype, call.value_dtype, call.world_size,
@@ -83,8 +84,10 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
     return call
 
 
-def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_dtype: torch.dtype):
-    """The layout of the bucket's sparse payload (None for random-k, which sends bare values)."""
+def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_dtype: torch.dtype,
+                   world_size: int = 1):
+    """The layout of the bucket's sparse payload (None for random-k, which sends bare values;
+    an OwnerLayout, the messages for every range owner, with ``exchange="owner"``)."""
     if config.selector == "random":
         return None
     if config.selector != "chunk" and not config.compact_wire:
@@ -93,6 +96,8 @@ def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_d
         raise ValueError(f"a chunked or compact payload writes values with a value codec; a {value_dtype} bucket needs "
                          f"one: pass value_codec (e.g. 'fp32') or value_dtype=torch.float32")
     value_codec = config.value_codec or codec_of_dtype(value_dtype)
+    if config.exchange == "owner":
+        return OwnerLayout(buffer.numel(), config.chunk_size, density, config.index_codec, value_codec, world_size)
     if config.selector == "chunk":
         return ChunkLayout(buffer.numel(), config.chunk_size, density, config.index_codec, value_codec)
     # Exact top-k on the compact wire: the whole bucket is one chunk; scales per EXACT_SCALE_GROUP entries.
@@ -116,6 +121,10 @@ def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, wor
     dense_bytes = numel * buffer_dtype.itemsize
     if config.selector == "random":
         return k * value_dtype.itemsize < dense_bytes
+    if isinstance(layout, OwnerLayout):
+        # Received per rank: (p-1) x (own message + reply slot) ~ 2 (p-1) slot, against a
+        # ring allreduce's 2 (p-1)/p x dense.
+        return world_size * layout.slot_nbytes < dense_bytes
     nbytes = (layout or PayloadLayout(k, value_dtype)).nbytes
     return world_size * nbytes < dense_bytes
 
@@ -125,5 +134,7 @@ def sparse_density_bound(config, buffer_dtype, value_dtype, world_size: int, lay
     (for chunked payloads, at the bytes per entry of this bucket's layout)."""
     if config.selector == "random":
         return buffer_dtype.itemsize / value_dtype.itemsize
+    if isinstance(layout, OwnerLayout):  # p x slot ~ the whole selection, whatever p is
+        return buffer_dtype.itemsize / layout.bytes_per_entry
     entry_bytes = layout.bytes_per_entry if isinstance(layout, ChunkLayout) else 4 + value_dtype.itemsize
     return buffer_dtype.itemsize / (world_size * entry_bytes)

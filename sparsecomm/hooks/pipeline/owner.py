@@ -1,0 +1,156 @@
+"""Stages 3, 5 and 6 of the owner exchange (``exchange="owner"``): traffic that does not
+grow with the number of ranks.
+
+Every rank owns a contiguous range of the bucket's chunks (``compress.owner_layout``).
+
+1. Encode: each rank writes the chunked selection of every owner's range as a message of
+   its own (worker-side error feedback, as for the all-gather: ``acc - decoded`` stays in
+   the rank's residual).
+2. Scatter, in the hook body: one ``all_to_all_single`` gives every owner the p messages
+   for its range (blocking: the owner's reply depends on them, and the reply's collective
+   must be issued from the hook body too).
+3. Owner reduce, in the hook body: the owner decodes the p messages onto zeros in rank
+   order (their sum is the average: each rank divided by p), adds its owner residual,
+   selects and encodes again at the same density and codecs; what it does not send stays
+   in the owner residual (second-level error feedback, exact: ``decoded + new owner
+   residual == sum + old owner residual``).
+4. Gather: one all-gather of the owners' replies (each padded to the largest); in the
+   Future's callback every rank decodes every owner's reply into its range of the bucket.
+   Every rank decodes the same bytes, so replicas stay bit-identical.
+
+Per rank and bucket that is about k entries sent and 2 k (p-1)/p received, whatever p is
+(the all-gather receives (p-1) k).
+
+The owner residual is a per-parameter memory like the worker residual (a full-size
+tensor per rank, non-zero only on the rank's own ranges), so it is checkpointed by
+parameter name. When the bucket layout changes (DDP's rebuild, another world size after a
+restore), a rank may stop owning entries whose owner residual it holds: those values move
+into its worker residual (``fold_foreign``), which sends them on to their new owner through
+the ordinary path. Nothing is lost; the sum of all memories is unchanged up to one
+rounding per moved entry.
+"""
+import time
+
+import torch
+
+from sparsecomm import ops
+from sparsecomm.comm.collectives import all_to_all_bytes, allgather_future
+from sparsecomm.hooks.conservation import check_owner_conservation
+from sparsecomm.hooks.pipeline.select_encode import Packed
+
+
+class OwnerBuffers:
+    """The tensors one bucket's owner exchange reuses every step (allocated per layout)."""
+
+    __slots__ = ("layout", "send", "received", "total", "reply", "replies")
+
+    def __init__(self, layout, rank: int, memory_dtype: torch.dtype, device):
+        self.layout = layout
+        mine = layout.part_nbytes[rank]
+        self.send = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        self.received = torch.empty(layout.world_size * mine, dtype=torch.uint8, device=device)
+        self.total = torch.empty(layout.ranges[rank][1], dtype=memory_dtype, device=device)
+        self.reply = torch.empty(layout.slot_nbytes, dtype=torch.uint8, device=device)
+        self.replies = torch.empty(layout.world_size * layout.slot_nbytes, dtype=torch.uint8, device=device)
+
+
+def buffers(call, memory_dtype) -> OwnerBuffers:
+    state = call.state
+    cached = state._owner_buffers.get(call.index)
+    if (cached is None or cached.layout != call.layout or cached.send.device != call.out.device
+            or cached.total.dtype != memory_dtype):
+        cached = OwnerBuffers(call.layout, state._rank_and_world_size()[0], memory_dtype, call.out.device)
+        state._owner_buffers[call.index] = cached
+    return cached
+
+
+def owner_residual(call, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's owner residual of the bucket (flat, bucket-sized; None without error
+    feedback or before the first owner step), after folding what it no longer owns into the
+    worker ``residual``. A dense call (warm-up, fallback) owns nothing: it sends all of it."""
+    state = call.state
+    if residual is None or (call.dense and not len(state._owner_residuals)):
+        return None
+    memory = state._owner_residuals.bucket_tensor(call.index, call.names, call.numels, residual)
+    owned = (0, 0) if call.dense else call.layout.ranges[state._rank_and_world_size()[0]]
+    key = (call.names, call.numels, owned, call.world_size)
+    if state._owner_ranges.get(call.index) != key:
+        fold_foreign(memory, residual, owned)
+        state._owner_ranges[call.index] = key
+    return memory
+
+
+def fold_foreign(memory: torch.Tensor, residual: torch.Tensor, owned: tuple[int, int]) -> None:
+    """Move the owner residual outside this rank's range ``owned`` into the worker residual."""
+    start, length = owned
+    for part in (slice(0, start), slice(start + length, memory.numel())):
+        if part.stop > part.start:
+            residual[part].add_(memory[part])
+            memory[part].zero_()
+
+
+def encode(call, residual, fused: bool, send: torch.Tensor) -> Packed:
+    """Step 1: every owner's range of acc into its message (see ``chunk_payload``)."""
+    layout = call.layout
+    divisor, add_residual = (float(call.world_size), residual is not None) if fused else (1.0, False)
+    parts = [ops.dispatch.chunk_encode(call.grad[section], None if residual is None else residual[section],
+                                       divisor, add_residual, part, layout.part_of(send, owner))
+             for owner, part, section in layout.sections()]
+    return Packed(send, layout, *layout.joined(parts), fused)
+
+
+def exchange(call, packed: Packed, bufs: OwnerBuffers, owner_memory: torch.Tensor | None, audit: bool = False):
+    """Steps 2-4 (the gather issued, not waited for). Returns (future of the bucket, bytes
+    received); counts the owner's own select + encode time."""
+    state, layout = call.state, call.layout
+    rank = state._rank_and_world_size()[0]
+    mine, slot = layout.part_nbytes[rank], layout.slot_nbytes
+    started = time.perf_counter()
+    all_to_all_bytes(bufs.received, packed.send, layout.part_nbytes, [mine] * layout.world_size, call.group)
+    state._count(seconds_owner_scatter=time.perf_counter() - started)
+    started = time.perf_counter()
+    part = layout.parts[rank]
+    if part is None:
+        bufs.reply.zero_()
+    else:
+        start, length = layout.ranges[rank]
+        ops.dispatch.chunk_decode_add(bufs.received, part, bufs.total, True)  # rank order, onto zeros
+        memory = None if owner_memory is None else owner_memory[start : start + length]
+        old_memory = memory.clone() if audit else None
+        ops.dispatch.chunk_encode(bufs.total, memory, 1.0, memory is not None, part, bufs.reply[:mine])
+        bufs.reply[mine:].zero_()
+        if audit:
+            check_owner_conservation(part, bufs.received, old_memory, bufs.reply[:mine], memory, call.index,
+                                     state.step)
+    state._count(seconds_owner_reduce=time.perf_counter() - started)
+    fut = allgather_future(bufs.replies, bufs.reply, call.group)
+    received = (layout.world_size - 1) * (mine + slot)
+    return fut, received
+
+
+def sent_bytes(layout, rank: int) -> int:
+    """Bytes this rank puts on the wire: its messages to the other owners, then its reply."""
+    return layout.nbytes - layout.part_nbytes[rank] + layout.slot_nbytes
+
+
+def accumulate(call, layout, bufs: OwnerBuffers):
+    """Step 4's callback: every owner's reply decoded into its range of the bucket."""
+    state = call.state
+
+    def decode(fut: torch.futures.Future) -> torch.Tensor:
+        started = time.perf_counter()
+        replies = fut.value()
+        for owner, part in enumerate(layout.parts):
+            start, length = layout.ranges[owner]
+            if part is None:
+                call.out[start : start + length].zero_()  # empty range (length 0)
+                continue
+            slot = replies[owner * layout.slot_nbytes : owner * layout.slot_nbytes + part.nbytes]
+            ops.dispatch.chunk_decode_add(slot, part, call.out[start : start + length], True)
+        state._count(seconds_unpack=time.perf_counter() - started)
+        if state._journal is not None:
+            state._journal.note_reduced(~torch.isfinite(call.out).all())
+        return call.out
+
+    return decode
+
