@@ -26,7 +26,8 @@ _REFERENCE: dict[str, Callable] = {
     "select_and_pack": compress.select_and_pack,
     **{op: getattr(reference, op) for op in native.OPS},
 }
-# Ops with Triton twins (sparsecomm/ops/triton); the chunk ops have none.
+# Ops with Triton twins (sparsecomm/ops/triton) chosen by _builtin; the chunk ops' are
+# chosen by _chunk_implementation (they depend on the layout too).
 _TRITON_OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
 # (op name, device type) -> implementation registered by the user or a test
 _KERNELS: dict[tuple[str, str], Callable] = {}
@@ -99,17 +100,46 @@ def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, z
     implementation("unpack_add", out.device.type)(indices, values, out, zero_out)
 
 
+# The native chunk encoders take float32 gradients (csrc/README.md); the decoders every bucket dtype.
+_NATIVE_CHUNK_GRAD_DTYPES = (torch.float32,)
+# The Triton chunk kernels' gradient (encode) and bucket (decode) dtypes.
+_TRITON_CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
-    """The native chunk kernels are CPU-only (no CUDA or Triton twin), take one scale per
-    chunk and (encode) float32 gradients; anything else runs the reference, which gives
-    the same bits. A registered kernel wins, as everywhere."""
-    registered = _KERNELS.get((op, tensor.device.type))
+    """The chunk ops' choice, as :func:`_builtin`'s: on CPU the native kernel; on CUDA the
+    native CUDA kernel, else (or with ``SPARSECOMM_KERNELS=triton``) the Triton kernel; the
+    reference with ``SPARSECOMM_KERNELS=reference``, on other devices, and for what the
+    kernels do not take (every reference gives the same bits): layouts with a ``scale_group``
+    (all kernels), 16-bit gradients (native encoders), chunks over 8192 entries (Triton). A
+    registered kernel wins, as everywhere."""
+    device_type = tensor.device.type
+    registered = _KERNELS.get((op, device_type))
     if registered is not None:
         return registered
-    if (tensor.device.type != "cpu" or getattr(layout, "scale_group", 0)
-            or (op == "chunk_encode" and tensor.dtype != torch.float32)):
+    choice = native.requested_kernels()
+    if choice == "reference" or device_type not in ("cpu", "cuda") or getattr(layout, "scale_group", 0):
         return _REFERENCE[op]
-    return _builtin(op, "cpu")
+    native_takes = op != "chunk_encode" or tensor.dtype in _NATIVE_CHUNK_GRAD_DTYPES
+    if device_type == "cpu":
+        return _builtin(op, "cpu") if native_takes else _REFERENCE[op]
+    loaded, reason = native.load()
+    native_cuda = native_takes and loaded and native.has_kernel(op, "CUDA")
+    if choice != "native" and (choice == "triton" or not native_cuda):
+        from sparsecomm.ops import triton as triton_ops
+
+        usable, why_not = triton_ops.available()
+        if usable and tensor.dtype in _TRITON_CHUNK_DTYPES and triton_ops.chunk_unsupported(layout) is None:
+            return getattr(triton_ops, op)
+    if native_cuda:
+        return getattr(native, op)
+    if choice == "native" and native_takes:
+        raise RuntimeError(f"SPARSECOMM_KERNELS=native but there is no native {op} for cuda: "
+                           f"{reason or 'the extension was built without it'}")
+    if choice != "native" and why_not:  # no kernel at all (not just this layout): say so once
+        native.warn_unavailable(f"no CUDA {op} kernel (the extension: {reason or 'built without it'}; "
+                                f"Triton: {why_not})")
+    return _REFERENCE[op]
 
 
 def native_chunk_encode(grad: torch.Tensor, layout) -> bool:

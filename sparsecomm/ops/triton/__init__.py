@@ -7,20 +7,30 @@ Same Python signatures as :mod:`sparsecomm.ops.reference` (the oracle)::
                       index_offset=0) -> 0-d int64 tensor
     topk_threshold(x, k, max_relative_error=0.05) -> (0-d float32 tensor, 0-d int64 tensor)
     unpack_add(indices, values, out, zero_out=True) -> None
+    chunk_encode(grad, residual, divisor, add_residual, layout, payload) -> (indices int64, decoded values)
+    chunk_decode_add(gathered, layout, out, zero_out=True) -> None
 
 None of them synchronises with the host: grid sizes follow from the sizes alone, and every
 data-dependent quantity (histograms, the k-th key, per-program counts, offsets) lives in small
 device tensors read by the next kernel. One file per op, shared radix kernels in
-:mod:`sparsecomm.ops.triton.radix`.
+:mod:`sparsecomm.ops.triton.radix`, shared chunk codecs in :mod:`sparsecomm.ops.triton.chunk_codecs`.
 
-Importing this package never fails: without a usable Triton the four functions raise
+The chunk kernels (``selector="chunk"``, :mod:`~sparsecomm.ops.triton.chunk_encode`,
+:mod:`~sparsecomm.ops.triton.chunk_decode_add`) take every index codec (int32, chunk, rice),
+every value codec and float32/bfloat16/float16 gradients, for layouts with one scale per
+chunk (``scale_group == 0``) and chunks of at most 8192 entries (one program per chunk, the
+chunk in one block); :func:`chunk_unsupported` says why a layout is not taken, and the
+dispatch sends those layouts to the reference.
+
+Importing this package never fails: without a usable Triton the op functions raise
 ImportError when called, and :func:`available` says why. Kernels run on CUDA tensors, and
 on CPU tensors only under ``TRITON_INTERPRET=1`` (read by Triton when this package is first
 imported: ``@triton.jit`` picks compiled or interpreted functions at definition time).
 """
 import os
 
-__all__ = ["available", "ef_threshold_pack", "ef_topk_pack", "topk_threshold", "unpack_add"]
+__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_threshold_pack", "ef_topk_pack",
+           "topk_threshold", "unpack_add"]
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -39,20 +49,43 @@ if _IMPORT_ERROR is None:
     except Exception as error:  # e.g. a Triton too old for tl.histogram(mask=...)
         _IMPORT_ERROR = f"the Triton kernels could not be defined ({type(error).__name__}: {error})"
 
-if _IMPORT_ERROR is not None:
-    def _unavailable(name):
-        def op(*args, **kwargs):
-            raise ImportError(f"sparsecomm.ops.triton.{name}: {_IMPORT_ERROR}")
-        op.__name__ = name
-        return op
+# The chunk kernels separately: a problem there leaves the other four usable.
+_CHUNK_IMPORT_ERROR: str | None = _IMPORT_ERROR
+if _CHUNK_IMPORT_ERROR is None:
+    try:
+        from sparsecomm.ops.triton.chunk_codecs import unsupported as _chunk_layout_unsupported
+        from sparsecomm.ops.triton.chunk_decode_add import chunk_decode_add
+        from sparsecomm.ops.triton.chunk_encode import chunk_encode
+    except Exception as error:
+        _CHUNK_IMPORT_ERROR = f"the Triton chunk kernels could not be defined ({type(error).__name__}: {error})"
 
-    ef_topk_pack = _unavailable("ef_topk_pack")
-    ef_threshold_pack = _unavailable("ef_threshold_pack")
-    topk_threshold = _unavailable("topk_threshold")
-    unpack_add = _unavailable("unpack_add")
+
+def _unavailable(name, reason):
+    def op(*args, **kwargs):
+        raise ImportError(f"sparsecomm.ops.triton.{name}: {reason}")
+    op.__name__ = name
+    return op
+
+
+if _IMPORT_ERROR is not None:
+    ef_topk_pack = _unavailable("ef_topk_pack", _IMPORT_ERROR)
+    ef_threshold_pack = _unavailable("ef_threshold_pack", _IMPORT_ERROR)
+    topk_threshold = _unavailable("topk_threshold", _IMPORT_ERROR)
+    unpack_add = _unavailable("unpack_add", _IMPORT_ERROR)
 
     def interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+if _CHUNK_IMPORT_ERROR is not None:
+    chunk_encode = _unavailable("chunk_encode", _CHUNK_IMPORT_ERROR)
+    chunk_decode_add = _unavailable("chunk_decode_add", _CHUNK_IMPORT_ERROR)
+
+
+def chunk_unsupported(layout) -> str | None:
+    """Why the chunk kernels do not take ``layout`` (a ChunkLayout), or None when they do."""
+    if _CHUNK_IMPORT_ERROR is not None:
+        return _CHUNK_IMPORT_ERROR
+    return _chunk_layout_unsupported(layout)
 
 
 def available(device_type: str = "cuda") -> tuple[bool, str]:

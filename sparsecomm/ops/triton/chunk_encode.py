@@ -1,0 +1,261 @@
+"""Triton ``chunk_encode`` (``selector="chunk"``): error feedback + per-chunk exact top-k +
+index and value codecs into the payload, no host synchronisation.
+
+Semantics: csrc/README.md (oracle: :func:`sparsecomm.ops.reference.chunk_encode`, i.e.
+``ChunkLayout.encode`` of ``acc = compensated(grad, residual, divisor, add_residual)``):
+the same payload bytes, residual, indices and decoded values (NaN payload bits aside: any
+NaN matches any NaN, as for the other Triton kernels). Grad dtypes float32, bfloat16 and
+float16; index codecs int32, chunk and rice; every value codec; one scale per chunk
+(``scale_group == 0``) and chunks of at most ``MAX_CHUNK_SIZE`` (8192) entries. The dispatch
+sends other layouts to the reference.
+
+Kernel sequence (grids follow from the layout; nothing is read back to the host)::
+
+    _select_kernel     [chunks]  one program per chunk, the chunk in one block: acc = T(g /
+                                 divisor) (+ r); magnitude keys; the exact k-th key K by a
+                                 bitwise binary search (31 block counts of key >= candidate);
+                                 selection = key > K, then keys == K by lower index (a cumsum
+                                 gives the tie rank); slots by a cumsum of the selection; the
+                                 chunk's scale (from the integer keys of its largest and
+                                 smallest non-zero finite selected magnitudes), written as
+                                 its two payload bytes; codes and decoded values; the
+                                 residual of the whole chunk; per entry (at its slot): the
+                                 index, the decoded value, and the index and value codes in
+                                 int32 scratch
+    _rice_starts_kernel[chunks]  rice only: per entry its gap and the bit where its code starts
+                                 (a cumsum of the code widths inside the chunk)
+    _pack_kernel       [bytes/B] one lane per payload byte after the scales: the byte of the
+                                 index region, value region or zero padding, assembled from
+                                 the codes of every field it holds (fixed-width fields:
+                                 entries byte*8 // bits on; rice: a binary search of the code
+                                 starts finds the first code, then the <= 9 codes that touch
+                                 the byte)
+
+The codes go through scratch and a second kernel because adjacent chunks share payload
+bytes when fields are sub-byte (chunk indices, int4/int2/sign values, Rice codes): every
+byte is written by exactly one lane, never by two programs.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from sparsecomm.compress import value_codecs
+from sparsecomm.ops.triton import chunk_codecs, radix
+from sparsecomm.ops.triton.chunk_codecs import (block_max, block_min, chunk_scale, decode_code, fields_byte,
+                                                value_code)
+from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, from_f32, magnitude_key, to_f32, to_wire
+
+_PACK_BLOCK = 1024
+
+
+@triton.jit
+def _select_kernel(g_ptr, r_ptr, payload_ptr, idx_out_ptr, dec_out_ptr, vcode_ptr, icode_ptr,
+                   n, divisor, chunk_size, chunks, k_full, k_last,
+                   HAS_RESIDUAL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, INDEX_CODEC: tl.constexpr,
+                   VALUE_CODEC: tl.constexpr, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    begin = c.to(tl.int64) * chunk_size
+    is_last = c == chunks - 1
+    length = tl.where(is_last, n - begin, chunk_size)
+    k = tl.where(is_last, k_last, k_full)
+    lane = tl.arange(0, BLOCK)
+    m = lane < length
+    offs = begin + lane
+    T: tl.constexpr = g_ptr.dtype.element_ty
+    acc = compensate(g_ptr, r_ptr, offs, m, divisor, ADD_RESIDUAL)
+    a32 = to_f32(acc)
+    key = tl.where(m, magnitude_key(a32), -1)  # lanes past the chunk rank below every entry
+
+    # The k-th largest key: the largest t with #(key >= t) >= k, bit by bit from the top.
+    kth = tl.full([], 0, tl.int32)
+    for i in range(31):
+        trial = kth | (1 << (30 - i))
+        count = block_sum((key >= trial).to(tl.int32))
+        kth = tl.where(count >= k, trial, kth)
+    above = key > kth
+    need = k - block_sum(above.to(tl.int32))
+    tie = key == kth
+    tie_rank = block_cumsum(tie.to(tl.int32)) - 1
+    sel = above | (tie & (tie_rank < need))
+    slot = block_cumsum(sel.to(tl.int32)) - 1
+    entry = c.to(tl.int64) * k_full + slot
+    finite = key < 0x7F800000
+
+    if VALUE_CODEC >= 3:  # scaled codecs: one bfloat16 scale per chunk
+        has_nan = block_max(tl.where(sel & (key == 0x7F800001), 1, 0)) > 0
+        has_inf = block_max(tl.where(sel & (key == 0x7F800000), 1, 0)) > 0
+        largest = block_max(tl.where(sel & finite, key, 0))
+        smallest = block_min(tl.where(sel & finite & (key > 0), key, 0x7F800000))
+        s = chunk_scale(largest, smallest, has_nan, has_inf, VALUE_CODEC)
+        s_bits = s.to(tl.int32, bitcast=True) >> 16
+        tl.store(payload_ptr + 2 * c, (s_bits & 0xFF).to(tl.uint8))
+        tl.store(payload_ptr + 2 * c + 1, ((s_bits >> 8) & 0xFF).to(tl.uint8))
+        code = value_code(a32, s, VALUE_CODEC)
+        decoded = decode_code(code, s, VALUE_CODEC)
+        tl.store(dec_out_ptr + entry, decoded, mask=sel)
+        wide32 = to_f32(from_f32(decoded, T))  # decoded.to(acc.dtype)
+    else:  # float codecs: the value itself, in the wire dtype (finite values saturate)
+        V: tl.constexpr = dec_out_ptr.dtype.element_ty
+        if V == T:
+            wire = acc
+        else:
+            wire = to_wire(a32, key, V, LIMIT)
+        if V == tl.float32:
+            code = wire.to(tl.int32, bitcast=True)
+        else:
+            code = wire.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            if V == tl.bfloat16 and T == tl.float32:
+                # torch's CPU float -> bfloat16 conversion writes every NaN as 0xFFFF
+                code = tl.where(key == 0x7F800001, 0xFFFF, code)
+                wire = code.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(dec_out_ptr + entry, wire, mask=sel)
+        if V == T:
+            wide32 = a32
+        else:
+            wide32 = to_f32(from_f32(to_f32(wire), T))
+
+    if INDEX_CODEC == 0:
+        index_code = offs.to(tl.int32)
+    else:
+        index_code = lane
+    tl.store(idx_out_ptr + entry, offs, mask=sel)
+    tl.store(vcode_ptr + entry, code, mask=sel)
+    tl.store(icode_ptr + entry, index_code, mask=sel)
+
+    if HAS_RESIDUAL:
+        # acc - decoded where that is finite, acc where the chunk decodes to Inf/NaN or the
+        # entry is not sent, +0 wherever acc is not finite.
+        wide_finite = (wide32.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+        kept = tl.where(sel & wide_finite, a32 - wide32, a32)
+        kept = tl.where(finite, kept, 0.0)
+        tl.store(r_ptr + offs, from_f32(kept, T), mask=m)
+
+
+@triton.jit
+def _rice_starts_kernel(icode_ptr, start_ptr, gap_ptr, chunks, k_full, k_last, r_full, r_last, bits_full,
+                        KBLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    is_last = c == chunks - 1
+    k = tl.where(is_last, k_last, k_full)
+    r = tl.where(is_last, r_last, r_full)
+    j = tl.arange(0, KBLOCK)
+    m = j < k
+    e = c.to(tl.int64) * k_full + j
+    local = tl.load(icode_ptr + e, mask=m, other=0)
+    previous = tl.load(icode_ptr + e - 1, mask=m & (j > 0), other=-1)
+    gap = local - previous - 1  # g0 = i0, gj = ij - i(j-1) - 1
+    width = tl.where(m, (gap >> r) + 1 + r, 0).to(tl.int64)
+    start = c.to(tl.int64) * bits_full + block_cumsum(width) - width
+    tl.store(start_ptr + e, start, mask=m)
+    tl.store(gap_ptr + e, gap, mask=m)
+
+
+@triton.jit
+def _rice_byte(start_ptr, gap_ptr, byte, mask, capacity, chunks, k_full, r_full, r_last, search_steps):
+    """Byte ``byte`` (region-relative) of the Rice index region from the code starts and gaps."""
+    bit0 = byte * 8
+    lo = tl.full(byte.shape, 0, tl.int64)
+    hi = tl.full(byte.shape, 0, tl.int64) + capacity
+    # The last code starting at or before bit0 (start[0] = 0 <= bit0).
+    for _ in range(search_steps):
+        mid = (lo + hi) >> 1
+        active = mask & (hi - lo > 1)
+        s = tl.load(start_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (s <= bit0), mid, lo)
+        hi = tl.where(active & (s > bit0), mid, hi)
+    out = tl.full(byte.shape, 0, tl.int64)
+    for j in tl.static_range(9):  # codes are >= 1 bit: at most 8 start inside the byte
+        f = lo + j
+        ok = mask & (f < capacity)
+        start = tl.load(start_ptr + f, mask=ok, other=0)
+        gap = tl.load(gap_ptr + f, mask=ok, other=0).to(tl.int64)
+        chunk = tl.minimum(f // k_full, chunks - 1)
+        r = tl.where(chunk == chunks - 1, r_last, r_full).to(tl.int64)
+        q = gap >> r
+        low = gap & ((1 << r) - 1)
+        rel = start - bit0
+        # q one-bits from the start, a zero, then the r low bits of the gap, LSB first.
+        first_one = tl.minimum(tl.maximum(rel, 0), 8)
+        end_one = tl.minimum(tl.maximum(rel + q, 0), 8)
+        ones = (1 << end_one) - (1 << first_one)
+        low_at = rel + q + 1
+        low_part = tl.where(low_at >= 0, low << tl.minimum(tl.maximum(low_at, 0), 8),
+                            low >> tl.minimum(tl.maximum(-low_at, 0), 63))
+        low_part = tl.where(low_at < 8, low_part & 0xFF, 0)
+        out = out | tl.where(ok, ones | low_part, 0)
+    return out
+
+
+@triton.jit
+def _pack_kernel(payload_ptr, icode_ptr, vcode_ptr, start_ptr, gap_ptr,
+                 index_start, value_start, value_end, nbytes, capacity, chunks, k_full, r_full, r_last,
+                 search_steps, INDEX_CODEC: tl.constexpr, INDEX_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    p = index_start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = p < nbytes
+    in_index = m & (p < value_start)
+    in_value = m & (p >= value_start) & (p < value_end)
+    if INDEX_CODEC == 2:
+        index_byte = _rice_byte(start_ptr, gap_ptr, p - index_start, in_index, capacity, chunks, k_full,
+                                r_full, r_last, search_steps)
+    else:
+        index_byte = fields_byte(icode_ptr, p - index_start, capacity, in_index, INDEX_BITS)
+    value_byte = fields_byte(vcode_ptr, p - value_start, capacity, in_value, VALUE_BITS)
+    byte = tl.where(in_index, index_byte, tl.where(in_value, value_byte, 0))  # the rest: zero padding
+    tl.store(payload_ptr + p, byte.to(tl.uint8), mask=m)
+
+
+def _check(grad, residual, add_residual, layout, payload):
+    radix.check_vectors("chunk_encode", grad, residual=residual)
+    if add_residual and residual is None:
+        raise ValueError("chunk_encode: add_residual=True needs a residual")
+    why = chunk_codecs.unsupported(layout)
+    if why is not None:
+        raise ValueError(f"chunk_encode: the Triton kernel does not take this layout: {why}")
+    if layout.numel != grad.numel():
+        raise ValueError(f"chunk_encode: the layout is for {layout.numel} entries, grad has {grad.numel()}")
+    if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1
+            or not payload.is_contiguous() or payload.numel() != layout.nbytes):
+        raise ValueError(f"chunk_encode: payload must be a contiguous 1-D uint8 tensor of {layout.nbytes} bytes")
+    if payload.device != grad.device:
+        raise ValueError(f"chunk_encode: payload is on {payload.device}, grad on {grad.device}")
+    for other in (grad, residual):
+        if other is not None and other.numel() and radix._overlap(payload, other):
+            raise ValueError("chunk_encode: payload may not alias grad or residual")
+
+
+def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """``selector="chunk"``: the compensated acc encoded by ``layout`` (a ChunkLayout) into
+    ``payload``; residual updated. Returns (bucket-relative indices int64, decoded values)."""
+    _check(grad, residual, add_residual, layout, payload)
+    f = chunk_codecs.layout_numbers(layout)
+    device = grad.device
+    value_dtype = value_codecs.FLOAT_CODECS.get(layout.value_codec, torch.float32)
+    indices = torch.empty(f.capacity, dtype=torch.int64, device=device)
+    decoded = torch.empty(f.capacity, dtype=value_dtype, device=device)
+    codes = torch.empty(2 * f.capacity, dtype=torch.int32, device=device)
+    value_codes, index_codes = codes[: f.capacity], codes[f.capacity :]
+    has_residual = residual is not None
+    limit = radix.wire_limit(grad.dtype, value_dtype) if not f.scaled else 0.0
+    block = triton.next_power_of_2(f.chunk_size)
+    _select_kernel[(f.chunks,)](
+        grad, residual if has_residual else grad, payload, indices, decoded, value_codes, index_codes,
+        f.numel, float(divisor), f.chunk_size, f.chunks, f.k_full, f.k_last,
+        HAS_RESIDUAL=has_residual, ADD_RESIDUAL=bool(add_residual), INDEX_CODEC=f.index_codec,
+        VALUE_CODEC=f.value_codec, LIMIT=limit, BLOCK=block, num_warps=chunk_codecs.num_warps_for(block),
+        enable_fp_fusion=False)
+    if f.index_codec == 2:
+        starts = torch.empty(f.capacity, dtype=torch.int64, device=device)
+        gaps = torch.empty(f.capacity, dtype=torch.int32, device=device)
+        kblock = triton.next_power_of_2(f.k_full)
+        _rice_starts_kernel[(f.chunks,)](index_codes, starts, gaps, f.chunks, f.k_full, f.k_last, f.rice_r_full,
+                                         f.rice_r_last, f.rice_bits_full, KBLOCK=kblock,
+                                         num_warps=chunk_codecs.num_warps_for(kblock), enable_fp_fusion=False)
+    else:
+        starts, gaps = indices, index_codes  # unused
+    grid = (triton.cdiv(f.nbytes - f.index_start, _PACK_BLOCK),)
+    _pack_kernel[grid](payload, index_codes, value_codes, starts, gaps, f.index_start, f.value_start, f.value_end,
+                       f.nbytes, f.capacity, f.chunks, f.k_full, f.rice_r_full, f.rice_r_last,
+                       max(1, f.capacity.bit_length()), INDEX_CODEC=f.index_codec, INDEX_BITS=max(f.index_bits, 1),
+                       VALUE_BITS=f.value_bits, BLOCK=_PACK_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return indices, decoded
