@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Device check of the CUDA kernels (csrc/cuda/*.cu) for a session lent a GPU for a few minutes.
 #
-# Expected runtime on an H200 box (16 cores): build ~2-4 min (nvcc compiles 4 .cu files with
-# 9 dtype pairs each, plus the CPU sources; only sm_90 unless TORCH_CUDA_ARCH_LIST says
-# otherwise), tests ~2-3 min (tests/test_kernels_cuda.py runs its oracle on CPU copies,
-# including a few 2^24-element cases; tests/test_kernels_triton.py compiles Triton kernels;
-# tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one GPU),
-# benchmark ~1 min. About 6-8 minutes in all: leave room in the device budget for one rerun.
+# Expected runtime on an H200 box (16 cores): build ~2-4 min (nvcc compiles 6 .cu files: the
+# 4 older ops with 9 dtype pairs each, chunk_encode (2 kernels) and chunk_decode_add (3 out
+# dtypes), plus the CPU sources; only sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise),
+# tests ~3-5 min (tests/test_kernels_cuda.py runs its oracle on CPU copies, including a few
+# 2^24-element cases; its chunk section, ~470 cases, runs the pure-torch ChunkLayout reference
+# for every index x value codec pair on 9 geometries, ~1-2 min of it; tests/test_kernels_triton.py
+# compiles Triton kernels; tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one
+# GPU, selector="chunk" included), benchmark ~1 min. About 7-10 minutes in all: leave room in
+# the device budget for one rerun (or run only tests/test_kernels_cuda.py -k chunk first).
 # A failed build stops the script; the benchmark runs even if tests fail; the exit status is
 # non-zero if the build, a test or the benchmark failed.
 #
@@ -48,13 +51,13 @@ grep -E "warning" "$build_log" | grep -E "csrc/cuda" | sort -u | head -n 20 || t
 "$PYTHON" - <<'PY'
 import torch
 import sparsecomm._C  # noqa: F401
-ops = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
+ops = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add", "chunk_encode", "chunk_decode_add")
 print("CUDA kernels:", {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsecomm::{op}", "CUDA") for op in ops})
 PY
 
 status=0
 stamp "tests"
-"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_hook_cuda.py || status=$?
+"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_kernels_triton_chunk.py tests/test_hook_cuda.py || status=$?
 
 stamp "benchmark"
 "$PYTHON" experiments/bench_kernels.py --device cuda --sizes 1e6 25e6 100e6 --densities 0.001 0.01 || status=$?

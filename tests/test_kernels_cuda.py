@@ -562,3 +562,347 @@ def test_ops_capture_in_a_cuda_graph():
         key = reference.magnitude_key(new_grad)
         assert int(tcount) == int((key >= int(reference.magnitude_key(threshold.cpu().reshape(1)))).sum())
         assert math.isclose(int(tcount), k, rel_tol=0.05)
+
+
+# --------------------------------------------------------------------------- chunk_encode / chunk_decode_add
+#
+# selector="chunk" (csrc/cuda/chunk_encode.cu, chunk_decode_add.cu) against the reference
+# (ChunkLayout.encode of the compensated acc; ChunkLayout.views + index_add_ per row) on CPU
+# copies. Bitwise, except NaN bits: GPU arithmetic makes every NaN acc the canonical NaN,
+# x86 keeps the operand's, so the fp32 / fp16 codes of a NaN and the decoded NaN values may
+# differ in their bits (not in where they are). Everything else is compared byte for byte:
+# the scales, the index region, the codes of the scaled codecs, the zero padding, indices,
+# residual (never NaN).
+
+from sparsecomm.compress.chunk_layout import ChunkLayout  # noqa: E402
+from sparsecomm.compress.index_codecs import INDEX_CODECS  # noqa: E402
+from sparsecomm.compress.value_codecs import FLOAT_CODECS, VALUE_CODECS  # noqa: E402
+
+CHUNK_OPS = ("chunk_encode", "chunk_decode_add")
+_CHUNK_MISSING = [op for op in CHUNK_OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsecomm::{op}",
+                                                                                               "CUDA")]
+needs_chunk_kernels = pytest.mark.skipif(bool(_CHUNK_MISSING),
+                                         reason=f"sparsecomm._C has no CUDA kernel for {_CHUNK_MISSING}")
+
+# (numel, chunk_size, density): partial last chunks with k_last < k_full, 4096-chunks (shared
+# memory path), chunks above 8192 entries (acc re-read from global memory), k = 1, tiny
+# chunks, everything sent, k beyond one emit tile (2048), one chunk of one entry.
+CHUNK_GEOMETRIES = [
+    (10_003, 4096, 0.01),   # 3 chunks, the last of 1811 entries: k_last 19 < k_full 41
+    (10_003, 4096, 1e-5),   # k = 1 everywhere
+    (70_001, 65_536, 0.001),  # the largest chunk (not cached), last chunk 4465 entries
+    (30_000, 12_288, 0.2),  # not cached, k > one emit tile
+    (5000, 4096, 0.5),      # k = 2048: a whole emit tile of ties and selections
+    (1003, 64, 0.1),
+    (300, 7, 0.5),          # chunks shorter than a warp; 3-bit chunk indices
+    (64, 16, 1.0),          # everything sent
+    (1, 2, 0.5),
+]
+CHUNK_PAIRS = [(i, v) for i in INDEX_CODECS for v in VALUE_CODECS]
+# (divisor, add_residual, residual given)
+CHUNK_EF = [(3.0, True, True), (1.0, False, True), (2.0, False, False)]
+
+
+def _chunk_data(n: int, seed: int, nonfinite: bool) -> torch.Tensor:
+    """randn with zeros, exact ties, subnormals (tests/test_kernels_chunk.py), optionally NaN/+-Inf."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator)
+    draw = torch.rand(n, generator=generator)
+    x[draw < 0.05] = 0.0
+    x[(draw >= 0.05) & (draw < 0.07)] = 1.5
+    x[(draw >= 0.07) & (draw < 0.08)] = -1.5
+    x[(draw >= 0.08) & (draw < 0.09)] = 1e-40
+    x[(draw >= 0.09) & (draw < 0.095)] = -3e-42
+    if n >= 4200:
+        x[4096:4200] = 0.0
+    if nonfinite and n >= 8:
+        x[[1, n // 2, n // 3, n - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")])
+    return x
+
+
+def _chunk_args(layout):
+    g = layout.geometry
+    return (layout.chunk_size, g.k_full, g.k_last, INDEX_CODECS.index(layout.index_codec),
+            VALUE_CODECS.index(layout.value_codec))
+
+
+def _encode_reference(layout, grad, residual, divisor, add_residual):
+    r = None if residual is None else residual.clone()
+    payload = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+    indices, decoded = reference.chunk_encode(grad.clone(), r, divisor, add_residual, layout, payload)
+    return payload, indices, decoded, r
+
+
+def _encode_cuda(layout, grad, residual, divisor, add_residual, payload_offset=0):
+    """The CUDA op on device copies (the payload a view at ``payload_offset`` bytes into a
+    garbage-filled buffer); returns CPU copies (payload, indices, decoded, residual)."""
+    g = grad.to(CUDA, copy=True)
+    r = None if residual is None else residual.to(CUDA, copy=True)
+    buffer = torch.full((layout.nbytes + payload_offset + 8,), 0xAB, dtype=torch.uint8, device=CUDA)
+    payload = buffer[payload_offset : payload_offset + layout.nbytes]
+    indices, decoded = _ops().chunk_encode(g, r, float(divisor), add_residual, *_chunk_args(layout), payload)
+    _assert_same(g, grad, "grad must not be modified")
+    assert bool((buffer[:payload_offset] == 0xAB).all()) and bool((buffer[payload_offset + layout.nbytes:] == 0xAB).all()), \
+        "wrote outside the payload"
+    assert indices.device.type == "cuda" and decoded.device.type == "cuda"
+    return payload.cpu(), indices.cpu(), decoded.cpu(), None if r is None else r.cpu()
+
+
+def _assert_same_payload(layout, got, want, what):
+    """Byte for byte, but for the bits of NaN codes of the float codecs (compared as values)."""
+    value_start = layout.scale_bytes + layout.index_bytes
+    value_end = value_start + layout.value_bytes
+    _assert_same(got[:value_start], want[:value_start], f"{what}: scales and index region")
+    _assert_same(got[value_end:], want[value_end:], f"{what}: zero padding")
+    if layout.value_codec in FLOAT_CODECS:
+        dtype = FLOAT_CODECS[layout.value_codec]
+        _assert_same(got[value_start:value_end].clone().view(dtype), want[value_start:value_end].clone().view(dtype),
+                     f"{what}: values")
+    else:
+        _assert_same(got[value_start:value_end], want[value_start:value_end], f"{what}: value codes")
+
+
+def _check_chunk_encode(layout, grad, residual, divisor, add_residual, payload_offset=0, want=None):
+    want = want if want is not None else _encode_reference(layout, grad, residual, divisor, add_residual)
+    got = _encode_cuda(layout, grad, residual, divisor, add_residual, payload_offset)
+    (p1, i1, d1, r1), (p2, i2, d2, r2) = got, want
+    _assert_same_payload(layout, p1, p2, "payload")
+    _assert_same(i1, i2, "indices")
+    _assert_same(d1, d2, "decoded values")
+    assert (r1 is None) == (r2 is None)
+    if r1 is not None:
+        _assert_same(r1, r2, "residual", nan_ok=False)
+    return got, want
+
+
+def _check_chunk_decode_add(layout, gathered, start, zero_out):
+    want = start.clone()
+    reference.chunk_decode_add(gathered, layout, want, zero_out)
+    got = start.to(CUDA, copy=True)
+    _ops().chunk_decode_add(gathered.to(CUDA), *_chunk_args(layout), got, zero_out)
+    _assert_same(got, want, f"chunk_decode_add zero_out={zero_out}")
+
+
+@needs_chunk_kernels
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nonfinite"])
+@pytest.mark.parametrize("geometry", CHUNK_GEOMETRIES, ids=lambda g: "n={}-c={}-d={}".format(*g))
+@pytest.mark.parametrize("index_codec,value_codec", CHUNK_PAIRS)
+def test_chunk_encode_and_decode_add_match_the_reference(index_codec, value_codec, geometry, nonfinite):
+    n, chunk_size, density = geometry
+    layout = ChunkLayout(n, chunk_size, density, index_codec, value_codec)
+    grad = _chunk_data(n, seed=n, nonfinite=nonfinite)
+    residual = _chunk_data(n, seed=n + 1, nonfinite=False) * 0.1
+    payloads, device_payloads = [], []
+    for divisor, add_residual, has_residual in CHUNK_EF:
+        got, want = _check_chunk_encode(layout, grad, residual if has_residual else None, divisor, add_residual)
+        payloads.append(want[0])
+        device_payloads.append(got[0])
+    # Three ranks with different selections, several rows added in rank order, onto zeros or
+    # onto what the bucket holds.
+    for rows in (payloads, device_payloads):
+        gathered = torch.cat(rows)
+        for zero_out in (True, False):
+            _check_chunk_decode_add(layout, gathered, torch.randn(n + 1)[1:], zero_out)
+    _check_chunk_decode_add(layout, payloads[0], torch.randn(n), False)  # one row
+
+
+@needs_chunk_kernels
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("index_codec,value_codec", [("rice", "fp32"), ("chunk", "bf16"), ("int32", "fp16"),
+                                                     ("rice", "int4"), ("chunk", "sign")])
+def test_chunk_decode_add_into_16_bit_buckets(index_codec, value_codec, out_dtype):
+    layout = ChunkLayout(10_003, 4096, 0.01, index_codec, value_codec)
+    rows = []
+    for seed in range(3):
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        reference.chunk_encode(_chunk_data(10_003, seed, False) * 100, None, 1.0, False, layout, payload)
+        rows.append(payload)
+    gathered = torch.cat(rows)
+    for zero_out in (True, False):
+        _check_chunk_decode_add(layout, gathered, torch.randn(10_003).to(out_dtype), zero_out)
+
+
+@needs_chunk_kernels
+@pytest.mark.parametrize("index_codec,value_codec", [("rice", "int2"), ("chunk", "fp32"), ("int32", "sign")])
+@pytest.mark.parametrize("payload_offset", [1, 2, 3])
+def test_chunk_encode_into_an_unaligned_payload(index_codec, value_codec, payload_offset):
+    """A payload view at an odd byte offset (not 4-byte aligned): encoded through an aligned
+    scratch buffer, nothing written outside the view."""
+    layout = ChunkLayout(10_003, 4096, 0.01, index_codec, value_codec)
+    grad = _chunk_data(10_003, 5, True)
+    _check_chunk_encode(layout, grad, grad * 0.25, 3.0, True, payload_offset=payload_offset)
+
+
+@needs_chunk_kernels
+def test_chunk_encode_ties_take_the_lowest_indices():
+    layout = ChunkLayout(3 * 4096, 4096, 0.01, "chunk", "fp32")
+    grad = torch.zeros(3 * 4096)
+    grad[4096:8192] = -2.0  # one chunk all ties, one all zeros, one of two tie classes
+    grad[8192::2] = 1.0
+    grad[8193::2] = -1.0
+    (_, indices, _, _), _ = _check_chunk_encode(layout, grad, None, 1.0, False)
+    k = layout.geometry.k_full
+    assert torch.equal(indices, torch.cat([torch.arange(k), 4096 + torch.arange(k), 8192 + torch.arange(k)]))
+
+
+@needs_chunk_kernels
+@pytest.mark.parametrize("value_codec", ["fp32", "int4", "sign", "fp8"])
+@pytest.mark.parametrize("index_codec", INDEX_CODECS)
+def test_chunk_encode_large(index_codec, value_codec):
+    """2^24 + 1 entries (4097 chunks of 4096, the last of 1 entry): compared with the native
+    CPU kernel (bit-identical to the reference, tests/test_kernels_chunk.py), which is faster."""
+    from sparsecomm.ops import native
+
+    layout = ChunkLayout(BIG, 4096, 0.01, index_codec, value_codec)
+    grad, residual = _chunk_data(BIG, 7, True), _chunk_data(BIG, 8, False) * 0.1
+    r = residual.clone()
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    indices, decoded = native.chunk_encode(grad, r, 3.0, True, layout, payload)
+    got, _ = _check_chunk_encode(layout, grad, residual, 3.0, True, want=(payload, indices, decoded, r))
+    gathered = torch.cat([payload, got[0], payload])
+    want = torch.randn(BIG)
+    out = want.to(CUDA, copy=True)
+    native.chunk_decode_add(gathered, layout, want, False)
+    _ops().chunk_decode_add(gathered.to(CUDA), *_chunk_args(layout), out, False)
+    _assert_same(out, want, "chunk_decode_add large")
+
+
+@needs_chunk_kernels
+def test_chunk_encode_is_deterministic():
+    layout = ChunkLayout(300_000, 4096, 0.01, "rice", "int4")
+    grad, residual = _data(300_000, torch.float32, seed=3, kind="ties")
+    first = _encode_cuda(layout, grad, residual, 3.0, True)
+    second = _encode_cuda(layout, grad, residual, 3.0, True)
+    for a, b, what in zip(first, second, ("payload", "indices", "decoded", "residual")):
+        _assert_same(a, b, f"{what}, run to run")
+
+
+@needs_chunk_kernels
+def test_chunk_ops_reject_bad_arguments():
+    layout = ChunkLayout(1000, 100, 0.1, "chunk", "int8")
+    args = _chunk_args(layout)
+    grad = torch.zeros(1000, device=CUDA)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=CUDA)
+    encode, decode = _ops().chunk_encode, _ops().chunk_decode_add
+    with pytest.raises(RuntimeError, match="payload must be"):
+        encode(grad, None, 1.0, False, *args, payload[:-8])
+    with pytest.raises(RuntimeError, match="float32"):
+        encode(grad.half(), None, 1.0, False, *args, payload)
+    with pytest.raises(RuntimeError, match="needs a residual"):
+        encode(grad, None, 1.0, True, *args, payload)
+    with pytest.raises(RuntimeError, match="may not alias"):
+        encode(grad, grad, 1.0, True, *args, payload)
+    with pytest.raises(RuntimeError, match="divisor"):
+        encode(grad, None, 0.0, False, *args, payload)
+    with pytest.raises(RuntimeError, match="value_codec"):
+        encode(grad, None, 1.0, False, *args[:4], 8, payload)
+    with pytest.raises(RuntimeError, match="k_full"):
+        encode(grad, None, 1.0, False, 100, 101, 1, 1, 4, payload)
+    with pytest.raises(RuntimeError, match="chunk_size"):
+        encode(grad, None, 1.0, False, 1, 1, 1, 1, 4, payload)
+    with pytest.raises(RuntimeError, match="device"):
+        encode(grad, None, 1.0, False, *args, payload.cpu())
+    with pytest.raises(RuntimeError, match="gathered must be"):
+        decode(payload[:-1], *args, torch.zeros(1000, device=CUDA), True)
+    with pytest.raises(RuntimeError, match="one device"):
+        decode(payload.cpu(), *args, torch.zeros(1000, device=CUDA), True)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        decode(payload, *args, torch.zeros(1000, device=CUDA, dtype=torch.float64), True)
+
+
+@needs_chunk_kernels
+@pytest.mark.parametrize("index_codec,value_codec", [("rice", "int2"), ("int32", "bf16"), ("chunk", "sign"),
+                                                     ("rice", "fp16")])
+def test_chunk_ops_opcheck(index_codec, value_codec):
+    layout = ChunkLayout(10_003, 4096, 0.01, index_codec, value_codec)
+    args = _chunk_args(layout)
+    # Finite data: opcheck compares the outputs of repeated runs, and NaN != NaN there.
+    grad = _chunk_data(10_003, 0, False).to(CUDA)
+    residual = _chunk_data(10_003, 1, False).to(CUDA)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=CUDA)
+    encode_args = (grad, residual, 3.0, True, *args, payload)
+    torch.library.opcheck(torch.ops.sparsecomm.chunk_encode.default, encode_args)
+    torch.ops.sparsecomm.chunk_encode(*encode_args)
+    gathered = torch.cat([payload, payload])
+    torch.library.opcheck(torch.ops.sparsecomm.chunk_decode_add.default,
+                          (gathered, *args, torch.zeros(10_003, device=CUDA), True))
+    torch.library.opcheck(torch.ops.sparsecomm.chunk_decode_add.default,
+                          (gathered, *args, torch.ones(10_003, device=CUDA, dtype=torch.bfloat16), False))
+
+
+@needs_chunk_kernels
+def test_chunk_ops_capture_in_a_cuda_graph():
+    """No host synchronisation: the ops capture in a CUDA graph, and replays are exact."""
+    n = 1 << 20
+    layout = ChunkLayout(n, 4096, 0.01, "rice", "int4")
+    args = _chunk_args(layout)
+    gen = torch.Generator().manual_seed(0)
+    start_residual = (torch.randn(n, generator=gen) * 0.1)
+    grad = torch.randn(n, generator=gen).to(CUDA)
+    residual = start_residual.to(CUDA)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=CUDA)
+    gathered = torch.empty(2 * layout.nbytes, dtype=torch.uint8, device=CUDA)
+    out = torch.empty(n, device=CUDA)
+
+    def step():
+        indices, decoded = _ops().chunk_encode(grad, residual, 3.0, True, *args, payload)
+        gathered[: layout.nbytes].copy_(payload)
+        gathered[layout.nbytes:].copy_(payload)
+        _ops().chunk_decode_add(gathered, *args, out, True)
+        return indices, decoded
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indices, decoded = step()
+    for seed in (1, 2):
+        new_grad = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+        grad.copy_(new_grad)
+        residual.copy_(start_residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_payload, want_indices, want_decoded, want_residual = _encode_reference(layout, new_grad, start_residual,
+                                                                                    3.0, True)
+        _assert_same(payload, want_payload, "graph replay: payload")
+        _assert_same(indices, want_indices, "graph replay: indices")
+        _assert_same(decoded, want_decoded, "graph replay: decoded")
+        _assert_same(residual, want_residual, "graph replay: residual", nan_ok=False)
+        want_out = torch.empty(n)
+        reference.chunk_decode_add(torch.cat([want_payload, want_payload]), layout, want_out, True)
+        _assert_same(out, want_out, "graph replay: decode_add")
+
+
+@needs_chunk_kernels
+def test_chunk_decode_add_of_a_corrupt_payload_trips_a_device_assert():
+    """An index outside its chunk: the entry is skipped and a device assert fires (the CPU
+    operator raises instead; on CUDA that would need a host synchronisation). In a
+    subprocess: the assert leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        import sparsecomm._C  # noqa: F401
+        from sparsecomm.compress.chunk_layout import ChunkLayout
+        from sparsecomm.ops import reference
+        layout = ChunkLayout(1000, 100, 0.1, "int32", "fp32")
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        reference.chunk_encode(torch.randn(1000), None, 1.0, False, layout, payload)
+        payload[:4] = torch.tensor([0xFF, 0xFF, 0xFF, 0x7F], dtype=torch.uint8)  # index 2^31 - 1
+        guard = torch.zeros(3000, device="cuda")
+        out = guard[1000:2000]
+        torch.ops.sparsecomm.chunk_decode_add(payload.cuda(), 100, 10, 10, 0, 0, out, True)
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as error:
+            print("RAISED", "corrupt payload" in str(error) or "device-side assert" in str(error))
+        else:
+            print("NOT RAISED")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "RAISED True" in result.stdout, result.stdout + result.stderr[-3000:]

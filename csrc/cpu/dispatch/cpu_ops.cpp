@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "../kernels.h"
+#include "chunk_checks.h"
 #include "cpu_level.h"
 
 namespace sparsecomm {
@@ -119,29 +120,9 @@ std::tuple<at::Tensor, at::Tensor> chunk_encode_cpu(const at::Tensor& grad, cons
                                                     double divisor, bool add_residual, int64_t chunk_size,
                                                     int64_t k_full, int64_t k_last, int64_t index_codec,
                                                     int64_t value_codec, const at::Tensor& payload) {
-  TORCH_CHECK(grad.dim() == 1 && grad.is_contiguous() && grad.scalar_type() == at::kFloat,
-              "chunk_encode: grad must be a contiguous 1-D float32 tensor, got ", grad.scalar_type(), " ",
-              grad.sizes());
-  const ChunkFormat f = chunk_format("chunk_encode", grad.numel(), chunk_size, k_full, k_last, index_codec,
-                                     value_codec);
-  TORCH_CHECK(!add_residual || residual.has_value(), "chunk_encode: add_residual=True needs a residual");
-  if (residual.has_value()) {
-    const at::Tensor& r = *residual;
-    TORCH_CHECK(r.dim() == 1 && r.is_contiguous() && r.numel() == grad.numel() && r.scalar_type() == grad.scalar_type(),
-                "chunk_encode: residual must be a contiguous 1-D tensor matching grad (", grad.numel(), " x ",
-                grad.scalar_type(), ")");
-    TORCH_CHECK(r.device() == grad.device(), "chunk_encode: residual must be on grad's device ", grad.device());
-    TORCH_CHECK(r.data_ptr() != grad.data_ptr(), "chunk_encode: residual may not alias grad");
-  }
-  TORCH_CHECK(payload.dim() == 1 && payload.is_contiguous() && payload.scalar_type() == at::kByte &&
-                  payload.numel() == f.nbytes,
-              "chunk_encode: payload must be a contiguous 1-D uint8 tensor of ", f.nbytes, " bytes, got ",
-              payload.scalar_type(), " ", payload.sizes());
-  TORCH_CHECK(payload.device() == grad.device(), "chunk_encode: payload must be on grad's device ", grad.device());
-  TORCH_CHECK(divisor > 0, "chunk_encode: divisor must be > 0, got ", divisor);
-  const at::ScalarType decoded_dtype = value_codec == kValueBf16   ? at::kBFloat16
-                                       : value_codec == kValueFp16 ? at::kHalf
-                                                                   : at::kFloat;
+  const ChunkFormat f = check_chunk_encode(grad, residual, divisor, add_residual, chunk_size, k_full, k_last,
+                                           index_codec, value_codec, payload);
+  const at::ScalarType decoded_dtype = chunk_decoded_dtype(value_codec);
   at::Tensor indices = at::empty({f.selected}, grad.options().dtype(at::kLong));
   at::Tensor decoded = at::empty({f.selected}, grad.options().dtype(decoded_dtype));
   kernels().chunk_encode(grad, residual, static_cast<float>(divisor), add_residual, f, payload, indices, decoded);
@@ -150,13 +131,7 @@ std::tuple<at::Tensor, at::Tensor> chunk_encode_cpu(const at::Tensor& grad, cons
 
 void chunk_decode_add_cpu(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
                           int64_t index_codec, int64_t value_codec, const at::Tensor& out, bool zero_out) {
-  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "chunk_decode_add: out must be a contiguous 1-D tensor");
-  const ChunkFormat f = chunk_format("chunk_decode_add", out.numel(), chunk_size, k_full, k_last, index_codec,
-                                     value_codec);
-  TORCH_CHECK(gathered.is_contiguous() && gathered.scalar_type() == at::kByte && gathered.numel() % f.nbytes == 0,
-              "chunk_decode_add: gathered must be contiguous uint8 of world_size x ", f.nbytes, " bytes, got ",
-              gathered.scalar_type(), " ", gathered.sizes());
-  TORCH_CHECK(gathered.device() == out.device(), "chunk_decode_add: gathered and out must be on one device");
+  const ChunkFormat f = check_chunk_decode_add(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out);
   const int64_t corrupt = kernels().chunk_decode_add(gathered, f, out, zero_out);
   TORCH_CHECK(corrupt == 0, "chunk_decode_add: ", corrupt,
               " entries decode to positions outside their chunk: corrupt payload");

@@ -1,0 +1,28 @@
+// The argument checks of the chunk operators, shared by the CPU and CUDA implementations
+// so that both refuse the same calls with the same messages (host code, built once).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "../chunk_format.h"
+
+namespace sparsecomm {
+
+// chunk_encode(grad, residual, divisor, add_residual, geometry, payload): grad a contiguous
+// 1-D float32 tensor, residual (if any) matching it without overlapping it, payload exactly
+// the format's bytes, all on grad's device; divisor > 0. Returns the format.
+ChunkFormat check_chunk_encode(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double divisor,
+                               bool add_residual, int64_t chunk_size, int64_t k_full, int64_t k_last,
+                               int64_t index_codec, int64_t value_codec, const at::Tensor& payload);
+
+// chunk_decode_add(gathered, geometry, out): out a contiguous 1-D tensor, gathered whole
+// payloads of the format (uint8) on out's device. Returns the format.
+ChunkFormat check_chunk_decode_add(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
+                                   int64_t index_codec, int64_t value_codec, const at::Tensor& out);
+
+// The dtype of the decoded values chunk_encode returns: the float codec's, float32 otherwise.
+at::ScalarType chunk_decoded_dtype(int64_t value_codec);
+
+}  // namespace sparsecomm
