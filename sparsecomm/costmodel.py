@@ -108,6 +108,11 @@ def owner_exchange_seconds(nbytes_per_rank: float, p: int, *, rate_bytes_per_s: 
                                             collectives=collectives)
 
 
+def broadcast_seconds(nbytes: float, p: int, *, rate_bytes_per_s: float, alpha_s: float) -> float:
+    """Broadcast of ``nbytes`` from one rank along a binomial tree: ceil(log2 p) rounds."""
+    return math.ceil(math.log2(p)) * (alpha_s + nbytes / rate_bytes_per_s) if p > 1 else 0.0
+
+
 def exchange_bytes_received(exchange: str, payload_bytes: float, dense_bytes: float, p: int) -> float:
     """Bytes one rank takes in per bucket: ``dense`` (ring allreduce of the buffer),
     ``allgather`` (every other rank's payload), ``owner`` (the p-1 messages for its range,
@@ -344,6 +349,9 @@ def measured_alpha_s(run: RunInputs) -> float | None:
 # Projection
 
 
+PROJECTED_EXCHANGES = ("allgather", "owner", "auto")
+
+
 @dataclass(frozen=True)
 class Scenario:
     """Where to project to: p workers on a link, and the model's switches."""
@@ -354,8 +362,11 @@ class Scenario:
     alpha_source: str
     overlap: bool = False
     unpack_adds_per_s: float | None = None  # override of the measured rate
+    exchange: str = "allgather"  # how the top-k arms' payloads travel: allgather, owner, or auto (the cheaper)
 
     def __post_init__(self):
+        if self.exchange not in PROJECTED_EXCHANGES:
+            raise ValueError(f"exchange must be one of {PROJECTED_EXCHANGES}, got {self.exchange!r}")
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 2 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be an integer in [2, {MAX_WORKERS}], got {self.workers!r}")
         if not self.link.emulated:
@@ -372,7 +383,7 @@ class Scenario:
 
 
 def make_scenario(workers: int, link: str | Link, *, alpha_us: float | None = None, overlap: bool = False,
-                  unpack_adds_per_s: float | None = None) -> Scenario:
+                  unpack_adds_per_s: float | None = None, exchange: str = "allgather") -> Scenario:
     """A scenario with alpha from ``alpha_us``, else the link's latency, else :data:`DEFAULT_ALPHA_S`."""
     link = parse_link(link) if isinstance(link, str) else link
     if alpha_us is not None:
@@ -381,13 +392,13 @@ def make_scenario(workers: int, link: str | Link, *, alpha_us: float | None = No
         alpha, source = link.latency_s, "the link's latency"
     else:
         alpha, source = DEFAULT_ALPHA_S, "assumed: the link names no latency; a typical TCP ethernet message"
-    return Scenario(workers, link, alpha, source, overlap, unpack_adds_per_s)
+    return Scenario(workers, link, alpha, source, overlap, unpack_adds_per_s, exchange)
 
 
 @dataclass(frozen=True)
 class ArmProjection:
     arm: str
-    mode: str  # "allreduce", "sparse allgather", "dense fallback"
+    mode: str  # "allreduce", "sparse allgather", "sparse owner", "dense fallback"
     density: float | None  # allgather arms: the density projected (measured one when not given)
     comm_s: float
     unpack_s: float
@@ -419,20 +430,42 @@ def project_arm(arm: ArmInputs, run: RunInputs, scenario: Scenario, density: flo
             payload = arm.bytes_sent
         else:
             payload = density * arm.elements_per_step * arm.payload_element_bytes
-        if falls_back_to_dense(payload, arm.bytes_dense, p):
+        adds_rate = scenario.unpack_adds_per_s or arm.unpack_adds_per_s
+        entries = payload / arm.payload_element_bytes
+        # (exchange, comm, unpack adds): the all-gather adds p payloads; an owner adds the p
+        # messages of its range (one payload in all) and decodes the p replies (another).
+        options = {"allgather": (ring_allgather_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha,
+                                                        collectives=buckets), p * entries,
+                                 falls_back_to_dense(payload, arm.bytes_dense, p)),
+                   "owner": (owner_exchange_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha,
+                                                    collectives=buckets), 2 * entries,
+                             falls_back_to_dense(payload / p, arm.bytes_dense, p))}
+        candidates = ("allgather", "owner") if scenario.exchange == "auto" else (scenario.exchange,)
+
+        def cost(name):
+            comm, adds, dense = options[name]
+            if dense:
+                return ring_allreduce_seconds(arm.bytes_dense, p, rate_bytes_per_s=rate, alpha_s=alpha,
+                                              collectives=buckets)
+            return comm + (adds / adds_rate if adds_rate else 0.0)
+
+        chosen = min(candidates, key=cost)
+        comm, adds, dense = options[chosen]
+        if dense:
             mode, unpack = "dense fallback", 0.0
             comm = ring_allreduce_seconds(arm.bytes_dense, p, rate_bytes_per_s=rate, alpha_s=alpha, collectives=buckets)
-            notes.append(f"p x payload >= dense bytes: the hook allreduces densely "
-                         f"(compress kept at the arm's measured {format_value(arm.compress_s, 's')})")
+            notes.append(f"p x {'payload' if chosen == 'allgather' else 'reply'} >= dense bytes: the hook allreduces "
+                         f"densely (compress kept at the arm's measured {format_value(arm.compress_s, 's')})")
         else:
-            mode = "sparse allgather"
-            comm = ring_allgather_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha, collectives=buckets)
-            adds_rate = scenario.unpack_adds_per_s or arm.unpack_adds_per_s
+            mode = f"sparse {chosen}"
             if adds_rate is None:
                 unpack = 0.0
                 notes.append("unpack not modelled: the run recorded no unpack time and no --unpack-rate was given")
             else:
-                unpack = unpack_seconds(payload / arm.payload_element_bytes, p, adds_rate)
+                unpack = adds / adds_rate
+            if chosen == "owner":
+                notes.append("owner exchange: the owner's second select + encode is not in the measured compress "
+                             "time; its payload is taken equal to the all-gather's")
     else:
         mode, unpack = "allreduce", 0.0
         comm = ring_allreduce_seconds(arm.bytes_sent, p, rate_bytes_per_s=rate, alpha_s=alpha,
@@ -587,6 +620,10 @@ def assumptions(run: RunInputs, scenario: Scenario) -> list[str]:
         "compute and compress per worker as measured at the run's world size (weak scaling)",
         f"run's own comm wait (link {run.link}) not used: communication is modelled",
     ]
+    if scenario.exchange != "allgather":
+        how = ("through range owners" if scenario.exchange == "owner"
+               else "by the cheaper of all-gather and owner, per arm")
+        lines.append(f"top-k arms exchanged {how} (--exchange), whatever exchange the run used")
     if scenario.unpack_adds_per_s:
         lines.append(f"unpack rate {scenario.unpack_adds_per_s:.3g} adds/s (assumed, --unpack-rate)")
     else:
@@ -820,6 +857,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let all but the last bucket's communication hide behind compute (default: exposed)")
     p.add_argument("--unpack-rate", type=float, default=None,
                    help="scatter-adds per second for the unpack, > 0 (default: measured from hook_stats)")
+    p.add_argument("--exchange", choices=PROJECTED_EXCHANGES, default="allgather",
+                   help="how the top-k arms' payloads travel in the projection: allgather (default), owner "
+                        "(exchange='owner': flat in the number of workers), auto (the cheaper of the two)")
     p.add_argument("--against", metavar="OTHER_RUN_DIR", default=None,
                    help="validate: predict OTHER_RUN_DIR's per-arm step (its link and world size) from RUN_DIR")
     p.add_argument("--alpha-from-run", action="store_true",
@@ -868,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(validation_json(v), indent=1) if args.json else format_validation(v))
         else:
             scenario = make_scenario(args.workers, link, alpha_us=args.alpha_us, overlap=args.overlap,
-                                     unpack_adds_per_s=args.unpack_rate)
+                                     unpack_adds_per_s=args.unpack_rate, exchange=args.exchange)
             projection = project(read_run(args.run_dir), scenario, tuple(args.density))
             print(json.dumps(projection_json(projection), indent=1) if args.json else format_projection(projection))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:

@@ -37,6 +37,7 @@ from sparsecomm.experiment.compare import (
     stop_on_interrupt,
 )
 from sparsecomm.compress.index_codecs import INDEX_CODECS
+from sparsecomm.hooks.config import EXCHANGE_CHOICES
 from sparsecomm.compress.value_codecs import VALUE_CODECS
 from sparsecomm.experiment.config import ARM_NAMES
 from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
@@ -80,6 +81,8 @@ def _wire_parts(config, value_codec: str | None) -> list[str]:
         parts.append(config.index_codec)
     if (value_codec or config.value_codec) is not None:
         parts.append(value_codec or config.value_codec)
+    if config.exchange != "allgather":
+        parts.append(config.exchange)
     return parts
 
 
@@ -263,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-codec", choices=INDEX_CODECS, help="how the top-k arms write indices (default int32)")
     p.add_argument("--value-codecs", nargs="+", choices=VALUE_CODECS,
                    help="sweep these value codecs too (the quantizing ones need --selector chunk)")
+    p.add_argument("--exchange", choices=EXCHANGE_CHOICES,
+                   help="how the top-k arms' payloads travel (default allgather; docs/exchange.md)")
     add_link_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # validate every per-density configuration before the first launch
         config = base.with_overrides(seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps,
                                      link=args.link, selector=args.selector, chunk_size=args.chunk_size,
-                                     index_codec=args.index_codec)
+                                     index_codec=args.index_codec, exchange=args.exchange)
         if config.link != "loopback":  # its own frontier files beside the loopback one
             config = config.with_overrides(name=f"{config.name}-{config.link}")
         check_local_world_size(config)

@@ -68,3 +68,33 @@ def fit_doubling(ddp, rank, steps, width, lr=0.05):
         loss.backward()
         optimizer.step()
     return [p.detach().clone() for p in ddp.parameters()]
+
+
+def fit_sine(ddp, rank, steps, width, lr=0.05, target=torch.sin, batch=8):
+    """SGD on this rank's own inputs toward target(their first 4 features); the flat
+    parameters after every step (replicas must agree on each)."""
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    digests = []
+    for x in rank_data(rank, steps, (batch, width)):
+        loss = torch.nn.functional.mse_loss(ddp(x), target(x[:, :4]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        digests.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]))
+    return digests
+
+
+def final_parameters(rank, world_size, hook_settings, steps=4, width=16):
+    """A small mlp trained (fit_sine, lr 0.1 toward cos) under DDP with the top-k hook built
+    from ``hook_settings``, or with torch's ``allreduce_hook`` when None; its flat parameters."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import sparsecomm
+
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=width, depth=2), bucket_cap_mb=0.001)
+    if hook_settings is None:
+        ddp.register_comm_hook(None, allreduce_hook)
+    else:
+        sparsecomm.register_topk_hook(ddp, **hook_settings)
+    return fit_sine(ddp, rank, steps, width, lr=0.1, target=torch.cos)[-1]

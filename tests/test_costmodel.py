@@ -161,6 +161,36 @@ def test_projection_at_32_workers_on_1gbit_matches_hand_computation(run_dir):
     assert topk.time_to_target.value == pytest.approx(80 * 0.038535, rel=REL)
 
 
+def test_owner_and_broadcast_costs_match_hand_computation():
+    # owner: all-to-all of p-1 shares of s/p, then a ring all-gather of s/p replies.
+    s, p = 1e4, 8
+    assert costmodel.owner_exchange_seconds(s, p, rate_bytes_per_s=1e9, alpha_s=1e-5) == pytest.approx(
+        2 * 7 * 1e-5 + 2 * 7 * 1250 / 1e9, rel=REL)  # 1.4e-4 + 1.75e-5
+    assert costmodel.broadcast_seconds(1e4, 8, rate_bytes_per_s=1e9, alpha_s=1e-5) == pytest.approx(
+        3 * (1e-5 + 1e-5), rel=REL)  # a binomial tree: 3 rounds for 8 ranks
+    assert costmodel.broadcast_seconds(1e4, 1, rate_bytes_per_s=1e9, alpha_s=1e-5) == 0.0
+    assert costmodel.exchange_bytes_received("owner", s, 1e6, p) == pytest.approx(2 * 7 * s / 8, rel=REL)
+    assert costmodel.exchange_bytes_received("allgather", s, 1e6, p) == 7 * s
+    with pytest.raises(ValueError, match="exchange"):
+        costmodel.exchange_bytes_received("ring", s, 1e6, p)
+
+
+def test_projection_through_owners_does_not_grow_with_workers(run_dir):
+    run = read_run(run_dir)
+    topk = run.arm("topk-ef")
+    owner = project_arm(topk, run, make_scenario(32, "1gbit", exchange="owner"))
+    # 2*31*25e-6 + 2*31/32 * 2e4/1.25e8; unpack: 2 payloads of 2500 entries at 1e8 adds/s
+    assert owner.mode == "sparse owner"
+    assert owner.comm_s == pytest.approx(1.55e-3 + 3.1e-4, rel=REL)
+    assert owner.unpack_s == pytest.approx(5e-5, rel=REL)
+    # At 50 workers the all-gather falls back to dense; through owners it stays sparse.
+    assert project_arm(topk, run, make_scenario(50, "1gbit", exchange="owner")).mode == "sparse owner"
+    auto = project_arm(topk, run, make_scenario(50, "1gbit", exchange="auto"))
+    assert auto.mode == "sparse owner"
+    with pytest.raises(ValueError, match="exchange"):
+        make_scenario(32, "1gbit", exchange="ring")
+
+
 def test_projection_says_when_an_arm_falls_back_to_dense(run_dir):
     run = read_run(run_dir)
     topk = run.arm("topk-ef")

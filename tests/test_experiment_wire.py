@@ -14,7 +14,7 @@ def _hash_without_wire(config: ExperimentConfig, arm: str, seed: int) -> str:
     """The run hash as it was computed before the wire fields existed (an independent recomputation)."""
     d = config.to_dict()
     for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour",
-                "selector", "chunk_size", "index_codec", "value_codec"):
+                "selector", "chunk_size", "index_codec", "value_codec", "exchange"):
         d.pop(key)
     d.pop("link")
     d.update(arm=arm, seed=seed)
@@ -75,3 +75,17 @@ def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path,
     sparse = {r.seed: r for r in second if r.arm == "topk-ef"}
     assert "chunk 4096 rice/sign" in sparse[0].extra["hook"]
     assert (plots / "digits-quick-chunk-rice-codecs-frontier" / "frontier.png").stat().st_size > 10_000
+
+
+def test_the_exchange_is_part_of_a_topk_runs_identity_and_its_label():
+    from sparsecomm.experiment.arms import wire_label
+
+    base = EXPERIMENTS["digits-quick"]()
+    owner = base.with_overrides(selector="chunk", index_codec="rice", value_codec="int4", exchange="owner")
+    assert owner.run_hash("topk-dgc", 0) != owner.with_overrides(exchange="allgather").run_hash("topk-dgc", 0)
+    assert owner.run_hash("dense", 0) == base.run_hash("dense", 0)
+    assert wire_label(owner) == "chunk 4096 rice/int4 via owner"
+    assert wire_label(base.with_overrides(exchange="shared-index")) == "via shared-index"
+    with pytest.raises(ValueError, match="float"):
+        ExperimentConfig.from_dict({**base.to_dict(), "selector": "chunk", "value_codec": "int4",
+                                    "exchange": "shared-index"})

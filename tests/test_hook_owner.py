@@ -13,10 +13,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import sparsecomm
-from ddp_models import mlp, params, rank_data
+from ddp_models import final_parameters, fit_sine, mlp, params, rank_data
 from multiprocess import run_on_ranks
 from sparsecomm import ops
 from sparsecomm.checkpoint import rebuild_buckets
@@ -28,6 +27,13 @@ CHUNK = 128
 
 
 # ----- the split (no processes) ------------------------------------------------------------
+
+
+def test_exact_ranges_are_near_equal_single_chunks():
+    layout = OwnerLayout(1003, 0, 0.05, "rice", "int4", 4)
+    assert layout.ranges == ((0, 251), (251, 251), (502, 251), (753, 250))
+    assert all(part.chunk_size == part.numel == length for part, (_, length) in zip(layout.parts, layout.ranges))
+    assert [part.capacity for part in layout.parts] == [13, 13, 13, 13]  # ceil(0.05 x 251), ceil(0.05 x 250)
 
 
 @pytest.mark.parametrize("numel,world_size", [(1000, 3), (1024, 8), (300, 8), (129, 2), (5000, 4)])
@@ -90,8 +96,8 @@ def test_fold_moves_what_a_rank_no_longer_owns_into_its_worker_residual():
 
 @pytest.mark.parametrize("settings,message", [
     ({"exchange": "ring"}, "exchange"),
-    ({"exchange": "owner"}, "selector='chunk'"),
-    ({"exchange": "owner", "selector": "sampled"}, "selector='chunk'"),
+    ({"exchange": "owner", "selector": "sampled"}, "selector 'exact'"),
+    ({"exchange": "owner", "selector": "random"}, "selector 'exact'"),
     ({"exchange": "owner", "selector": "chunk", "transport": "mpi"}, "transport='c10d'"),
 ])
 def test_bad_combinations_are_refused_by_name(settings, message):
@@ -102,13 +108,14 @@ def test_bad_combinations_are_refused_by_name(settings, message):
 # ----- under DDP --------------------------------------------------------------------------
 
 
-def _train_and_observe(rank, world_size, index_codec, value_codec, steps=7):
+def _train_and_observe(rank, world_size, index_codec, value_codec, selector="chunk", steps=7):
     torch.manual_seed(0)
     ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=48, depth=3), bucket_cap_mb=0.005)
-    state = sparsecomm.register_topk_hook(ddp, density=0.05, selector="chunk", chunk_size=CHUNK,
-                                          index_codec=index_codec, value_codec=value_codec, exchange="owner",
-                                          verify_conservation=True)
-    seen, digests = [], []
+    chunking = {"chunk_size": CHUNK} if selector == "chunk" else {}
+    state = sparsecomm.register_topk_hook(ddp, density=0.05, selector=selector, index_codec=index_codec,
+                                          value_codec=value_codec, exchange="owner", verify_conservation=True,
+                                          **chunking)
+    seen = []
 
     def observe(event):
         if not event.dense and event.stage in ("packed", "reduced"):
@@ -116,13 +123,7 @@ def _train_and_observe(rank, world_size, index_codec, value_codec, steps=7):
             seen.append((event.stage, event.step, event.bucket_index, event.layout, tensor))
 
     state.add_observer(observe)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for x in rank_data(rank, steps, (8, 48)):
-        loss = torch.nn.functional.mse_loss(ddp(x), x[:, :4].sin())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        digests.append(torch.cat([p.detach().flatten() for p in params(ddp)]))
+    digests = fit_sine(ddp, rank, steps, 48)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, seen)
     return everyone, digests, state.stats()
@@ -158,11 +159,13 @@ def _simulated_owners(everyone, world_size):
     return expected
 
 
-@pytest.mark.parametrize("world_size,index_codec,value_codec", [
-    (2, "rice", "int2"), (3, "chunk", "int4"), (4, "int32", "fp32"), (8, "rice", "sign"),
+@pytest.mark.parametrize("world_size,index_codec,value_codec,selector", [
+    (2, "rice", "int2", "chunk"), (3, "chunk", "int4", "chunk"), (4, "int32", "fp32", "chunk"),
+    (8, "rice", "sign", "chunk"), (3, "rice", "int4", "exact"),
 ])
-def test_reduced_buckets_are_what_reference_owners_deliver(world_size, index_codec, value_codec):
-    results = run_on_ranks(_train_and_observe, index_codec, value_codec, world_size=world_size, timeout=240)
+def test_reduced_buckets_are_what_reference_owners_deliver(world_size, index_codec, value_codec, selector):
+    results = run_on_ranks(_train_and_observe, index_codec, value_codec, selector, world_size=world_size,
+                           timeout=240)
     everyone, _, stats = results[0]
     expected = _simulated_owners(everyone, world_size)
     checked = 0
@@ -208,27 +211,14 @@ def test_bytes_are_the_layout_sizes_and_do_not_grow_with_ranks():
     assert max(received for _, received in owner) <= 0.26 * gather[0][1]
 
 
-def _density_one(rank, world_size, exchange):
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=16, depth=2), bucket_cap_mb=0.001)
-    if exchange is None:
-        ddp.register_comm_hook(None, allreduce_hook)
-    else:
-        sparsecomm.register_topk_hook(ddp, density=1.0, selector="chunk", chunk_size=CHUNK, value_codec="fp32",
-                                      exchange=exchange, allow_dense_fallback=False)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x in rank_data(rank, 4, (8, 16)):
-        loss = torch.nn.functional.mse_loss(ddp(x), x[:, :4].cos())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return torch.cat([p.detach().flatten() for p in params(ddp)])
+DENSITY_ONE = {"density": 1.0, "selector": "chunk", "chunk_size": CHUNK, "value_codec": "fp32",
+               "exchange": "owner", "allow_dense_fallback": False}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_density_one_is_allreduce(world_size):
-    owner = run_on_ranks(_density_one, "owner", world_size=world_size)
-    dense = run_on_ranks(_density_one, None, world_size=world_size)
+    owner = run_on_ranks(final_parameters, DENSITY_ONE, world_size=world_size)
+    dense = run_on_ranks(final_parameters, None, world_size=world_size)
     if world_size == 2:  # a/2 + b/2 == (a + b)/2 bit for bit
         assert torch.equal(owner[0], dense[0])
     else:  # another order of additions and division

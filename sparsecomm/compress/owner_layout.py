@@ -9,6 +9,11 @@ chunk boundary, so the selection of a range is exactly the selection the whole b
 would make there: splitting changes which messages carry an entry, never which entries are
 sent or how they are encoded.
 
+With exact top-k (``chunk_size`` 0) the bucket is cut into p near-equal ranges and each
+range is one chunk: its top ``ceil(density * length)`` entries (scales per 64 entries for
+the scaled codecs). That is top-k per range, not over the whole bucket: close to it when
+ranges are long, and the same selection on the sending and on the owning side.
+
 What this rank sends is the concatenation ``[payload for owner 0 | owner 1 | ...]``; this
 class reads and writes it with the interface of ``ChunkLayout`` (encode, decode, values,
 byte offsets), so the monitors and the audit read it like any other payload. The owners'
@@ -23,10 +28,15 @@ import torch
 from sparsecomm.compress.chunk_layout import ChunkLayout
 
 
+# Entries per value scale when an owner's range is one chunk (exact top-k per range), as
+# for exact top-k on the compact wire (hooks/pipeline/plan.py).
+EXACT_SCALE_GROUP = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnerLayout:
     numel: int
-    chunk_size: int
+    chunk_size: int  # 0: exact top-k inside each owner's range (the range is one chunk)
     density: float
     index_codec: str
     value_codec: str
@@ -37,6 +47,10 @@ class OwnerLayout:
     @functools.cached_property
     def ranges(self) -> tuple[tuple[int, int], ...]:
         """(first entry, entries) of every owner's range, in rank order."""
+        if not self.chunk_size:  # exact: p near-equal ranges, the first numel % p one longer
+            per_owner, extra = divmod(self.numel, self.world_size)
+            starts = [owner * per_owner + min(owner, extra) for owner in range(self.world_size + 1)]
+            return tuple((start, end - start) for start, end in zip(starts, starts[1:]))
         chunks = -(-self.numel // self.chunk_size)
         per_owner, extra = divmod(chunks, self.world_size)
         out, chunk = [], 0
@@ -51,6 +65,9 @@ class OwnerLayout:
     @functools.cached_property
     def parts(self) -> tuple[ChunkLayout | None, ...]:
         """The payload layout of every owner's range (None for an owner holding nothing)."""
+        if not self.chunk_size:
+            return tuple(ChunkLayout(length, length, self.density, self.index_codec, self.value_codec,
+                                     scale_group=EXACT_SCALE_GROUP) if length else None for _, length in self.ranges)
         return tuple(ChunkLayout(length, self.chunk_size, self.density, self.index_codec, self.value_codec)
                      if length else None for _, length in self.ranges)
 

@@ -58,10 +58,11 @@ def _topk_bytes(state, bucket, before) -> int:
 
 def wire_label(config: ExperimentConfig, prefix: str = "") -> str:
     """How the top-k arms select and encode, e.g. "chunk 4096 rice/int4" ("" for the default wire)."""
+    exchange = "" if config.exchange == "allgather" else f" via {config.exchange}"
     if config.selector == "exact" and config.value_codec is None and config.index_codec == "int32":
-        return ""
+        return f"{prefix}{exchange.strip()}" if exchange else ""
     selection = f"chunk {config.chunk_size}" if config.selector == "chunk" else config.selector
-    return f"{prefix}{selection} {config.index_codec}/{config.value_codec or 'bucket dtype'}"
+    return f"{prefix}{selection} {config.index_codec}/{config.value_codec or 'bucket dtype'}{exchange}"
 
 
 def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> ArmHook:
@@ -100,6 +101,7 @@ def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> A
             chunk_size=config.chunk_size,
             index_codec=config.index_codec,
             value_codec=config.value_codec,
+            exchange=config.exchange,
         )
         detail = {"topk-ef": "", "topk-noef": " without error feedback",
                   "topk-dgc": f" with momentum correction {config.dgc_momentum:g}"}[arm]

@@ -50,7 +50,8 @@ def task_train_samples(task: str) -> int:
     raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
 
 
-WIRE_DEFAULTS = {"selector": "exact", "chunk_size": 4096, "index_codec": "int32", "value_codec": None}
+WIRE_DEFAULTS = {"selector": "exact", "chunk_size": 4096, "index_codec": "int32", "value_codec": None,
+                 "exchange": "allgather"}
 
 
 def _check_wire(config) -> None:
@@ -60,7 +61,7 @@ def _check_wire(config) -> None:
     _check(config.selector in ("exact", "chunk"), "selector", "'exact' or 'chunk'", config.selector)
     try:
         TopKConfig.build(density=config.density, selector=config.selector, chunk_size=config.chunk_size,
-                         index_codec=config.index_codec, value_codec=config.value_codec)
+                         index_codec=config.index_codec, value_codec=config.value_codec, exchange=config.exchange)
     except (TypeError, ValueError) as error:
         raise ValueError(f"experiment config: {error}") from None
 
@@ -106,6 +107,9 @@ class ExperimentConfig:
     value_codec: str | None = None
     """How the top-k arms write values: None (the bucket's dtype), "fp32", "bf16", "fp16", or
     with selector "chunk": "fp8", "int8", "int4", "int2", "sign" (a bf16 scale per chunk)."""
+    exchange: str = "allgather"
+    """How the top-k arms' payloads travel: "allgather", "owner" (selector "chunk"),
+    "shared-index" or "auto", as :class:`sparsecomm.TopKState` (docs/exchange.md)."""
     warmup_steps: int = 2
     """Dense steps before compressed arms compress (DDP rebuilds buckets after step 1)."""
     powersgd_rank: int = 2

@@ -13,6 +13,7 @@ from sparsecomm.compress.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, VALUE_CODECS
 from sparsecomm.hooks.density_schedule import DensitySchedule
+from sparsecomm.links.spec import parse_link
 from sparsecomm.hooks.validation import (
     check_bool,
     check_choice,
@@ -25,7 +26,7 @@ from sparsecomm.hooks.validation import (
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
 OVERFLOW_CHOICES = ("drop", "rollback")
-EXCHANGE_CHOICES = ("allgather", "owner")
+EXCHANGE_CHOICES = ("allgather", "owner", "shared-index", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class TopKConfig:
     value_codec: str | None = None  # a quantizing codec; the float ones are value_dtype
     # How the sparse payloads travel: every rank's to every rank, or through range owners.
     exchange: str = "allgather"
+    link: str | None = None  # exchange="auto": the link it models, e.g. "1gbit@50us" (None: 10gbit@50us)
 
     @classmethod
     def build(cls, *, density_schedule=None, on_overflow=None, has_grad_scaler: bool = False,
@@ -93,6 +95,7 @@ class TopKConfig:
             index_codec=check_choice("index_codec", s.get("index_codec", cls.index_codec), INDEX_CODECS),
             value_codec=value_codec,
             exchange=check_choice("exchange", s.get("exchange", cls.exchange), EXCHANGE_CHOICES),
+            link=_check_link(s.get("link")),
         )
         config._check_combinations()
         return config
@@ -113,13 +116,27 @@ class TopKConfig:
             raise ValueError(f"selector={self.selector!r} with index_codec={self.index_codec!r} and value_codec="
                              f"{self.value_codec!r} encodes whole buckets: it needs k_scope='bucket', got "
                              f"k_scope={self.k_scope!r}")
+        if self.link is not None and self.exchange != "auto":
+            raise ValueError(f"link={self.link!r} is what exchange='auto' models to choose an exchange; with "
+                             f"exchange={self.exchange!r} it would be ignored")
         if self.exchange == "owner":
-            if self.selector != "chunk":
-                raise ValueError(f"exchange='owner' sends every owner the chunks of its range, so it needs "
-                                 f"selector='chunk', got selector={self.selector!r}")
+            if self.selector not in ("exact", "chunk"):
+                raise ValueError(f"exchange='owner' sends every owner a fixed-size selection of its range, so it "
+                                 f"needs selector 'exact' (top-k per range) or 'chunk', got selector={self.selector!r}")
             if self.transport != "c10d":
                 raise ValueError(f"exchange='owner' runs over the process group's all_to_all_single: it needs "
                                  f"transport='c10d', got transport={self.transport!r}")
+        if self.exchange == "shared-index":
+            if self.selector not in ("exact", "chunk"):
+                raise ValueError(f"exchange='shared-index' broadcasts one rank's top-k (exact or per chunk): it "
+                                 f"needs selector 'exact' or 'chunk', got selector={self.selector!r}")
+            if self.value_codec is not None:
+                raise ValueError(f"exchange='shared-index' sums the values with an allreduce, which needs a float "
+                                 f"wire: value_codec='fp32', 'bf16' or 'fp16' (or value_dtype), got "
+                                 f"value_codec={self.value_codec!r}")
+            if self.transport != "c10d" or self.k_scope != "bucket":
+                raise ValueError(f"exchange='shared-index' needs transport='c10d' and k_scope='bucket', got "
+                                 f"transport={self.transport!r}, k_scope={self.k_scope!r}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:
@@ -151,6 +168,7 @@ class TopKConfig:
             **({"chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec}
                if self.selector == "chunk" or self.compact_wire else {}),
             **({"exchange": self.exchange} if self.exchange != TopKConfig.exchange else {}),
+            **({"link": self.link} if self.link is not None else {}),
         }
 
     def memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
@@ -181,6 +199,19 @@ def _resolve_value_codec(value_codec, value_dtype, selector: str):
     if value_dtype is not None:
         raise ValueError(f"value_codec={value_codec!r} sets the wire values; value_dtype={value_dtype} must be None")
     return None, value_codec
+
+
+def _check_link(link):
+    """A link name the cost model reads (``sparsecomm.links.spec``), normalised; or None."""
+    if link is None:
+        return None
+    try:
+        parsed = parse_link(link)
+    except ValueError as error:
+        raise ValueError(f"link: {error}") from None
+    if not parsed.emulated:
+        raise ValueError("link='loopback' has no known rate; exchange='auto' needs one such as '1gbit@50us'")
+    return parsed.name
 
 
 def _resolve_schedule(spec, density: float) -> DensitySchedule:

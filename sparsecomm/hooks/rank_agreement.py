@@ -60,6 +60,7 @@ def _fields(state) -> list[tuple[str, float]]:
         ("index_codec", choice("index_codec", config.index_codec)),
         ("value_codec", choice("value_codec", config.value_codec)),
         ("exchange", choice("exchange", config.exchange)),
+        ("link", float(zlib.crc32(repr(config.link).encode()))),
         ("step", float(state.step)),
     ]
 
@@ -67,8 +68,8 @@ def _fields(state) -> list[tuple[str, float]]:
 def _shown(name: str, value: float):
     if name in _CHOICES:
         return _CHOICES[name][int(value)]
-    if name == "density_schedule":
-        return f"schedule #{int(value):08x}"
+    if name in ("density_schedule", "link"):
+        return f"{name.replace('_', ' ')} #{int(value):08x}"
     if name == "local_clip_norm" and value == -1.0:
         return None
     return int(value) if value.is_integer() and name not in ("density", "momentum") else value

@@ -135,7 +135,7 @@ def mismatches(parsed: ParsedStateDict, param_shapes: dict, error_feedback: bool
         if missing:
             problems.append(f"rank {rank}'s owner residuals are missing for {len(missing)} parameter(s): {missing[:5]}")
     if owner_residuals and not owner:
-        problems.append(f"rank {rank}'s state has owner residuals but this TopKState does not use exchange='owner'")
+        problems.append(f"rank {rank}'s state has owner residuals but this TopKState does not use exchange='owner' (or 'auto' with selector='chunk')")
     if velocities and not momentum:
         problems.append(f"rank {rank}'s state has velocities but this TopKState has no momentum correction")
     return problems

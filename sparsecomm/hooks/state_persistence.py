@@ -14,6 +14,7 @@ from sparsecomm.hooks import state_dict_check
 from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
 from sparsecomm.hooks.config import TopKConfig
 from sparsecomm.hooks.parameter_memory import ParameterMemory
+from sparsecomm.hooks.pipeline import exchange_choice
 from sparsecomm.hooks.stats import HookStats
 from sparsecomm.hooks.step_journal import StepJournal
 
@@ -146,7 +147,9 @@ class PersistentState:
                 memory.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
 
     def _has_owner_memory(self) -> bool:
-        return self.config.error_feedback and self.config.exchange == "owner"
+        config = self.config
+        return config.error_feedback and (config.exchange == "owner" or (
+            config.exchange == "auto" and "owner" in exchange_choice.candidates(config)))
 
     def _forget_step(self) -> None:
         """Memories were replaced: nothing of the last step is left to settle or undo."""
@@ -177,6 +180,7 @@ class PersistentState:
             state["_sample_generator"] = (self._sample_generator.get_state(), str(self._sample_generator.device))
         state["_buffers"] = {}
         state["_owner_buffers"] = {}
+        state["_index_buffers"] = {}
         state["_scratch"] = None
         state["_journal"] = None if self._journal is None else StepJournal()
         return state
@@ -213,7 +217,7 @@ _PICKLE_DEFAULTS = {
     "_mpi": None, "_journal": None,
     "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
     "_unused": None, "_fallback_bound": None, "_warned_all_dense": False, "_owner_ranges": {},
-    "_owner_buffers": {},
+    "_owner_buffers": {}, "_index_buffers": {}, "_exchange_choices": {},
 }
 
 

@@ -19,9 +19,12 @@ COUNTERS = (
     "seconds_select_pack",  # host time: error feedback + selection + packing
     "seconds_unpack",  # host time: scatter-add of the gathered payloads
     "seconds_count_exchange",  # host time blocked exchanging payload sizes (transport="mpi", sampled)
+    "allgather_calls",  # sparse calls whose payloads were all-gathered (every selector but random-k)
     "owner_calls",  # sparse calls that went through range owners (exchange="owner")
     "seconds_owner_scatter",  # host time blocked in the owner exchange's all_to_all_single
     "seconds_owner_reduce",  # host time of the owner's decode + sum + select + encode
+    "shared_index_calls",  # sparse calls on the leader's index set (exchange="shared-index")
+    "seconds_index_broadcast",  # host time blocked in the shared-index exchange's broadcast
     "skipped_steps",  # steps undone in the hook's memory (overflow, or skip_step())
     "unused_restored",  # parameters whose sent entries went back to the residual (unused by every rank)
 )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.conservation import ConservationAudit
-from sparsecomm.hooks.pipeline import acc, decode, dense, exchange, owner, plan, record, select_encode
+from sparsecomm.hooks.pipeline import acc, decode, dense, exchange, owner, plan, record, select_encode, shared_index
 from sparsecomm.hooks.topk_state import (  # noqa: F401  (TopKState and the constants are re-exported)
     K_SCOPES,
     MAX_BUCKET_NUMEL,
@@ -119,7 +119,7 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
     """Steps 2-6 for one planned bucket: (future of the reduced bucket, dense)."""
     state, config = call.state, call.state.config
     velocity, residual = acc.memories(call, call.with_residual)
-    owner_memory = owner.owner_residual(call, residual) if config.exchange == "owner" else None
+    owner_memory = owner.owner_residual(call, residual) if config.exchange in ("owner", "auto") else None
     if state._journal is not None:
         state._journal.record(call.index, [m for m in (velocity, residual, owner_memory) if m is not None])
     call.emit("gradient", call.dense, gradient=call.out)
@@ -129,8 +129,10 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
     audit = (ConservationAudit(state, call.grad, call.numels, call.world_size, velocity, residual)
              if config.verify_conservation else None)
     variable = config.transport == "mpi" and config.selector == "sampled" and config.k_scope == "bucket"
-    if config.exchange == "owner":
+    if call.exchange == "owner":
         return _reduce_through_owners(call, velocity, residual, owner_memory, audit, started), False
+    if call.exchange == "shared-index":
+        return _reduce_on_shared_indices(call, velocity, residual, audit, started), False
     # 2. acc, unless the kernel forms it (exact top-k; the threshold pack over MPI; the native chunk encoder).
     chunked = isinstance(call.layout, ChunkLayout)  # chunked selection, or exact top-k on the compact wire
     fused = (select_encode.chunk_fused(call) if chunked
@@ -161,7 +163,7 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
     else:
         fut, received = exchange.allgather_fixed(call, packed, gathered)
         accumulate = decode.fixed(call, call.layout)
-    state._count(bytes_received=received)
+    state._count(bytes_received=received, allgather_calls=int(config.selector != "random"))
     return fut.then(accumulate), False
 
 
@@ -181,6 +183,20 @@ def _reduce_through_owners(call: plan.BucketCall, velocity, residual, owner_memo
     state._count(owner_calls=1, bytes_received=received,
                  bytes_sent=owner.sent_bytes(call.layout, rank) - packed.send.numel())
     return fut.then(owner.accumulate(call, call.layout, bufs))
+
+
+def _reduce_on_shared_indices(call: plan.BucketCall, velocity, residual, audit, started) -> torch.futures.Future:
+    """Steps 2-6 with ``exchange="shared-index"`` (:mod:`sparsecomm.hooks.pipeline.shared_index`)."""
+    state = call.state
+    acc.compensate(call, velocity, residual)
+    indices, index_bytes, led = shared_index.shared_indices(call, state.current_density())
+    packed = select_encode.shared_values(call, residual, indices)
+    record.after_packing(call, packed, velocity, residual, audit)
+    record.count_sparse_call(call, packed, 0, started)
+    fut, received = exchange.allreduce_values(call, packed)
+    state._count(shared_index_calls=1, bytes_received=received + (0 if led else index_bytes),
+                 bytes_sent=index_bytes if led else 0)
+    return fut.then(decode.scatter_values(call, packed.indices))
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future:

@@ -104,12 +104,19 @@ class TopKState(PersistentState):
        ``stats()["density"]`` is the density of the current step.
     11. ``exchange``: how the payloads travel. ``"allgather"`` (default): every rank
        receives every other rank's payload, (p-1) k entries, growing with the world size.
-       ``"owner"`` (with ``selector="chunk"``): every rank owns a contiguous range of the
-       bucket's chunks; one all-to-all sends each owner the entries of its range, the
-       owner sums them, adds its owner residual (second-level error feedback) and selects
-       again, and one all-gather returns every owner's result: about k entries sent and
+       ``"owner"`` (``selector="chunk"``, or ``"exact"``: top-k per range): every rank
+       owns a contiguous range of the bucket; one all-to-all sends each owner the entries
+       of its range, the owner sums them, adds its owner residual (second-level error
+       feedback) and selects again, and one all-gather returns every owner's result: about k entries sent and
        2 k received per rank whatever p is. Costs one more residual-sized memory per rank
-       and a blocking all-to-all in the hook (docs/exchange.md).
+       and a blocking all-to-all in the hook (docs/exchange.md). ``"shared-index"`` (with
+       ``selector="exact"`` or ``"chunk"`` and a float wire): one rank per bucket and step,
+       rotating, broadcasts its selection; every rank allreduces its values there. No
+       index bytes per rank and no scatter; what the leader's set leaves out stays in each
+       rank's residual. ``"auto"``: per bucket, the cheapest of the exchanges the settings
+       allow (and dense), modelled on ``link`` (e.g. ``"1gbit@50us"``; default
+       ``"10gbit@50us"``) by the alpha-beta cost model; ``stats()`` counts each
+       (``allgather_calls``, ``owner_calls``, ``shared_index_calls``, ``fallback_calls``).
 
     At its first call the hook checks, with one small all-gather over the group, that
     every rank runs it with the same settings and at the same step, and raises the same
@@ -162,6 +169,8 @@ class TopKState(PersistentState):
         "_owner_residuals",  # ParameterMemory of the owner exchange's second-level residuals
         "_owner_ranges",  # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
         "_owner_buffers",  # bucket index -> OwnerBuffers (exchange="owner")
+        "_index_buffers",  # bucket index -> the leader's index broadcast buffer (exchange="shared-index")
+        "_exchange_choices",  # (numel, density, dtypes, world size) -> the exchange "auto" picked
         "_buffers",  # bucket index -> (payload layout, payload, gathered): reused every step
         "_scratch",  # float32 scratch of the largest 16-bit bucket (wide memories), or None
         "_sample_generator",  # per-rank generator for the sampled selector
@@ -207,6 +216,7 @@ class TopKState(PersistentState):
         index_codec: str = "int32",
         value_codec: str | None = None,
         exchange: str = "allgather",
+        link: str | None = None,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -221,6 +231,7 @@ class TopKState(PersistentState):
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow, has_grad_scaler=grad_scaler is not None,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
+            link=link,
         )
         self.process_group = process_group
         self.step = 0
@@ -233,6 +244,8 @@ class TopKState(PersistentState):
         self._owner_residuals = ParameterMemory()
         self._owner_ranges: dict[int, tuple] = {}
         self._owner_buffers: dict[int, object] = {}
+        self._index_buffers: dict[int, torch.Tensor] = {}
+        self._exchange_choices: dict[tuple, str] = {}
         self._buffers: dict[int, tuple] = {}
         self._scratch = None
         self._sample_generator: torch.Generator | None = None

@@ -67,12 +67,14 @@ def buffers(call, memory_dtype) -> OwnerBuffers:
 def owner_residual(call, residual: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's owner residual of the bucket (flat, bucket-sized; None without error
     feedback or before the first owner step), after folding what it no longer owns into the
-    worker ``residual``. A dense call (warm-up, fallback) owns nothing: it sends all of it."""
+    worker ``residual``. A dense call (warm-up, fallback), or one that ``exchange="auto"``
+    sent another way, owns nothing: it sends all of it."""
     state = call.state
-    if residual is None or (call.dense and not len(state._owner_residuals)):
+    owns = call.exchange == "owner" and not call.dense
+    if residual is None or (not owns and not len(state._owner_residuals)):
         return None
     memory = state._owner_residuals.bucket_tensor(call.index, call.names, call.numels, residual)
-    owned = (0, 0) if call.dense else call.layout.ranges[state._rank_and_world_size()[0]]
+    owned = call.layout.ranges[state._rank_and_world_size()[0]] if owns else (0, 0)
     key = (call.names, call.numels, owned, call.world_size)
     if state._owner_ranges.get(call.index) != key:
         fold_foreign(memory, residual, owned)

@@ -9,13 +9,13 @@ import torch
 from sparsecomm import compress
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
-from sparsecomm.compress.owner_layout import OwnerLayout
+# EXACT_SCALE_GROUP: entries per value scale of exact top-k on the compact wire (consecutive
+# in index order): a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
+from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP, OwnerLayout
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
+from sparsecomm.hooks.pipeline import exchange_choice, shared_index
 
 MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one bucket
-# Entries per value scale of exact top-k on the compact wire (consecutive in index order):
-# a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
-EXACT_SCALE_GROUP = 64
 
 
 class BucketCall:
@@ -28,7 +28,7 @@ class BucketCall:
     """
 
     __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k",
-                 "value_dtype", "warmup", "dense", "with_residual", "layout")
+                 "value_dtype", "warmup", "dense", "with_residual", "layout", "exchange")
 
     def __init__(self, state, bucket, names, numels, group, world_size):
         self.state, self.bucket, self.index = state, bucket, bucket.index()
@@ -62,14 +62,24 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
     call.value_dtype = config.value_dtype or buffer.dtype
     density = state.current_density()
     call.ks, call.k = selection_sizes(config, density, call.numels)
-    call.layout = payload_layout(config, density, buffer, call.k, call.value_dtype, call.world_size)
+    call.exchange = config.exchange
+    if config.exchange == "auto":
+        call.exchange = exchange_choice.choose(state, buffer.numel(), density, buffer.dtype, call.value_dtype,
+                                               call.world_size, call.k)
+    chosen_dense = call.exchange == "dense"
+    if chosen_dense:
+        call.exchange = "allgather"  # what the bucket would have sent: for the fallback's bound and warning
+    call.layout = payload_layout(config, density, buffer, call.k, call.value_dtype, call.world_size, call.exchange)
     if call.layout is not None:
         call.k = call.layout.capacity
+    elif call.exchange == "shared-index":
+        call.k = shared_index.geometry(config, buffer.numel(), density).selected
     smaller = sparse_is_smaller(config, buffer.numel(), call.k, buffer.dtype, call.value_dtype, call.world_size,
-                                call.layout)
+                                call.layout, density, call.exchange) and not chosen_dense
     call.dense = call.warmup or (config.allow_dense_fallback and not smaller)
     if call.dense and not call.warmup:  # the warning names the density that would have gone sparse
-        bound = sparse_density_bound(config, buffer.dtype, call.value_dtype, call.world_size, call.layout)
+        bound = sparse_density_bound(config, buffer.dtype, call.value_dtype, call.world_size, call.layout,
+                                     call.exchange)
         state._fallback_bound = max(bound, state._fallback_bound or 0.0)
     if not call.dense and buffer.numel() > MAX_BUCKET_NUMEL:
         raise ValueError(f"bucket {call.index} has {buffer.numel()} elements; int32 indices allow at most "
@@ -85,10 +95,11 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
 
 
 def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_dtype: torch.dtype,
-                   world_size: int = 1):
-    """The layout of the bucket's sparse payload (None for random-k, which sends bare values;
-    an OwnerLayout, the messages for every range owner, with ``exchange="owner"``)."""
-    if config.selector == "random":
+                   world_size: int = 1, exchange: str = "allgather"):
+    """The layout of the bucket's sparse payload (None for random-k and the shared-index
+    exchange, which send bare values; an OwnerLayout, the messages for every range owner,
+    for the owner exchange)."""
+    if config.selector == "random" or exchange == "shared-index":
         return None
     if config.selector != "chunk" and not config.compact_wire:
         return PayloadLayout(k, value_dtype)
@@ -96,8 +107,9 @@ def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_d
         raise ValueError(f"a chunked or compact payload writes values with a value codec; a {value_dtype} bucket needs "
                          f"one: pass value_codec (e.g. 'fp32') or value_dtype=torch.float32")
     value_codec = config.value_codec or codec_of_dtype(value_dtype)
-    if config.exchange == "owner":
-        return OwnerLayout(buffer.numel(), config.chunk_size, density, config.index_codec, value_codec, world_size)
+    if exchange == "owner":  # chunk_size 0: exact top-k inside each owner's range
+        return OwnerLayout(buffer.numel(), config.chunk_size if config.selector == "chunk" else 0, density,
+                           config.index_codec, value_codec, world_size)
     if config.selector == "chunk":
         return ChunkLayout(buffer.numel(), config.chunk_size, density, config.index_codec, value_codec)
     # Exact top-k on the compact wire: the whole bucket is one chunk; scales per EXACT_SCALE_GROUP entries.
@@ -117,10 +129,13 @@ def selection_sizes(config, density: float, numels: tuple[int, ...]) -> tuple[tu
     return ks, compress.num_selected(sum(numels), density)
 
 
-def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, world_size: int, layout=None) -> bool:
+def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, world_size: int, layout=None,
+                      density: float | None = None, exchange: str = "allgather") -> bool:
     dense_bytes = numel * buffer_dtype.itemsize
     if config.selector == "random":
         return k * value_dtype.itemsize < dense_bytes
+    if exchange == "shared-index":  # an allreduce of k values, plus the leader's indices once
+        return k * value_dtype.itemsize + shared_index.index_nbytes(config, numel, density) < dense_bytes
     if isinstance(layout, OwnerLayout):
         # Received per rank: (p-1) x (own message + reply slot) ~ 2 (p-1) slot, against a
         # ring allreduce's 2 (p-1)/p x dense.
@@ -129,11 +144,15 @@ def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, wor
     return world_size * nbytes < dense_bytes
 
 
-def sparse_density_bound(config, buffer_dtype, value_dtype, world_size: int, layout=None) -> float:
+def sparse_density_bound(config, buffer_dtype, value_dtype, world_size: int, layout=None,
+                         exchange: str = "allgather") -> float:
     """The density below which a bucket's sparse reduction sends fewer bytes than dense
     (for chunked payloads, at the bytes per entry of this bucket's layout)."""
     if config.selector == "random":
         return buffer_dtype.itemsize / value_dtype.itemsize
+    if exchange == "shared-index":
+        index_bytes = 4 if config.index_codec == "int32" else 1.5  # at most 12-bit chunk indices, ~1 byte rice
+        return buffer_dtype.itemsize / (value_dtype.itemsize + index_bytes)
     if isinstance(layout, OwnerLayout):  # p x slot ~ the whole selection, whatever p is
         return buffer_dtype.itemsize / layout.bytes_per_entry
     entry_bytes = layout.bytes_per_entry if isinstance(layout, ChunkLayout) else 4 + value_dtype.itemsize

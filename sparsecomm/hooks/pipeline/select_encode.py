@@ -148,18 +148,26 @@ def _sampled_threshold(grad, residual, divisor: float, k: int, generator) -> flo
 def random_values(call, residual) -> Packed:
     """Random-k: the values at indices drawn from a stream shared by all ranks (per
     parameter name, so the same indices whatever the bucket layout); acc is compensated."""
-    state, acc = call.state, call.grad
+    state = call.state
     config = state.config
     offsets = [0, *itertools.accumulate(call.numels)]
     indices = torch.cat([
         compress.random_indices(n, k_part, seed=config.seed, step=state.step, stream=zlib.crc32(name.encode()))
         + offset
         for name, n, k_part, offset in zip(call.names, call.numels, call.ks, offsets)
-    ]).to(acc.device)
+    ]).to(call.grad.device)
+    return shared_values(call, residual, indices)
+
+
+def shared_values(call, residual, indices: torch.Tensor) -> Packed:
+    """The values of the compensated acc at ``indices``, which every rank shares (random-k's
+    seeded draw, or the shared-index exchange's leader selection), ready to be summed by an
+    allreduce; the residual keeps the rest and the wire rounding of what is sent."""
+    acc = call.grad
     values = compress.to_wire_dtype(acc[indices], call.value_dtype)
     nonfinite = not bool(torch.isfinite(acc).all())
     if nonfinite and bool(torch.isfinite(values).all()):
-        # The random indices missed this rank's Inf/NaN: send one anyway (at a shared
+        # The shared indices missed this rank's Inf/NaN: send one anyway (at a shared
         # index), so that every rank sees the overflow and the step is skipped.
         values[0] = acc[(~torch.isfinite(acc)).nonzero()[0, 0]].to(values.dtype)
     if residual is not None:
