@@ -89,3 +89,13 @@ def test_the_exchange_is_part_of_a_topk_runs_identity_and_its_label():
     with pytest.raises(ValueError, match="float"):
         ExperimentConfig.from_dict({**base.to_dict(), "selector": "chunk", "value_codec": "int4",
                                     "exchange": "shared-index"})
+
+
+def test_the_committed_experiment_configs_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob("*.json"))
+    assert files
+    for path in files:
+        config = ExperimentConfig.from_dict(json.loads(path.read_text()))
+        assert config.name == path.stem, path  # the file is named after its experiment

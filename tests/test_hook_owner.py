@@ -98,7 +98,6 @@ def test_fold_moves_what_a_rank_no_longer_owns_into_its_worker_residual():
     ({"exchange": "ring"}, "exchange"),
     ({"exchange": "owner", "selector": "sampled"}, "selector 'exact'"),
     ({"exchange": "owner", "selector": "random"}, "selector 'exact'"),
-    ({"exchange": "owner", "selector": "chunk", "transport": "mpi"}, "transport='c10d'"),
 ])
 def test_bad_combinations_are_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -8,7 +8,7 @@ asserts on what every rank reported:
   order, for float32 and bfloat16, with several requests in flight, into the caller's
   buffer (no copy), and rejects inconsistent arguments;
 - exact top-k over MPI trains to the same parameters as over c10d, bit for bit (same
-  payload bytes, same unpack order);
+  payload bytes, same unpack order), and so does the owner exchange (Alltoallv);
 - the sampled selector over MPI sends a different number of entries per rank, every
   reduced bucket is the rank-order sum of what the ranks sent, and replicas agree;
 - misuse (wrong world, permuted ranks, non-default group) fails on every rank alike.
@@ -123,6 +123,15 @@ def test_exact_topk_over_mpi_equals_c10d_bitwise(transport_reports):
         # Bitwise: both transports deliver the same gathered bytes; the unpack is shared.
         assert exact["params_equal"], (rank, exact["max_abs_diff"])
         assert exact["losses_c10d"] == exact["losses_mpi"]
+
+
+def test_owner_exchange_over_mpi_equals_c10d_bitwise(transport_reports):
+    for rank, report in enumerate(transport_reports):
+        owner = report["training"]["owner"]
+        assert owner["owner_calls"] == owner["sparse_calls"] > 0
+        # Alltoallv + Iallgatherv carry the bytes all_to_all_single + all_gather carry.
+        assert owner["params_equal"], (rank, owner["max_abs_diff"])
+        assert owner["losses_c10d"] == owner["losses_mpi"]
 
 
 def test_sampled_over_mpi_sends_different_counts_per_rank(transport_reports):

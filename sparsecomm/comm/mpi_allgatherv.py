@@ -162,6 +162,31 @@ class MPIAllgatherv:
         self._requests.put((request, future, recv.narrow(0, 0, total), (send, send_bytes, recv_bytes)))
         return future
 
+    def alltoallv(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+        """Blocking all-to-all of bytes (the owner exchange): ``send_counts[r]`` bytes of the
+        uint8 ``send``, back to back in rank order, go to rank r; ``recv_counts[r]`` bytes
+        from rank r land in ``recv`` in rank order. Requests still in flight (all-gathers
+        issued earlier) keep completing on the progress thread meanwhile."""
+        if self._closed:
+            raise RuntimeError("MPIAllgatherv.alltoallv after close()")
+        send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+            raise ValueError(f"send_counts and recv_counts must have one entry per rank ({self.world_size})")
+        for name, tensor, counts in (("send", send, send_counts), ("recv", recv, recv_counts)):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != torch.uint8:
+                raise ValueError(f"{name} must be a contiguous uint8 CPU tensor (MPI reads host memory), got "
+                                 f"{tensor.dtype} on {tensor.device}")
+            if tensor.numel() < sum(counts):
+                raise ValueError(f"{name} holds {tensor.numel()} bytes, its counts add up to {sum(counts)}")
+
+        def displacements(counts):
+            return [sum(counts[:r]) for r in range(len(counts))]
+
+        MPI = self._MPI
+        self.comm.Alltoallv([_byte_view(send), (send_counts, displacements(send_counts)), MPI.BYTE],
+                            [_byte_view(recv), (recv_counts, displacements(recv_counts)), MPI.BYTE])
+
     def close(self) -> None:
         """Finish the requests in flight, stop the progress thread and free the communicator."""
         if self._closed:

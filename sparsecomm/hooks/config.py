@@ -123,9 +123,6 @@ class TopKConfig:
             if self.selector not in ("exact", "chunk"):
                 raise ValueError(f"exchange='owner' sends every owner a fixed-size selection of its range, so it "
                                  f"needs selector 'exact' (top-k per range) or 'chunk', got selector={self.selector!r}")
-            if self.transport != "c10d":
-                raise ValueError(f"exchange='owner' runs over the process group's all_to_all_single: it needs "
-                                 f"transport='c10d', got transport={self.transport!r}")
         if self.exchange == "shared-index":
             if self.selector not in ("exact", "chunk"):
                 raise ValueError(f"exchange='shared-index' broadcasts one rank's top-k (exact or per chunk): it "

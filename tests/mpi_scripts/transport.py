@@ -104,10 +104,11 @@ class Recorder:
             self.reduced[key] = event.tensors["reduced"].clone()
 
 
-def train(rank: int, transport: str, selector: str, recorder: Recorder | None = None):
+def train(rank: int, transport: str, selector: str, recorder: Recorder | None = None, **settings):
     model = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB)
     state = sparsecomm.register_topk_hook(model, density=0.02, selector=selector, transport=transport,
-                                          allow_dense_fallback=False, verify_conservation=recorder is not None)
+                                          allow_dense_fallback=False, verify_conservation=recorder is not None,
+                                          **settings)
     if recorder is not None:
         state.add_observer(recorder)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -131,6 +132,15 @@ def training_checks(rank: int, world_size: int) -> dict:
         "max_abs_diff": (c10d_params - mpi_params).abs().max().item(),
         "losses_c10d": c10d_losses, "losses_mpi": mpi_losses,
         "sparse_calls": mpi_stats["sparse_calls"], "transport": mpi_stats["transport"],
+    }
+    owner = {"exchange": "owner", "chunk_size": 256, "index_codec": "rice", "value_codec": "int4"}
+    c10d_params, c10d_losses, _ = train(rank, "c10d", "chunk", **owner)
+    mpi_params, mpi_losses, mpi_stats = train(rank, "mpi", "chunk", **owner)
+    report["owner"] = {
+        "params_equal": torch.equal(c10d_params, mpi_params),
+        "max_abs_diff": (c10d_params - mpi_params).abs().max().item(),
+        "losses_c10d": c10d_losses, "losses_mpi": mpi_losses,
+        "owner_calls": mpi_stats["owner_calls"], "sparse_calls": mpi_stats["sparse_calls"],
     }
     recorder = Recorder()
     params, losses, stats = train(rank, "mpi", "sampled", recorder)

@@ -32,7 +32,7 @@ DEFAULT_LINK = "10gbit@50us"  # what "auto" assumes when no link is given
 def candidates(config) -> tuple[str, ...]:
     """The exchanges these settings allow, in tie-break order."""
     allowed = ["allgather"]
-    if config.selector in ("exact", "chunk") and config.transport == "c10d":
+    if config.selector in ("exact", "chunk"):
         allowed.append("owner")
     if (config.selector in ("exact", "chunk") and config.value_codec is None and config.transport == "c10d"
             and config.k_scope == "bucket"):

@@ -6,9 +6,10 @@ Every rank owns a contiguous range of the bucket's chunks (``compress.owner_layo
 1. Encode: each rank writes the chunked selection of every owner's range as a message of
    its own (worker-side error feedback, as for the all-gather: ``acc - decoded`` stays in
    the rank's residual).
-2. Scatter, in the hook body: one ``all_to_all_single`` gives every owner the p messages
-   for its range (blocking: the owner's reply depends on them, and the reply's collective
-   must be issued from the hook body too).
+2. Scatter, in the hook body: one ``all_to_all_single`` (MPI ``Alltoallv`` with
+   ``transport="mpi"``) gives every owner the p messages for its range (blocking: the
+   owner's reply depends on them, and the reply's collective must be issued from the hook
+   body too).
 3. Owner reduce, in the hook body: the owner decodes the p messages onto zeros in rank
    order (their sum is the average: each rank divided by p), adds its owner residual,
    selects and encodes again at the same density and codecs; what it does not send stays
@@ -108,7 +109,11 @@ def exchange(call, packed: Packed, bufs: OwnerBuffers, owner_memory: torch.Tenso
     rank = state._rank_and_world_size()[0]
     mine, slot = layout.part_nbytes[rank], layout.slot_nbytes
     started = time.perf_counter()
-    all_to_all_bytes(bufs.received, packed.send, layout.part_nbytes, [mine] * layout.world_size, call.group)
+    mpi = state._mpi if state.config.transport == "mpi" else None
+    if mpi is not None:  # the same bytes as c10d, so the same result bit for bit
+        mpi.alltoallv(packed.send, bufs.received, layout.part_nbytes, [mine] * layout.world_size)
+    else:
+        all_to_all_bytes(bufs.received, packed.send, layout.part_nbytes, [mine] * layout.world_size, call.group)
     state._count(seconds_owner_scatter=time.perf_counter() - started)
     started = time.perf_counter()
     part = layout.parts[rank]
@@ -125,7 +130,10 @@ def exchange(call, packed: Packed, bufs: OwnerBuffers, owner_memory: torch.Tenso
             check_owner_conservation(part, bufs.received, old_memory, bufs.reply[:mine], memory, call.index,
                                      state.step)
     state._count(seconds_owner_reduce=time.perf_counter() - started)
-    fut = allgather_future(bufs.replies, bufs.reply, call.group)
+    if mpi is not None:
+        fut = mpi.allgatherv(bufs.reply, bufs.replies, [slot] * layout.world_size)
+    else:
+        fut = allgather_future(bufs.replies, bufs.reply, call.group)
     received = (layout.world_size - 1) * (mine + slot)
     return fut, received
 
