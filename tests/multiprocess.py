@@ -37,8 +37,9 @@ def _rank_main(rank, world_size, workdir, fn, args):
     os._exit(0)
 
 
-def run_on_ranks(fn, *args, world_size: int = 2, timeout: float = 90.0) -> list:
-    """Results of ``fn(rank, world_size, *args)`` on each rank, in rank order."""
+def _spawn(fn, args, world_size: int, timeout: float):
+    """Run ``fn`` on every rank; (exit codes, outcomes by rank: ("ok"|"error", value) or None
+    for a rank that left no result, ranks still running at the deadline, killed)."""
     with tempfile.TemporaryDirectory() as workdir:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, fn, args)) for r in range(world_size)]
@@ -52,19 +53,44 @@ def run_on_ranks(fn, *args, world_size: int = 2, timeout: float = 90.0) -> list:
             if p.is_alive():
                 p.kill()
                 p.join()
-        results, errors = [], []
+        outcomes = []
         for r in range(world_size):
             path = os.path.join(workdir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {r} raised:\n{value}")
-            results.append(value)
-        if hung:
-            errors.insert(0, f"ranks {hung} still running after {timeout}s and were killed")
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return results
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    outcomes.append(pickle.load(f))
+            else:
+                outcomes.append(None)
+        return [p.exitcode for p in procs], outcomes, hung
+
+
+def run_on_ranks(fn, *args, world_size: int = 2, timeout: float = 90.0) -> list:
+    """Results of ``fn(rank, world_size, *args)`` on each rank, in rank order."""
+    exit_codes, outcomes, hung = _spawn(fn, args, world_size, timeout)
+    results, errors = [], []
+    for r, outcome in enumerate(outcomes):
+        if outcome is None:
+            errors.append(f"rank {r}: no result (exit code {exit_codes[r]})")
+            continue
+        status, value = outcome
+        if status == "error":
+            errors.append(f"rank {r} raised:\n{value}")
+        results.append(value)
+    if hung:
+        errors.insert(0, f"ranks {hung} still running after {timeout}s and were killed")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+def run_on_ranks_allowing_deaths(fn, *args, world_size: int = 2, timeout: float = 90.0) -> dict:
+    """Like :func:`run_on_ranks`, but a rank may die (be killed): {rank: (exit code, result
+    or None)}. A rank that raised, or one still running at the deadline, fails the test."""
+    exit_codes, outcomes, hung = _spawn(fn, args, world_size, timeout)
+    assert not hung, f"ranks {hung} still running after {timeout}s (a survivor hung)"
+    out = {}
+    for r, outcome in enumerate(outcomes):
+        if outcome is not None:
+            assert outcome[0] == "ok", outcome[1]
+        out[r] = (exit_codes[r], None if outcome is None else outcome[1])
+    return out

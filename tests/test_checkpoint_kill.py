@@ -8,19 +8,16 @@ selected; after it, the new one. The next load removes what the killed save left
 and the resumed run must equal the uninterrupted one bit for bit.
 """
 import os
-import pickle
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import sparsecomm.checkpoint.files as checkpoint_files
 import sparsecomm.checkpoint.manager as checkpoint_manager
-from multiprocess import _rank_main, run_on_ranks
+from multiprocess import run_on_ranks, run_on_ranks_allowing_deaths
 from sparsecomm.checkpoint import CheckpointError, committed_steps
 from test_checkpoint import _Job
 
@@ -103,34 +100,6 @@ def _train_and_die(rank, world_size, root, stage):
         return (type(error).__name__, isinstance(error, CheckpointError), str(error)[:300]), time.monotonic() - started
 
 
-def _launch_expecting_a_kill(fn, *args, timeout=90.0):
-    """Like run_on_ranks, but a rank may die: {rank: (exit code, result or None)}."""
-    with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, 2, workdir, fn, args)) for r in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        assert not hung, f"ranks {hung} still running after {timeout}s (a survivor hung)"
-        out = {}
-        for r, p in enumerate(procs):
-            path = os.path.join(workdir, f"rank{r}.pkl")
-            result = None
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    status, result = pickle.load(f)
-                assert status == "ok", result
-            out[r] = (p.exitcode, result)
-        return out
-
-
 def _debris(root: Path) -> dict:
     return {p.name: sorted(q.name for q in p.iterdir()) for p in root.iterdir() if p.name.startswith(".")}
 
@@ -157,7 +126,7 @@ def killed_saves(tmp_path_factory):
     for stage in STAGES:
         root = tmp_path_factory.mktemp("kill")
         roots[stage] = str(root)
-        survivors[stage] = _launch_expecting_a_kill(_train_and_die, str(root), stage)
+        survivors[stage] = run_on_ranks_allowing_deaths(_train_and_die, str(root), stage)
     resumed = run_on_ranks(_resume_all, roots, str(tmp_path_factory.mktemp("reference")), timeout=120)
     return survivors, resumed
 
