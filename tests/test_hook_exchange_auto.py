@@ -42,6 +42,7 @@ def test_candidates_follow_the_settings():
     ({"link": "1gbit"}, "exchange='auto'"),
     ({"exchange": "auto", "link": "fast"}, "link"),
     ({"exchange": "auto", "link": "loopback"}, "no known rate"),
+    ({"exchange": "auto", "selector": "random"}, "random-k always allreduces"),
 ])
 def test_bad_links_are_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -160,7 +160,7 @@ def _simulated_owners(everyone, world_size):
 
 @pytest.mark.parametrize("world_size,index_codec,value_codec,selector", [
     (2, "rice", "int2", "chunk"), (3, "chunk", "int4", "chunk"), (4, "int32", "fp32", "chunk"),
-    (8, "rice", "sign", "chunk"), (3, "rice", "int4", "exact"),
+    (8, "rice", "sign", "chunk"), (3, "rice", "int4", "exact"), (2, "int32", None, "exact"),
 ])
 def test_reduced_buckets_are_what_reference_owners_deliver(world_size, index_codec, value_codec, selector):
     results = run_on_ranks(_train_and_observe, index_codec, value_codec, selector, world_size=world_size,

@@ -119,6 +119,9 @@ class TopKConfig:
         if self.link is not None and self.exchange != "auto":
             raise ValueError(f"link={self.link!r} is what exchange='auto' models to choose an exchange; with "
                              f"exchange={self.exchange!r} it would be ignored")
+        if self.exchange == "auto" and self.selector == "random":
+            raise ValueError("exchange='auto' chooses how a selection's payload travels; random-k always allreduces "
+                             "its values: use exchange='allgather' (the default) with selector='random'")
         if self.exchange == "owner":
             if self.selector not in ("exact", "chunk"):
                 raise ValueError(f"exchange='owner' sends every owner a fixed-size selection of its range, so it "

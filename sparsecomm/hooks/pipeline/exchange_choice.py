@@ -16,14 +16,9 @@ same numbers, so no collective is needed. Only time is modelled: the exchanges d
 train alike (owner adds a second compression, shared-index sends the leader's
 selection), so compare them on quality with the runner before trusting ``auto``.
 """
-import math
-
 from sparsecomm import costmodel
-from sparsecomm.compress.chunk_layout import ChunkLayout
-from sparsecomm.compress.layout import PayloadLayout
-from sparsecomm.compress.owner_layout import OwnerLayout
-from sparsecomm.compress.value_codecs import codec_of_dtype
 from sparsecomm.hooks.pipeline import shared_index
+from sparsecomm.hooks.pipeline.layouts import payload_layout
 from sparsecomm.links.spec import parse_link
 
 DEFAULT_LINK = "10gbit@50us"  # what "auto" assumes when no link is given
@@ -44,19 +39,13 @@ def modelled_seconds(config, numel: int, density: float, buffer_dtype, value_dty
     """Modelled seconds of every allowed exchange (and dense) for one bucket."""
     link = parse_link(config.link or DEFAULT_LINK)
     rate, alpha, p = link.bytes_per_s, link.latency_s, world_size
-    value_codec = config.value_codec or codec_of_dtype(value_dtype)
     costs = {}
     for exchange in candidates(config):
         if exchange == "allgather":
-            if config.selector == "chunk" or config.compact_wire:
-                size = (config.chunk_size if config.selector == "chunk" else numel)
-                payload = ChunkLayout(numel, size, density, config.index_codec, value_codec).nbytes
-            else:
-                payload = PayloadLayout(k, value_dtype).nbytes
+            payload = payload_layout(config, density, numel, k, value_dtype, p, exchange).nbytes
             costs[exchange] = costmodel.ring_allgather_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha)
         elif exchange == "owner":
-            layout = OwnerLayout(numel, config.chunk_size if config.selector == "chunk" else 0, density,
-                                 config.index_codec, value_codec, p)
+            layout = payload_layout(config, density, numel, k, value_dtype, p, exchange)
             costs[exchange] = costmodel.owner_exchange_seconds(p * layout.slot_nbytes, p, rate_bytes_per_s=rate,
                                                                alpha_s=alpha)
         else:
@@ -77,7 +66,5 @@ def choose(state, numel: int, density: float, buffer_dtype, value_dtype, world_s
     choice = state._exchange_choices.get(key)
     if choice is None:
         costs = modelled_seconds(state.config, numel, density, buffer_dtype, value_dtype, world_size, k)
-        best = min(costs.values())
-        choice = next(name for name, seconds in costs.items() if math.isclose(seconds, best) or seconds == best)
-        state._exchange_choices[key] = choice
+        choice = state._exchange_choices[key] = min(costs, key=costs.get)  # ties: the first, in candidate order
     return choice

@@ -9,11 +9,9 @@ import torch
 from sparsecomm import compress
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
-# EXACT_SCALE_GROUP: entries per value scale of exact top-k on the compact wire (consecutive
-# in index order): a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
-from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP, OwnerLayout
-from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
+from sparsecomm.compress.owner_layout import OwnerLayout
 from sparsecomm.hooks.pipeline import exchange_choice, shared_index
+from sparsecomm.hooks.pipeline.layouts import payload_layout
 
 MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one bucket
 
@@ -66,21 +64,22 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
     if config.exchange == "auto":
         call.exchange = exchange_choice.choose(state, buffer.numel(), density, buffer.dtype, call.value_dtype,
                                                call.world_size, call.k)
-    chosen_dense = call.exchange == "dense"
-    if chosen_dense:
-        call.exchange = "allgather"  # what the bucket would have sent: for the fallback's bound and warning
-    call.layout = payload_layout(config, density, buffer, call.k, call.value_dtype, call.world_size, call.exchange)
-    if call.layout is not None:
-        call.k = call.layout.capacity
-    elif call.exchange == "shared-index":
-        call.k = shared_index.geometry(config, buffer.numel(), density).selected
-    smaller = sparse_is_smaller(config, buffer.numel(), call.k, buffer.dtype, call.value_dtype, call.world_size,
-                                call.layout, density, call.exchange) and not chosen_dense
-    call.dense = call.warmup or (config.allow_dense_fallback and not smaller)
-    if call.dense and not call.warmup:  # the warning names the density that would have gone sparse
-        bound = sparse_density_bound(config, buffer.dtype, call.value_dtype, call.world_size, call.layout,
+    if call.exchange == "dense":  # auto modelled the allreduce as the fastest: a choice, not a byte fallback
+        call.layout, call.dense = None, True
+    else:
+        call.layout = payload_layout(config, density, buffer.numel(), call.k, call.value_dtype, call.world_size,
                                      call.exchange)
-        state._fallback_bound = max(bound, state._fallback_bound or 0.0)
+        if call.layout is not None:
+            call.k = call.layout.capacity
+        elif call.exchange == "shared-index":
+            call.k = shared_index.geometry(config, buffer.numel(), density).selected
+        smaller = sparse_is_smaller(config, buffer.numel(), call.k, buffer.dtype, call.value_dtype, call.world_size,
+                                    call.layout, density, call.exchange)
+        call.dense = call.warmup or (config.allow_dense_fallback and not smaller)
+        if call.dense and not call.warmup:  # the warning names the density that would have gone sparse
+            bound = sparse_density_bound(config, buffer.dtype, call.value_dtype, call.world_size, call.layout,
+                                         call.exchange)
+            state._fallback_bound = max(bound, state._fallback_bound or 0.0)
     if not call.dense and buffer.numel() > MAX_BUCKET_NUMEL:
         raise ValueError(f"bucket {call.index} has {buffer.numel()} elements; int32 indices allow at most "
                          f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb")
@@ -92,29 +91,6 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
     if call.dense:
         call.layout = None
     return call
-
-
-def payload_layout(config, density: float, buffer: torch.Tensor, k: int, value_dtype: torch.dtype,
-                   world_size: int = 1, exchange: str = "allgather"):
-    """The layout of the bucket's sparse payload (None for random-k and the shared-index
-    exchange, which send bare values; an OwnerLayout, the messages for every range owner,
-    for the owner exchange)."""
-    if config.selector == "random" or exchange == "shared-index":
-        return None
-    if config.selector != "chunk" and not config.compact_wire:
-        return PayloadLayout(k, value_dtype)
-    if config.value_codec is None and value_dtype not in FLOAT_CODECS.values():
-        raise ValueError(f"a chunked or compact payload writes values with a value codec; a {value_dtype} bucket needs "
-                         f"one: pass value_codec (e.g. 'fp32') or value_dtype=torch.float32")
-    value_codec = config.value_codec or codec_of_dtype(value_dtype)
-    if exchange == "owner":  # chunk_size 0: exact top-k inside each owner's range
-        return OwnerLayout(buffer.numel(), config.chunk_size if config.selector == "chunk" else 0, density,
-                           config.index_codec, value_codec, world_size)
-    if config.selector == "chunk":
-        return ChunkLayout(buffer.numel(), config.chunk_size, density, config.index_codec, value_codec)
-    # Exact top-k on the compact wire: the whole bucket is one chunk; scales per EXACT_SCALE_GROUP entries.
-    return ChunkLayout(buffer.numel(), buffer.numel(), density, config.index_codec, value_codec,
-                       scale_group=EXACT_SCALE_GROUP)
 
 
 def selection_sizes(config, density: float, numels: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
