@@ -22,6 +22,7 @@ import os
 from setuptools import find_packages, setup
 
 BUILD_EXT = os.environ.get("SPARSECOMM_BUILD_EXT", "")
+LAB_REQUIRES = ["scipy", "matplotlib", "scikit-learn"]
 
 
 def _say(message: str) -> None:
@@ -90,19 +91,20 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["sparsecomm", "sparsecomm.*"]),
     python_requires=">=3.10",
+    # The library (the hook: hooks, ops, comm, compress, checkpoint, monitor, integrations)
+    # needs torch and numpy alone; the lab (sparsecomm.lab: runner, ledger, verdicts, plots,
+    # frontier, cost model, built-in tasks and the `sparsecomm` command) is the [lab] extra.
     install_requires=[
         # Tested on 2.13; torch.testing internals used by the tests are private, so pin a range.
         "torch>=2.4,<=2.14.1",
         "numpy",
-        "scikit-learn",
-        "scipy",
-        "matplotlib",
     ],
     extras_require={
+        "lab": LAB_REQUIRES,
         # Triton runs its kernels on GPUs, and on CPU in interpreter mode (tests).
         # The framework integrations (sparsecomm.integrations) are tested too, so CI installs
         # both. Neither caps torch, so pip keeps the torch installed first.
-        "test": ["pytest", "pytest-timeout", "triton; platform_system == 'Linux'", "lightning>=2.0", "accelerate>=1.0",
+        "test": [*LAB_REQUIRES, "transformers>=4.40", "pytest", "pytest-timeout", "triton; platform_system == 'Linux'", "lightning>=2.0", "accelerate>=1.0",
                  "mpi4py", "mpich"],
         "triton": ["triton; platform_system == 'Linux'"],
         # transport="mpi" and mpiexec launches: mpi4py's wheel runs on the mpich wheel's MPI.
@@ -112,6 +114,6 @@ setup(
         # Accelerator.register_save_state_pre_hook/register_load_state_pre_hook keep per-rank hook state.
         "accelerate": ["accelerate>=1.0"],
     },
-    entry_points={"console_scripts": ["sparsecomm=sparsecomm.cli:main"]},
+    entry_points={"console_scripts": ["sparsecomm=sparsecomm.lab.cli:main"]},
     **_native_extension(),
 )

@@ -21,7 +21,7 @@ what was measured on the link: the cost model's error.
 
 Modelled (p = 16 ... 1024, no processes): bytes received per rank from the layouts, and
 seconds on a link of ``--link-gbit`` Gb/s with ``--alpha-us`` per message, from
-``sparsecomm.costmodel`` (labelled ``[modelled]``).
+``sparsecomm.lab.costmodel`` (labelled ``[modelled]``).
 
     python experiments/bench_exchange.py --numel 4e6 --densities 0.01 0.001 --ranks 2 4 8
     python experiments/bench_exchange.py --links loopback 1gbit --ranks 4 8     (root: emulated links)
@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from cpu_info import describe_cpu  # experiments/cpu_info.py, beside this script
-from sparsecomm import costmodel, register_topk_hook
+from sparsecomm import register_topk_hook
+from sparsecomm.lab import costmodel
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.owner_layout import OwnerLayout
 from sparsecomm.links import parse_link

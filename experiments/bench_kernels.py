@@ -42,7 +42,7 @@ from cpu_info import describe_cpu, vector_isa  # experiments/cpu_info.py, beside
 from sparsecomm import compress, ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.packing import payload_nbytes
-from sparsecomm.experiment.runner import _git_commit
+from sparsecomm.lab.experiment.runner import _git_commit
 from sparsecomm.ops import native, reference
 
 CHUNK_PAIRS = ("chunk+int2", "rice+int2", "rice+int4", "int32+fp32")

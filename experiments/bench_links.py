@@ -27,14 +27,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from sparsecomm import costmodel, ledger, tolerance
-from sparsecomm.experiment.config import ARM_NAMES
-from sparsecomm.experiment.named import pydoc_gpt
-from sparsecomm.experiment.runner import _git_commit, run_experiment
+from sparsecomm.lab import costmodel, ledger, tolerance
+from sparsecomm.lab.experiment.config import ARM_NAMES
+from sparsecomm.lab.experiment.named import pydoc_gpt
+from sparsecomm.lab.experiment.runner import _git_commit, run_experiment
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import check_emulation_possible, maybe_emulated
 from sparsecomm.links.probe import stream_throughput
-from sparsecomm.target import DENSE_ARM
+from sparsecomm.lab.target import DENSE_ARM
 
 DEFAULT_ARMS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-dgc")
 

@@ -1,7 +1,7 @@
 """Detection rate, false alarms and overhead of the SDC monitors (not a test).
 
 Two gloo ranks (spawned here, FileStore rendezvous) train the digits MLP
-(``sparsecomm.tasks.digits.DigitsMLP``, 85k parameters, different data per rank) with
+(``sparsecomm.lab.tasks.digits.DigitsMLP``, 85k parameters, different data per rank) with
 ``TopKState(density=0.01)`` and every monitor of ``sparsecomm.monitor`` on:
 
 1. Detection: ``--trials`` trials per (target, bit class). Each trial starts a fresh
@@ -52,8 +52,8 @@ from sparsecomm.monitor import (
     StalenessMonitor,
     UpdateSpikeDetector,
 )
-from sparsecomm.policy import Policy
-from sparsecomm.tasks import get_task
+from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.tasks import get_task
 
 from cpu_info import describe_cpu  # experiments/cpu_info.py, beside this script
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from sparsecomm.experiment.named import pydoc_gpt
-from sparsecomm.experiment.runner import _git_commit, run_experiment
-from sparsecomm.results import load_runs, load_steps
+from sparsecomm.lab.experiment.named import pydoc_gpt
+from sparsecomm.lab.experiment.runner import _git_commit, run_experiment
+from sparsecomm.lab.results import load_runs, load_steps
 
 
 def main(argv=None) -> int:

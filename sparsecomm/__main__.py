@@ -1,5 +1,5 @@
 import sys
 
-from sparsecomm.cli import main
+from sparsecomm.lab.cli import main
 
 sys.exit(main())

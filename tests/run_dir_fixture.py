@@ -1,4 +1,4 @@
-"""Synthetic run directories in the layout ``sparsecomm compare`` writes (see sparsecomm.results).
+"""Synthetic run directories in the layout ``sparsecomm compare`` writes (see sparsecomm.lab.results).
 
 For tests of the readers (ledger, tolerance checker, plots) without training anything.
 """

@@ -4,10 +4,10 @@ import dataclasses
 import pytest
 import torch
 
-from sparsecomm.experiment.arms import make_arm_hook
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.named import pydoc_gpt
-from sparsecomm.experiment.worker import make_optimizer
+from sparsecomm.lab.experiment.arms import make_arm_hook
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.named import pydoc_gpt
+from sparsecomm.lab.experiment.worker import make_optimizer
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm import cli
-from sparsecomm.experiment import runner
-from sparsecomm.experiment.config import MAX_SEED, task_train_samples
-from sparsecomm.experiment.named import digits_quick
-from sparsecomm.policy import Policy
+from sparsecomm.lab import cli
+from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment.config import MAX_SEED, task_train_samples
+from sparsecomm.lab.experiment.named import digits_quick
+from sparsecomm.lab.policy import Policy
 
 
 def test_help_lists_every_command(capsys):
@@ -132,7 +132,7 @@ def test_compare_bounds_the_world_size_by_this_machines_cores(tmp_path, capsys, 
 
 
 def test_task_sizes_used_for_the_batch_bound_are_the_tasks_own():
-    from sparsecomm.tasks import get_task
+    from sparsecomm.lab.tasks import get_task
 
     for task in ("digits-mlp", "pydoc-gpt"):
         assert task_train_samples(task) == get_task(task).num_train_samples

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from multiprocess import run_on_ranks
-from sparsecomm.experiment.named import digits_quick
-from sparsecomm.experiment.worker import train_run
+from sparsecomm.lab.experiment.named import digits_quick
+from sparsecomm.lab.experiment.worker import train_run
 
 pytestmark = pytest.mark.timeout(300)
 

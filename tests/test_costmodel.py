@@ -1,17 +1,17 @@
 """The alpha-beta cost model behind ``sparsecomm project``: formulas, fallback, break-even, labels, CLI.
 
-Run directories are synthetic, written by hand in the layout of :mod:`sparsecomm.results`,
+Run directories are synthetic, written by hand in the layout of :mod:`sparsecomm.lab.results`,
 with round numbers so that every expected figure below is computed by hand.
 """
 import json
 
 import pytest
 
-from sparsecomm import cli, costmodel
-from sparsecomm.costmodel import (
+from sparsecomm.lab import cli, costmodel
+from sparsecomm.lab.costmodel import (
     falls_back_to_dense, make_scenario, project_arm, read_run, ring_allgather_seconds, ring_allreduce_seconds,
 )
-from sparsecomm.ledger import Figure
+from sparsecomm.lab.ledger import Figure
 
 # Relative agreement of closed-form sums of a few float terms: rounding is ~1e-16 per
 # operation, so 1e-12 leaves room without hiding a wrong term (those are >= 1e-3 off).

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sparsecomm import tolerance
-from sparsecomm.experiment import runner
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.named import EXPERIMENTS, digits_quick
-from sparsecomm.policy import Policy
-from sparsecomm.results import load_runs
+from sparsecomm.lab import tolerance
+from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.named import EXPERIMENTS, digits_quick
+from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results import load_runs
 from tost_oracle import paired_diffs, scipy_tost_verdict
 
 pytestmark = pytest.mark.timeout(240)

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from sparsecomm import frontier
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.named import EXPERIMENTS
-from sparsecomm.results import load_runs
+from sparsecomm.lab import frontier
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.named import EXPERIMENTS
+from sparsecomm.lab.results import load_runs
 
 
 def _hash_without_wire(config: ExperimentConfig, arm: str, seed: int) -> str:
@@ -78,7 +78,7 @@ def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path,
 
 
 def test_the_exchange_is_part_of_a_topk_runs_identity_and_its_label():
-    from sparsecomm.experiment.arms import wire_label
+    from sparsecomm.lab.experiment.arms import wire_label
 
     base = EXPERIMENTS["digits-quick"]()
     owner = base.with_overrides(selector="chunk", index_codec="rice", value_codec="int4", exchange="owner")

@@ -10,11 +10,11 @@ import json
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm import frontier
-from sparsecomm.experiment import runner
-from sparsecomm.frontier import FrontierPoint, sparsest_equivalent
-from sparsecomm.results import load_runs
-from sparsecomm.tolerance import ZERO_VARIANCE_REASON, check
+from sparsecomm.lab import frontier
+from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.frontier import FrontierPoint, sparsest_equivalent
+from sparsecomm.lab.results import load_runs
+from sparsecomm.lab.tolerance import ZERO_VARIANCE_REASON, check
 from tost_oracle import paired_diffs, scipy_tost_verdict
 
 DENSE = {0: 1.50, 1: 1.52, 2: 1.49, 3: 1.51, 4: 1.50}  # median 1.50: derived target 1.55 (tolerance 0.05)

@@ -3,8 +3,8 @@ unmeasured (never zero), and medians / steps-to-target come out of a run directo
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm import ledger
-from sparsecomm.ledger import BoundaryError, Figure, build_ledger, format_ledger, step_cost_to_target
+from sparsecomm.lab import ledger
+from sparsecomm.lab.ledger import BoundaryError, Figure, build_ledger, format_ledger, step_cost_to_target
 
 
 def test_adding_figures_of_different_boundaries_raises():

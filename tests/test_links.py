@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from sparsecomm.experiment import runner
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.named import digits_quick
+from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.links import parse_link
 from sparsecomm.links import netns
 from sparsecomm.links.netns import EmulatedNetwork, LinkEmulationError, check_emulation_possible
-from sparsecomm.results import load_runs
+from sparsecomm.lab.results import load_runs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +76,7 @@ def test_config_validates_the_link_before_any_launch():
 
 
 def test_compare_refuses_a_bad_link_before_running(tmp_path, capsys):
-    from sparsecomm.cli import main
+    from sparsecomm.lab.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", "--experiment", "digits-quick", "--link", "1gb", "--out", str(tmp_path)])
@@ -211,7 +211,7 @@ def test_a_failing_rank_inside_the_network_is_recorded_and_the_network_removed(t
 @needs_emulation
 def test_paired_run_over_an_emulated_link_end_to_end(tmp_path):
     """Real gloo traffic over a 100 Mb/s link: dense's step pays for its bytes, top-k's does not."""
-    from sparsecomm import ledger
+    from sparsecomm.lab import ledger
 
     before = _ours()
     config = _tiny_config(tmp_path)
@@ -230,7 +230,7 @@ def test_paired_run_over_an_emulated_link_end_to_end(tmp_path):
 
 @needs_emulation
 def test_frontier_over_an_emulated_link_keeps_its_own_files(tmp_path, capsys):
-    from sparsecomm import frontier
+    from sparsecomm.lab import frontier
 
     before = _ours()
     code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef", "--seeds", "0",

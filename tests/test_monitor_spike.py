@@ -66,7 +66,7 @@ def test_observer_adds_buckets_of_a_step_and_flags_within_the_step():
 
 
 def _e5_worker(rank, world_size):
-    from sparsecomm.tasks.digits import DigitsMLP
+    from sparsecomm.lab.tasks.digits import DigitsMLP
 
     task = DigitsMLP()
     torch.manual_seed(0)

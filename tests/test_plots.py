@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm import plots
-from sparsecomm.results import load_experiment, load_runs
-from sparsecomm.target import Target, resolve_target
+from sparsecomm.lab import plots
+from sparsecomm.lab.results import load_experiment, load_runs
+from sparsecomm.lab.target import Target, resolve_target
 
 ARMS = ("dense", "topk-ef", "powersgd")
 SEEDS = (0, 1, 2)
@@ -169,7 +169,7 @@ def test_plot_run_dir_without_a_finished_dense_run(tmp_path, capsys):
 
 
 def test_main_writes_plots_and_skips_ledger_when_unavailable(run_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "sparsecomm.ledger", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "sparsecomm.lab.ledger", None)  # import raises ImportError
     assert plots.main([str(run_dir), "--out", str(tmp_path / "out")]) == 0
     out, err = capsys.readouterr()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["loss_vs_step.png", "time_to_loss.png"]
@@ -178,9 +178,9 @@ def test_main_writes_plots_and_skips_ledger_when_unavailable(run_dir, tmp_path, 
 
 
 def test_main_draws_ledger_and_defaults_out_dir(run_dir, tmp_path, monkeypatch, capsys):
-    fake = types.ModuleType("sparsecomm.ledger")
+    fake = types.ModuleType("sparsecomm.lab.ledger")
     fake.ledger_items_for_plot = lambda d: {"dense": {"setup": 1.0, "step x steps": 4.0, "checkpoint": 0.2, "recovery": None}}
-    monkeypatch.setitem(sys.modules, "sparsecomm.ledger", fake)
+    monkeypatch.setitem(sys.modules, "sparsecomm.lab.ledger", fake)
     monkeypatch.chdir(tmp_path)
     assert plots.main([str(run_dir)]) == 0
     out_dir = tmp_path / "plots" / "exp-small"

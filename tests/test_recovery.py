@@ -5,9 +5,9 @@ bit for bit (same train loss at every step, same final validation loss), record 
 recovery time and lost work, and never hang."""
 import pytest
 
-from sparsecomm.experiment.named import digits_quick
-from sparsecomm.experiment.runner import run_experiment
-from sparsecomm.results import load_runs, load_steps
+from sparsecomm.lab.experiment.named import digits_quick
+from sparsecomm.lab.experiment.runner import run_experiment
+from sparsecomm.lab.results import load_runs, load_steps
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm import ledger, plots, tolerance
-from sparsecomm.results import ResultFileError, ResultFileWarning, load_runs, load_steps
+from sparsecomm.lab import ledger, plots, tolerance
+from sparsecomm.lab.results import ResultFileError, ResultFileWarning, load_runs, load_steps
 
 DENSE = {0: 1.50, 1: 1.52, 2: 1.49, 3: 1.51, 4: 1.50}
 NOISE = (0.001, -0.002, 0.0015, 0.0, -0.001)

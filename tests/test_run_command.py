@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from mpi_launch import run_mpiexec
-from sparsecomm.experiment.named import digits_quick
-from sparsecomm.experiment.runner import run_experiment
-from sparsecomm.results import load_runs, load_steps
+from sparsecomm.lab.experiment.named import digits_quick
+from sparsecomm.lab.experiment.runner import run_experiment
+from sparsecomm.lab.results import load_runs, load_steps
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sparsecomm.experiment import runner
-from sparsecomm.experiment.named import digits_quick
-from sparsecomm.results import load_runs, load_steps
+from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment.named import digits_quick
+from sparsecomm.lab.results import load_runs, load_steps
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -127,8 +127,8 @@ def _latest_checkpoint(run_dir: Path) -> int:
 DRIVER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from sparsecomm.experiment.config import ExperimentConfig
-    from sparsecomm.experiment.runner import ExperimentInterrupted, run_experiment
+    from sparsecomm.lab.experiment.config import ExperimentConfig
+    from sparsecomm.lab.experiment.runner import ExperimentInterrupted, run_experiment
     config = ExperimentConfig.from_dict(json.loads(Path(sys.argv[1]).read_text()))
     try:
         run_experiment(config, Path(sys.argv[2]), progress=lambda line: print(line, flush=True))
@@ -207,7 +207,7 @@ def test_ctrl_c_to_sparsecomm_compare_ends_with_a_report_and_leaves_nothing(swee
     os.killpg(proc.pid, signal.SIGINT)
     output = _finish(proc, 60)
     assert survivors_after(str(sweep), 2.0) == []
-    from sparsecomm.experiment import compare
+    from sparsecomm.lab.experiment import compare
 
     if hasattr(compare, "stop_on_interrupt"):  # the command prints the report and exits 130
         assert proc.returncode == 130 and "Traceback" not in output, output[-4000:]
@@ -397,7 +397,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, unint
 
 
 def test_steps_log_drops_a_torn_last_line_and_a_resume_point_needs_every_step(tmp_path):
-    from sparsecomm.experiment.steps_log import read_steps, rows_up_to
+    from sparsecomm.lab.experiment.steps_log import read_steps, rows_up_to
 
     rows = [{"kind": "train", "step": s, "train_loss": 1.0 / s} for s in range(1, 31)]
     rows.insert(20, {"kind": "eval", "step": 20, "val_loss": 0.5, "elapsed_seconds": 1.0})

@@ -9,9 +9,9 @@ from scipy import stats
 
 from run_dir_fixture import write_run_dir
 from tost_oracle import paired_diffs, scipy_tost_verdict
-from sparsecomm import tolerance
-from sparsecomm.policy import format_policy
-from sparsecomm.tolerance import (
+from sparsecomm.lab import tolerance
+from sparsecomm.lab.policy import format_policy
+from sparsecomm.lab.tolerance import (
     ZERO_VARIANCE_REASON,
     check,
     equivalence,

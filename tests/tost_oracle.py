@@ -1,6 +1,6 @@
 """An independent TOST verdict for paired loss differences, straight from scipy's t-tests.
 
-sparsecomm.tolerance decides from the (1 - 2 alpha) confidence interval of the mean
+sparsecomm.lab.tolerance decides from the (1 - 2 alpha) confidence interval of the mean
 difference; this oracle decides from the p-values of one-sided one-sample t-tests
 (``scipy.stats.ttest_1samp``), the other, equivalent formulation of the same test:
 
@@ -15,7 +15,7 @@ returns nan); tests work those out by hand against sparsecomm's documented rule.
 import numpy as np
 from scipy import stats
 
-MIN_SEEDS = 3  # documented in sparsecomm.tolerance: fewer paired seeds are never judged
+MIN_SEEDS = 3  # documented in sparsecomm.lab.tolerance: fewer paired seeds are never judged
 
 
 def scipy_tost_verdict(diffs, delta: float, alpha: float = 0.05) -> str:

@@ -2,7 +2,7 @@
 
 For the bucket's size, density, codecs and the world size, every exchange the settings
 allow is costed on the state's ``link`` (rate and per-message latency) with the formulas
-of :mod:`sparsecomm.costmodel`, from the bytes the layouts give:
+of :mod:`sparsecomm.comm.link_model`, from the bytes the layouts give:
 
 * ``allgather``: ring all-gather of one payload per rank, ``(p-1) alpha + (p-1) s / B``;
 * ``owner`` (``selector="exact"`` or ``"chunk"``): all-to-all + all-gather of the replies,
@@ -16,7 +16,7 @@ same numbers, so no collective is needed. Only time is modelled: the exchanges d
 train alike (owner adds a second compression, shared-index sends the leader's
 selection), so compare them on quality with the runner before trusting ``auto``.
 """
-from sparsecomm import costmodel
+from sparsecomm.comm import link_model
 from sparsecomm.hooks.pipeline import shared_index
 from sparsecomm.hooks.pipeline.layouts import payload_layout
 from sparsecomm.links.spec import parse_link
@@ -43,19 +43,19 @@ def modelled_seconds(config, numel: int, density: float, buffer_dtype, value_dty
     for exchange in candidates(config):
         if exchange == "allgather":
             payload = payload_layout(config, density, numel, k, value_dtype, p, exchange).nbytes
-            costs[exchange] = costmodel.ring_allgather_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha)
+            costs[exchange] = link_model.ring_allgather_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha)
         elif exchange == "owner":
             layout = payload_layout(config, density, numel, k, value_dtype, p, exchange)
-            costs[exchange] = costmodel.owner_exchange_seconds(p * layout.slot_nbytes, p, rate_bytes_per_s=rate,
+            costs[exchange] = link_model.owner_exchange_seconds(p * layout.slot_nbytes, p, rate_bytes_per_s=rate,
                                                                alpha_s=alpha)
         else:
             selected = shared_index.geometry(config, numel, density).selected
             index_bytes = shared_index.index_nbytes(config, numel, density)
-            costs[exchange] = (costmodel.broadcast_seconds(index_bytes, p, rate_bytes_per_s=rate, alpha_s=alpha)
-                               + costmodel.ring_allreduce_seconds(selected * value_dtype.itemsize, p,
+            costs[exchange] = (link_model.broadcast_seconds(index_bytes, p, rate_bytes_per_s=rate, alpha_s=alpha)
+                               + link_model.ring_allreduce_seconds(selected * value_dtype.itemsize, p,
                                                                   rate_bytes_per_s=rate, alpha_s=alpha))
     if config.allow_dense_fallback:
-        costs["dense"] = costmodel.ring_allreduce_seconds(numel * buffer_dtype.itemsize, p, rate_bytes_per_s=rate,
+        costs["dense"] = link_model.ring_allreduce_seconds(numel * buffer_dtype.itemsize, p, rate_bytes_per_s=rate,
                                                           alpha_s=alpha)
     return costs
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from sparsecomm.dist import discover
-from sparsecomm.experiment.files import write_json_atomically
-from sparsecomm.experiment.process_tree import LAUNCH_ENV
+from sparsecomm.lab.experiment.files import write_json_atomically
+from sparsecomm.lab.experiment.process_tree import LAUNCH_ENV
 
 
 def rank_error_path(out_dir: Path, rank: int) -> Path:

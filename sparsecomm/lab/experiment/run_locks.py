@@ -14,7 +14,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.config import ExperimentConfig
 
 RUN_LOCK = "run.lock"
 """In the run directory: flock'ed by the process that trains the run; holds its pid."""

@@ -4,15 +4,15 @@ Pairing: for a given seed every arm starts from the same weights (the RNG is see
 before the model is built) and sees the same global batches (sample ids drawn from a
 stream seeded by (seed, step)); rank r trains on slice r of each global batch, so ranks
 see different data. Rank 0 writes ``steps.jsonl`` as it goes and ``summary.json`` at the
-end (see :mod:`sparsecomm.results` for the format).
+end (see :mod:`sparsecomm.lab.results` for the format).
 
-Started by the runner (``python -m sparsecomm.experiment.worker``), a rank writes its
+Started by the runner (``python -m sparsecomm.lab.experiment.worker``), a rank writes its
 summary to ``result.json`` instead, which the runner promotes to ``summary.json`` only when
 every process of the launch exited cleanly: a run the runner killed (interrupted, stalled)
 can never turn "ok" afterwards. A rank that raises writes ``error-rank<r>.json`` (type,
 message, last frames) before it exits, so the runner records the rank's own error rather
 than the launcher's. Each row of ``steps.jsonl`` is one ``write`` of a whole line after
-its step completed; a reader drops a torn last line (:mod:`sparsecomm.experiment.steps_log`), and a resume
+its step completed; a reader drops a torn last line (:mod:`sparsecomm.lab.experiment.steps_log`), and a resume
 cuts the file back to the checkpoint's step (atomically).
 """
 import argparse
@@ -29,17 +29,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparsecomm.experiment.arms import HookMeter, make_arm_hook
+from sparsecomm.lab.experiment.arms import HookMeter, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.dist import discover, init_distributed
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.files import write_json_atomically
-from sparsecomm.experiment.process_tree import LAUNCH_ENV, die_with_parent
-from sparsecomm.experiment.rank_errors import write_rank_error
-from sparsecomm.experiment.steps_log import STEPS_FILE, StepLog, read_steps, rows_up_to, write_steps_atomically
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.files import write_json_atomically
+from sparsecomm.lab.experiment.process_tree import LAUNCH_ENV, die_with_parent
+from sparsecomm.lab.experiment.rank_errors import write_rank_error
+from sparsecomm.lab.experiment.steps_log import STEPS_FILE, StepLog, read_steps, rows_up_to, write_steps_atomically
 from sparsecomm.hooks import TopKState, dgc_optimizer
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
-from sparsecomm.tasks import get_task
+from sparsecomm.lab.tasks import get_task
 
 RESULT_FILE = "result.json"
 """Where a rank started by the runner writes its summary; the runner promotes it to summary.json."""
@@ -430,8 +430,8 @@ def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launc
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank started by the runner: ``python -m sparsecomm.experiment.worker``."""
-    parser = argparse.ArgumentParser(prog="python -m sparsecomm.experiment.worker")
+    """Entry point of one rank started by the runner: ``python -m sparsecomm.lab.experiment.worker``."""
+    parser = argparse.ArgumentParser(prog="python -m sparsecomm.lab.experiment.worker")
     parser.add_argument("--experiment-json", required=True, type=Path,
                         help="the run's config: run-config.json in the run directory (or an experiment.json)")
     parser.add_argument("--arm", required=True)

@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sparsecomm.experiment.config import ARM_NAMES, ExperimentConfig
-from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
-from sparsecomm.results import NAME_ACCEPTED, is_safe_name
+from sparsecomm.lab.experiment.config import ARM_NAMES, ExperimentConfig
+from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
+from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 LOCAL_RANKS_PER_CORE = 4
 """compare starts every rank on this machine: at most this many ranks per CPU core."""
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         check_writable_directory(args.plots / config.name, "--plots")
     except (ValueError, TypeError, OSError, RuntimeError) as error:
         parser.error(str(error))
-    from sparsecomm.experiment.runner import ExperimentInterrupted, run_experiment
+    from sparsecomm.lab.experiment.runner import ExperimentInterrupted, run_experiment
 
     print(f"experiment {config.name}: {len(config.arms)} arms x {len(config.seeds)} seeds, "
           f"{config.world_size} ranks over {config.link}, {config.steps} steps -> {args.out / config.name}", flush=True)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_experiment(config, args.out)
     except ExperimentInterrupted as error:
         return stop_on_interrupt(error)
-    from sparsecomm.results import ResultFileError, warnings_to_stderr
+    from sparsecomm.lab.results import ResultFileError, warnings_to_stderr
 
     try:
         with warnings_to_stderr("sparsecomm compare"):
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(run_dir: Path, plots_dir: Path) -> int:
     """Print the ledger and the verdicts, draw the plots; EXIT_NO_DENSE when no dense run finished."""
-    from sparsecomm import ledger, plots, tolerance
-    from sparsecomm.results import load_experiment, load_runs
+    from sparsecomm.lab import ledger, plots, tolerance
+    from sparsecomm.lab.results import load_experiment, load_runs
 
     runs = load_runs(run_dir)
     missing = ledger.missing_runs(load_experiment(run_dir), runs)

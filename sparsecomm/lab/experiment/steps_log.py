@@ -12,7 +12,7 @@ import os
 import warnings
 from pathlib import Path
 
-from sparsecomm.results import ResultFileWarning, load_steps
+from sparsecomm.lab.results import ResultFileWarning, load_steps
 
 STEPS_FILE = "steps.jsonl"
 

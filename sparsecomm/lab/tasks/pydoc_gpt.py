@@ -6,9 +6,9 @@ the held-out 10% of the text, so every run is scored on the same bytes.
 """
 import torch
 
-from sparsecomm.tasks.base import Task
-from sparsecomm.tasks.pydoc_text import load_pydoc_bytes
-from sparsecomm.tasks.tiny_gpt import GPTConfig, TinyGPT
+from sparsecomm.lab.tasks.base import Task
+from sparsecomm.lab.tasks.pydoc_text import load_pydoc_bytes
+from sparsecomm.lab.tasks.tiny_gpt import GPTConfig, TinyGPT
 
 NUM_VAL_WINDOWS = 64
 

@@ -1,6 +1,6 @@
 """What an experiment is: a task, arms, seeds, world size, training budget and a policy.
 
-Named experiments are functions in :mod:`sparsecomm.experiment.named`; a JSON file with
+Named experiments are functions in :mod:`sparsecomm.lab.experiment.named`; a JSON file with
 the same fields (``ExperimentConfig.to_dict()``) works too (``--config FILE``).
 Everything is validated here, before any process is launched.
 """
@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
-from sparsecomm.policy import Policy
-from sparsecomm.results import NAME_ACCEPTED, is_safe_name
+from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
 TASK_NAMES = ("pydoc-gpt", "digits-mlp")
@@ -33,8 +33,8 @@ def task_train_samples(task: str) -> int:
     """Training samples of a task, without loading it (or torch): the ids a batch draws from.
 
     digits-mlp: scikit-learn's 1,797 digit images less the 360 held out
-    (:mod:`sparsecomm.tasks.digits`); pydoc-gpt: one window per byte of the first 90% of
-    Python's pydoc topics, less the 64-byte context (:mod:`sparsecomm.tasks.pydoc_gpt`).
+    (:mod:`sparsecomm.lab.tasks.digits`); pydoc-gpt: one window per byte of the first 90% of
+    Python's pydoc topics, less the 64-byte context (:mod:`sparsecomm.lab.tasks.pydoc_gpt`).
     """
     if task == "digits-mlp":
         return 1797 - 360
@@ -213,7 +213,7 @@ class ExperimentConfig:
             else:
                 _check(self.max_restarts >= 1 and self.checkpoint_every >= 1, "fault",
                        "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
-        _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.policy.Policy", self.policy)
+        _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.lab.policy.Policy", self.policy)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparsecomm.experiment.compare import (
+from sparsecomm.lab.experiment.compare import (
     add_link_argument,
     check_link_possible,
     check_local_world_size,
@@ -39,8 +39,8 @@ from sparsecomm.experiment.compare import (
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.hooks.config import EXCHANGE_CHOICES
 from sparsecomm.compress.value_codecs import VALUE_CODECS
-from sparsecomm.experiment.config import ARM_NAMES
-from sparsecomm.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
+from sparsecomm.lab.experiment.config import ARM_NAMES
+from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
 
 SPARSE_ARMS = tuple(arm for arm in ARM_NAMES if arm.startswith("topk-"))
 VERDICT_MARKERS = {"equivalent": "o", "better": "o", "inconclusive": "s", "worse": "x"}
@@ -111,7 +111,7 @@ def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) ->
     settings do not enter for dense."""
     import shutil
 
-    from sparsecomm.experiment.runner import finished_ok, run_directory
+    from sparsecomm.lab.experiment.runner import finished_ok, run_directory
 
     for seed in target.seeds:
         expected = target.run_hash("dense", seed)
@@ -127,9 +127,9 @@ def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) ->
 
 def run_frontier(config, densities, arms, out_root: Path, value_codecs=(None,)) -> list[FrontierPoint]:
     """One paired experiment per density (and value codec); returns a point per (arm, density, codec)."""
-    from sparsecomm import ledger, tolerance
-    from sparsecomm.experiment.runner import run_experiment
-    from sparsecomm.results import describe_counts, load_experiment, load_runs, status_counts
+    from sparsecomm.lab import ledger, tolerance
+    from sparsecomm.lab.experiment.runner import run_experiment
+    from sparsecomm.lab.results import describe_counts, load_experiment, load_runs, status_counts
 
     points = []
     for density, value_codec in [(d, c) for d in densities for c in value_codecs]:
@@ -221,7 +221,7 @@ def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
     Settings that did not reach the target sit on a "not reached" row above the others,
     so every density tried stays visible.
     """
-    from sparsecomm import plots
+    from sparsecomm.lab import plots
 
     fig, ax = plots._new_axes()
     arms = {p.label for p in points}
@@ -298,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         check_writable_directory(args.plots / frontier_stem(config, value_codecs), "--plots")
     except (ValueError, TypeError, RuntimeError, OSError) as error:
         parser.error(str(error))
-    from sparsecomm.experiment.runner import ExperimentInterrupted
-    from sparsecomm.results import ResultFileError, warnings_to_stderr
+    from sparsecomm.lab.experiment.runner import ExperimentInterrupted
+    from sparsecomm.lab.results import ResultFileError, warnings_to_stderr
 
     try:
         with warnings_to_stderr("sparsecomm frontier"):

@@ -6,7 +6,7 @@ quality tolerance. Either way the report prints which it was.
 import statistics
 from dataclasses import dataclass
 
-from sparsecomm.results import RunSummary
+from sparsecomm.lab.results import RunSummary
 
 DENSE_ARM = "dense"
 

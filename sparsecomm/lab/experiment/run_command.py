@@ -29,9 +29,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from sparsecomm.experiment.compare import add_experiment_source, experiment_from_source
-from sparsecomm.experiment.config import ARM_NAMES
-from sparsecomm.experiment.named import EXPERIMENTS
+from sparsecomm.lab.experiment.compare import add_experiment_source, experiment_from_source
+from sparsecomm.lab.experiment.config import ARM_NAMES
+from sparsecomm.lab.experiment.named import EXPERIMENTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                              "compare, not under an external launcher; set link to 'loopback'")
     except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
         parser.error(str(error))
-    from sparsecomm.experiment import runner
-    from sparsecomm.experiment.worker import run_rank
+    from sparsecomm.lab.experiment import runner
+    from sparsecomm.lab.experiment.worker import run_rank
 
     out_dir = runner.run_directory(config, args.out, args.arm, args.seed)
     expected = config.run_hash(args.arm, args.seed)

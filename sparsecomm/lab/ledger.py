@@ -19,7 +19,7 @@ separately, labelled as partial). Speedups are printed per boundary: "1.9x (boun
 step)" and "1.2x (boundary: end_to_end)" are different claims.
 
 Runs that did not finish (any status other than "ok", e.g. failed, interrupted, or a
-summary excluded as invalid; see :mod:`sparsecomm.results`) are not in any figure, but
+summary excluded as invalid; see :mod:`sparsecomm.lab.results`) are not in any figure, but
 each is counted in its arm's "runs ok/failed" column and listed with its status and
 error below the table; so are configured runs that have no summary at all (missing).
 
@@ -33,8 +33,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparsecomm.policy import format_policy
-from sparsecomm.results import (
+from sparsecomm.lab.policy import format_policy
+from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,
     arms_configured_first,
@@ -45,7 +45,7 @@ from sparsecomm.results import (
     status_counts,
     warnings_to_stderr,
 )
-from sparsecomm.target import DENSE_ARM, Target, resolve_target
+from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
 
 BOUNDARIES = ("step", "steps_to_target", "time_to_target", "end_to_end")
 NOT_MEASURED = {

@@ -2,7 +2,7 @@
 
 Every figure this module prints is MODELLED, labelled ``[modelled, boundary: ...]``; the
 measured inputs it starts from are printed beside it, labelled ``[measured]``. A
-modelled figure is a :class:`Modelled`, never a :class:`sparsecomm.ledger.Figure`, so
+modelled figure is a :class:`Modelled`, never a :class:`sparsecomm.lab.ledger.Figure`, so
 the two cannot be added by accident.
 
 The model (p workers, link rate B bytes/s per rank each way, alpha seconds per message):
@@ -38,7 +38,7 @@ The model (p workers, link rate B bytes/s per rank each way, alpha seconds per m
 Inputs measured per arm (medians over the arm's finished seeds): compute seconds
 (step - hook - comm wait: forward, backward, optimizer), compress seconds (host time
 inside the hook), bytes sent and dense bytes per step, steps-to-target (first evaluation
-reaching the target of :mod:`sparsecomm.target`), the run's world size. The run's own
+reaching the target of :mod:`sparsecomm.lab.target`), the run's world size. The run's own
 comm wait is never used: it is the communication of the link the run was measured on
 (on ``loopback`` its rate is unknown), and for the top-k hook it also holds the unpack,
 which is modelled separately. Assumptions: per-worker compute and compress do not change
@@ -60,10 +60,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sparsecomm.ledger import arm_ledger, format_value
+from sparsecomm.lab.ledger import arm_ledger, format_value
 from sparsecomm.links.spec import RATE_RANGE_BITS, Link, parse_link
-from sparsecomm.results import RunSummary, arms_configured_first, experiment_link, load_experiment, load_runs
-from sparsecomm.target import DENSE_ARM, Target, resolve_target
+from sparsecomm.lab.results import RunSummary, arms_configured_first, experiment_link, load_experiment, load_runs
+from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
 
 # One TCP message over ethernet through the kernel and gloo: ~25 us is a typical one-way
 # cost when the link names no latency of its own. An assumption, printed as such.
@@ -83,57 +83,16 @@ _BISECT_RTOL = 1e-13
 # The formulas
 
 
-def ring_allreduce_seconds(nbytes: float, p: int, *, rate_bytes_per_s: float, alpha_s: float,
-                           collectives: float = 1) -> float:
-    """Ring allreduce of ``nbytes`` over ``p`` workers, split into ``collectives`` messages' worth of latency."""
-    return 2 * (p - 1) * alpha_s * collectives + 2 * (p - 1) / p * nbytes / rate_bytes_per_s
-
-
-def ring_allgather_seconds(nbytes_per_rank: float, p: int, *, rate_bytes_per_s: float, alpha_s: float,
-                           collectives: float = 1) -> float:
-    """Ring allgather of ``nbytes_per_rank`` from each of ``p`` workers."""
-    return (p - 1) * alpha_s * collectives + (p - 1) * nbytes_per_rank / rate_bytes_per_s
-
-
-def owner_exchange_seconds(nbytes_per_rank: float, p: int, *, rate_bytes_per_s: float, alpha_s: float,
-                           collectives: float = 1) -> float:
-    """The owner exchange (``exchange="owner"``) of a payload of ``nbytes_per_rank``: an
-    all-to-all sending each of the p-1 other owners its 1/p (pairwise: p-1 messages), then
-    a ring all-gather of the owners' replies, 1/p of a payload each. Per rank about
-    2 (p-1)/p payloads cross the link whatever p is: the cost of a ring allreduce of the
-    payload."""
-    share = nbytes_per_rank / p
-    scatter = (p - 1) * alpha_s * collectives + (p - 1) * share / rate_bytes_per_s
-    return scatter + ring_allgather_seconds(share, p, rate_bytes_per_s=rate_bytes_per_s, alpha_s=alpha_s,
-                                            collectives=collectives)
-
-
-def broadcast_seconds(nbytes: float, p: int, *, rate_bytes_per_s: float, alpha_s: float) -> float:
-    """Broadcast of ``nbytes`` from one rank along a binomial tree: ceil(log2 p) rounds."""
-    return math.ceil(math.log2(p)) * (alpha_s + nbytes / rate_bytes_per_s) if p > 1 else 0.0
-
-
-def exchange_bytes_received(exchange: str, payload_bytes: float, dense_bytes: float, p: int) -> float:
-    """Bytes one rank takes in per bucket: ``dense`` (ring allreduce of the buffer),
-    ``allgather`` (every other rank's payload), ``owner`` (the p-1 messages for its range,
-    then the p-1 other replies, each 1/p of a payload)."""
-    if exchange == "dense":
-        return 2 * (p - 1) / p * dense_bytes
-    if exchange == "allgather":
-        return (p - 1) * payload_bytes
-    if exchange == "owner":
-        return 2 * (p - 1) * payload_bytes / p
-    raise ValueError(f"exchange must be 'dense', 'allgather' or 'owner', got {exchange!r}")
-
-
-def falls_back_to_dense(sparse_bytes_per_rank: float, dense_bytes: float, p: int) -> bool:
-    """The hook's rule: allreduce densely when p payloads together are not smaller than the buffer."""
-    return p * sparse_bytes_per_rank >= dense_bytes
-
-
-def unpack_seconds(k_per_rank: float, p: int, adds_per_s: float) -> float:
-    """Scatter-adding ``p`` gathered payloads of ``k_per_rank`` entries each."""
-    return p * k_per_rank / adds_per_s
+# Defined with the hook (the exchange choice uses them); re-exported here for the model's users.
+from sparsecomm.comm.link_model import (  # noqa: E402,F401
+    ring_allreduce_seconds,
+    ring_allgather_seconds,
+    owner_exchange_seconds,
+    broadcast_seconds,
+    exchange_bytes_received,
+    falls_back_to_dense,
+    unpack_seconds,
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """SIGINT and SIGTERM during an experiment: turned into one exception, at a safe moment.
 
-:func:`sparsecomm.experiment.runner.run_experiment` installs the handlers; a signal raises
+:func:`sparsecomm.lab.experiment.runner.run_experiment` installs the handlers; a signal raises
 :class:`Interrupt` in the main thread, except inside a :meth:`InterruptSignals.deferred`
 section (killing and recording a run), where it is held until the section ends. A second
 signal while the first is handled is ignored: cleanup is bounded (the kill's deadline), and

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from sparsecomm.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.hooks import TopKState, topk_hook
 
 

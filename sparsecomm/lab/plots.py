@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from sparsecomm.results import (
+from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,
     describe_counts,
@@ -44,7 +44,7 @@ from sparsecomm.results import (
     status_counts,
     warnings_to_stderr,
 )
-from sparsecomm.target import DENSE_ARM, Target, resolve_target
+from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
 
 OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
 PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
@@ -407,7 +407,7 @@ def _plot(args) -> list[Path]:
     out_dir = args.out if args.out is not None else Path("plots") / experiment["config"]["name"]
     ledger_items = None
     try:
-        from sparsecomm.ledger import ledger_items_for_plot
+        from sparsecomm.lab.ledger import ledger_items_for_plot
     except ImportError as e:
         print(f"sparsecomm plot: ledger plot skipped: the ledger is not available ({e})", file=sys.stderr)
     else:

@@ -2,8 +2,8 @@
 
 Each is a function returning an :class:`ExperimentConfig`; read them before adding knobs.
 """
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.policy import Policy
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.policy import Policy
 
 
 def pydoc_gpt() -> ExperimentConfig:

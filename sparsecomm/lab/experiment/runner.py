@@ -10,7 +10,7 @@ dropped. Re-running the same experiment skips runs whose ``summary.json`` exists
 status "ok" and the run's config hash.
 
 Killing a run: every process of a launch is marked and killed by its mark
-(:mod:`sparsecomm.experiment.process_tree`).
+(:mod:`sparsecomm.lab.experiment.process_tree`).
 
 Results. A rank writes ``result.json``; the runner promotes it to ``summary.json`` only
 when every process of the launch exited with 0 and the result carries this launch's id.
@@ -23,7 +23,7 @@ with a report of what was stopped and what was kept. A run with checkpoints resu
 its latest one when re-run; its ``steps.jsonl`` is kept up to that step.
 
 Concurrency: a run directory is locked while a process trains it, and an experiment
-directory while a process runs it with one config (:mod:`sparsecomm.experiment.run_locks`).
+directory while a process runs it with one config (:mod:`sparsecomm.lab.experiment.run_locks`).
 """
 import json
 import os
@@ -37,10 +37,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
-from sparsecomm.experiment.config import ExperimentConfig
-from sparsecomm.experiment.files import write_json_atomically
-from sparsecomm.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
-from sparsecomm.experiment.process_tree import (
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.files import write_json_atomically
+from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
+from sparsecomm.lab.experiment.process_tree import (
     KILL_TIMEOUT_S,
     LAUNCH_ENV,
     RUN_DIR_ENV,
@@ -48,10 +48,10 @@ from sparsecomm.experiment.process_tree import (
     kill_marked,
     marked_processes,
 )
-from sparsecomm.experiment.rank_errors import first_rank_error
-from sparsecomm.experiment.run_locks import RunLock, hold_experiment  # noqa: F401  (run_command uses runner.*)
-from sparsecomm.experiment.steps_log import STEPS_FILE, read_steps, rows_up_to
-from sparsecomm.experiment.worker import RESULT_FILE, result_line
+from sparsecomm.lab.experiment.rank_errors import first_rank_error
+from sparsecomm.lab.experiment.run_locks import RunLock, hold_experiment  # noqa: F401  (run_command uses runner.*)
+from sparsecomm.lab.experiment.steps_log import STEPS_FILE, read_steps, rows_up_to
+from sparsecomm.lab.experiment.worker import RESULT_FILE, result_line
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
@@ -125,7 +125,7 @@ which another command may rewrite while this one trains)."""
 def _worker_arguments(experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
     """The worker's arguments; it reads its config from the run directory's RUN_CONFIG."""
     return [
-        "-m", "sparsecomm.experiment.worker",
+        "-m", "sparsecomm.lab.experiment.worker",
         "--experiment-json", str(out_dir / RUN_CONFIG),
         "--arm", arm, "--seed", str(seed), "--out", str(out_dir),
         "--launch-time", repr(time.time()),

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsecomm.tasks.base import Task
+from sparsecomm.lab.tasks.base import Task
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10

@@ -11,7 +11,7 @@ Verdicts per arm: ``equivalent`` (CI inside the bounds), ``worse`` (CI entirely 
 (fewer than 3 paired seeds, zero variance of the differences, or the CI crosses a bound).
 A run that did not finish (any status other than "ok": failed, interrupted, or a summary
 excluded as invalid because it is not the run its directory names, see
-:mod:`sparsecomm.results`) is never dropped silently: it is counted per arm with its
+:mod:`sparsecomm.lab.results`) is never dropped silently: it is counted per arm with its
 status and listed with its error; its seed has no pair. With no finished dense run
 there is nothing to compare against: ``check`` says so, lists the failures, and exits 2.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from sparsecomm.policy import format_policy
-from sparsecomm.results import (
+from sparsecomm.lab.policy import format_policy
+from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,
     arms_configured_first,
@@ -43,7 +43,7 @@ from sparsecomm.results import (
     status_counts,
     warnings_to_stderr,
 )
-from sparsecomm.target import DENSE_ARM, Target, resolve_target
+from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
 
 MIN_SEEDS = 3
 
