@@ -116,8 +116,11 @@ class RunSummary:
     def final_val_loss(self) -> float | None:
         return self.evals[-1].val_loss if self.evals else None
 
-    def first_reaching(self, target: float) -> Eval | None:
-        """The first evaluation at or below ``target`` (resolution: the eval cadence)."""
+    def first_reaching(self, target: float, mode: str = "min") -> Eval | None:
+        """The first evaluation at or below ``target`` (at or above it for ``mode="max"``;
+        resolution: the eval cadence)."""
+        if mode == "max":
+            return next((e for e in self.evals if e.val_loss >= target), None)
         return next((e for e in self.evals if e.val_loss <= target), None)
 
     @property
@@ -171,7 +174,7 @@ def _is_finite(value) -> bool:
 
 _CONFIG_FIELDS = {  # what the readers use: key -> (check, accepted)
     "name": (is_safe_name, f"a name of {NAME_ACCEPTED}"),
-    "task": (lambda v: isinstance(v, str), "a string"),
+    "task": (lambda v: v is None or isinstance(v, str), "a string (null for a script)"),
     "arms": (lambda v: isinstance(v, list) and all(is_safe_name(a) for a in v), "a list of arm names"),
     "seeds": (lambda v: isinstance(v, list) and all(_is_int(s) and s >= 0 for s in v), "a list of integers >= 0"),
     "steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
@@ -182,6 +185,8 @@ _OPTIONAL_CONFIG_FIELDS = {
     "target_loss": (lambda v: v is None or (_is_finite(v) and v > 0), "null or a finite number > 0"),
     "link": (lambda v: isinstance(v, str), "a string"),
     "fault_rate_per_hour": (lambda v: _is_finite(v) and v >= 0, "a finite number >= 0"),
+    "metric": (lambda v: isinstance(v, str) and v.isidentifier(), "a metric name"),
+    "mode": (lambda v: v in ("min", "max"), '"min" or "max"'),
     "checkpoint_every": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "max_restarts": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "fault": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("kind"), str) and _is_int(v.get("rank"))

@@ -2,6 +2,8 @@
 
 Every arm registers a comm hook, dense included (torch's ``allreduce_hook`` is the
 Python twin of DDP's built-in allreduce), so one meter times all of them the same way.
+The presets (an arm defined as data resolves to its reducer the same way:
+:mod:`sparsecomm.lab.experiment.arm_spec`):
 
 | arm        | hook                                                         |
 |------------|--------------------------------------------------------------|
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from sparsecomm.lab.experiment.arm_spec import ArmSpec, topk_state_kwargs
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.hooks import TopKState, topk_hook
 
@@ -66,54 +69,51 @@ def wire_label(config: ExperimentConfig, prefix: str = "") -> str:
 
 
 def make_arm_hook(arm: str, config: ExperimentConfig, ddp_model, seed: int) -> ArmHook:
-    """The hook for ``arm``, configured from ``config``; not yet registered."""
-    if arm == "dense":
-        return ArmHook("torch allreduce_hook", None, default_hooks.allreduce_hook, _buffer_bytes)
-    if arm == "dense-bf16":
-        if dist.get_backend() == "nccl":
-            return ArmHook("torch bf16_compress_hook", None, default_hooks.bf16_compress_hook, _half_bytes)
-        return ArmHook("torch fp16_compress_hook (bf16 needs NCCL)", None, default_hooks.fp16_compress_hook, _half_bytes)
-    if arm == "powersgd":
+    """The hook of the arm called ``arm`` (a preset or a defined arm of ``config``); not yet registered."""
+    return hook_for_spec(config.arm(arm), ddp_model, seed, wire=wire_label(config, " "), process_group=None)
+
+
+def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", process_group=None) -> ArmHook:
+    """The hook of a resolved arm, on ``process_group`` (None: the default group)."""
+    if spec.reducer == "allreduce":
+        return ArmHook("torch allreduce_hook", process_group, default_hooks.allreduce_hook, _buffer_bytes)
+    if spec.reducer in ("fp16", "bf16"):
+        if spec.reducer == "bf16" and dist.get_backend(process_group) == "nccl":
+            return ArmHook("torch bf16_compress_hook", process_group, default_hooks.bf16_compress_hook, _half_bytes)
+        why = " (bf16 needs NCCL)" if spec.reducer == "bf16" else ""
+        return ArmHook(f"torch fp16_compress_hook{why}", process_group, default_hooks.fp16_compress_hook, _half_bytes)
+    if spec.reducer == "powersgd":
+        options = spec.options
         state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=config.powersgd_rank,
-            start_powerSGD_iter=config.warmup_steps,
-            use_error_feedback=True,
-            warm_start=True,
+            process_group=process_group,
+            matrix_approximation_rank=options["rank"],
+            start_powerSGD_iter=options["start_iter"],
+            use_error_feedback=options["use_error_feedback"],
+            warm_start=options["warm_start"],
             random_seed=seed,
         )
         return ArmHook(
-            f"torch powerSGD_hook rank {config.powersgd_rank}",
+            f"torch powerSGD_hook rank {options['rank']}",
             state,
             powerSGD_hook.powerSGD_hook,
             _powersgd_bytes,
             snapshot=lambda s: s.total_numel_after_compression,
         )
-    if arm in ("topk-ef", "topk-noef", "topk-dgc"):
-        state = TopKState(
-            density=config.density,
-            error_feedback=arm != "topk-noef",
-            momentum=config.dgc_momentum if arm == "topk-dgc" else 0.0,
-            warmup_steps=config.warmup_steps,
-            seed=seed,
-            module=ddp_model,
-            selector=config.selector,
-            chunk_size=config.chunk_size,
-            index_codec=config.index_codec,
-            value_codec=config.value_codec,
-            exchange=config.exchange,
-        )
+    state = TopKState(process_group, seed=seed, module=ddp_model, **topk_state_kwargs(spec.options))
+    if spec.preset:
         detail = {"topk-ef": "", "topk-noef": " without error feedback",
-                  "topk-dgc": f" with momentum correction {config.dgc_momentum:g}"}[arm]
-        return ArmHook(
-            f"sparsecomm topk_hook density {config.density:g}" + wire_label(config, " ") + detail,
-            state,
-            topk_hook,
-            _topk_bytes,
-            snapshot=lambda s: s.stats()["bytes_sent"],
-            stats=lambda s: s.stats(),
-        )
-    raise ValueError(f"unknown arm {arm!r}")
+                  "topk-dgc": f" with momentum correction {spec.momentum_correction:g}"}[spec.name]
+        description = f"sparsecomm topk_hook density {state.density:g}{wire}{detail}"
+    else:
+        description = f"sparsecomm topk_hook {spec.describe().split(';')[0].removeprefix('topk ')}"
+    return ArmHook(
+        description,
+        state,
+        topk_hook,
+        _topk_bytes,
+        snapshot=lambda s: s.stats()["bytes_sent"],
+        stats=lambda s: s.stats(),
+    )
 
 
 class HookMeter:

@@ -9,14 +9,17 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
-from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
+from sparsecomm.lab.experiment import arm_spec
+from sparsecomm.lab.experiment.arm_spec import PRESETS as ARM_NAMES
 from sparsecomm.lab.policy import Policy
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
+from sparsecomm.lab.tasks import TASK_ACCEPTED, TASK_NAMES, is_user_task, load_user_task
+from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
 
-ARM_NAMES = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
-TASK_NAMES = ("pydoc-gpt", "digits-mlp")
 OPTIMIZERS = ("adamw", "sgd")
+MODES = ("min", "max")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
 CORRUPTION_ACTIONS = ("stop", "rollback")
 MAX_SEED = 2**32 - 1
@@ -36,6 +39,8 @@ def task_train_samples(task: str) -> int:
     (:mod:`sparsecomm.lab.tasks.digits`); pydoc-gpt: one window per byte of the first 90% of
     Python's pydoc topics, less the 64-byte context (:mod:`sparsecomm.lab.tasks.pydoc_gpt`).
     """
+    if is_user_task(task):
+        return load_user_task(task).num_train_samples
     if task == "digits-mlp":
         return 1797 - 360
     if task == "pydoc-gpt":
@@ -47,7 +52,7 @@ def task_train_samples(task: str) -> int:
 
         size = len("\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8"))
         return int(size * (1 - 0.1)) - 64
-    raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
+    raise ValueError(f"task must be {TASK_ACCEPTED}, got {task!r}")
 
 
 WIRE_DEFAULTS = {"selector": "exact", "chunk_size": 4096, "index_codec": "int32", "value_codec": None,
@@ -70,10 +75,27 @@ def _check_wire(config) -> None:
 class ExperimentConfig:
     name: str
     """Names the run directory (``RUN_ROOT/<name>``) and the plots folder."""
-    task: str
-    """One of TASK_NAMES: the model and data."""
+    task: str | None = None
+    """The model and data: one of TASK_NAMES, or ``MODULE:FACTORY`` / ``path/to/file.py:FACTORY``,
+    a callable returning a :class:`sparsecomm.lab.tasks.Task` (docs/bring_your_own.md).
+    Exactly one of task and script."""
+    script: str | None = None
+    """Your own training script instead of a task: launched once per arm x seed under
+    torchrun, it joins the run with ``sparsecomm.lab.init()`` (docs/bring_your_own.md). Its
+    path and contents are part of the run hash."""
+    script_args: tuple[str, ...] = ()
+    """Arguments passed to the script (the same in every run)."""
+    metric: str = "val_loss"
+    """The quality the verdicts compare: the built-in tasks' validation loss, or what your
+    script logs under this name (``run.log({NAME: value})``)."""
+    mode: str = "min"
+    """Whether a lower ("min", a loss) or higher ("max", an accuracy) metric is better."""
     arms: tuple[str, ...] = ARM_NAMES
-    """Ways of reducing gradients to compare; "dense" is the baseline every arm is paired with."""
+    """Ways of reducing gradients to compare, by name: presets (ARM_NAMES) or arms defined in
+    ``arm_definitions``; "dense" is the baseline every arm is paired with."""
+    arm_definitions: dict = field(default_factory=dict)
+    """Arms as data: name -> {"reducer": ..., "options": {...}, "optimizer": {...}}
+    (:mod:`sparsecomm.lab.experiment.arm_spec`)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """One paired run per arm and seed: same initial weights and data order in every arm."""
     world_size: int = 2
@@ -142,9 +164,27 @@ class ExperimentConfig:
 
     def __post_init__(self):
         _check(is_safe_name(self.name), "name", f"a non-empty string without '/': {NAME_ACCEPTED}", self.name)
-        _check(self.task in TASK_NAMES, "task", f"one of {TASK_NAMES}", self.task)
-        _check(isinstance(self.arms, tuple) and len(self.arms) >= 1 and all(a in ARM_NAMES for a in self.arms)
-               and len(set(self.arms)) == len(self.arms), "arms", f"distinct names from {ARM_NAMES}", self.arms)
+        _check((self.task is None) != (self.script is None), "task",
+               "given exactly when script is not (a task or a script, not both)", self.task)
+        if self.script is None:
+            _check(isinstance(self.task, str) and (self.task in TASK_NAMES or is_user_task(self.task)), "task",
+                   TASK_ACCEPTED, self.task)
+        else:
+            _check(isinstance(self.script, str) and self.script.endswith(".py") and Path(self.script).is_file(),
+                   "script", "the path of an existing Python file (*.py)", self.script)
+        _check(isinstance(self.script_args, tuple) and all(isinstance(a, str) for a in self.script_args),
+               "script_args", "a list of strings", self.script_args)
+        _check(isinstance(self.metric, str) and self.metric.isidentifier(), "metric",
+               "a name (letters, digits, underscores), e.g. val_loss or val_accuracy", self.metric)
+        _check(self.mode in MODES, "mode", f"one of {MODES} (lower or higher is better)", self.mode)
+        _check(isinstance(self.arm_definitions, dict), "arm_definitions", "a JSON object of name -> definition",
+               self.arm_definitions)
+        object.__setattr__(self, "arm_definitions", {name: arm_spec.check_definition(name, definition)
+                                                     for name, definition in self.arm_definitions.items()})
+        known = (*ARM_NAMES, *self.arm_definitions)
+        _check(isinstance(self.arms, tuple) and len(self.arms) >= 1 and all(a in known for a in self.arms)
+               and len(set(self.arms)) == len(self.arms), "arms",
+               f"distinct names of presets {ARM_NAMES} or of arm_definitions {tuple(self.arm_definitions)}", self.arms)
         _check("dense" in self.arms, "arms", "a list that includes 'dense' (the paired baseline)", self.arms)
         _check(isinstance(self.seeds, tuple) and len(self.seeds) >= 1 and all(_is_int(s) and 0 <= s <= MAX_SEED
                                                                                for s in self.seeds)
@@ -163,11 +203,12 @@ class ExperimentConfig:
                    "0 with an emulated link (restarts need torchrun's agent, which cannot span the link's namespaces)",
                    self.max_restarts)
         _check(_is_int(self.steps) and self.steps >= 1, "steps", "an integer >= 1", self.steps)
-        largest = max(1, task_train_samples(self.task) // self.world_size)
-        _check(_is_int(self.batch_size) and 1 <= self.batch_size <= largest, "batch_size",
-               f"an integer >= 1 and <= {largest} (samples per rank per step: the {self.task} task's "
-               f"{task_train_samples(self.task)} training samples / world_size {self.world_size}; a larger global "
-               "batch would repeat samples within a step)", self.batch_size)
+        if self.task is not None:  # a script reads its own data
+            largest = max(1, task_train_samples(self.task) // self.world_size)
+            _check(_is_int(self.batch_size) and 1 <= self.batch_size <= largest, "batch_size",
+                   f"an integer >= 1 and <= {largest} (samples per rank per step: the {self.task} task's "
+                   f"{task_train_samples(self.task)} training samples / world_size {self.world_size}; a larger "
+                   "global batch would repeat samples within a step)", self.batch_size)
         _check(_is_int(self.eval_every) and 1 <= self.eval_every, "eval_every", "an integer >= 1", self.eval_every)
         _check(self.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}", self.optimizer)
         _check(_is_real(self.lr) and self.lr > 0, "lr", "a finite number > 0", self.lr)
@@ -177,6 +218,8 @@ class ExperimentConfig:
         _check(_is_real(self.dgc_momentum) and 0 < self.dgc_momentum < 1, "dgc_momentum", "in (0, 1)",
                self.dgc_momentum)
         _check_wire(self)
+        for name in self.arms:
+            self.arm(name)  # every arm resolves: its options are checked before anything runs
         _check(_is_int(self.warmup_steps) and self.warmup_steps >= 2, "warmup_steps", "an integer >= 2", self.warmup_steps)
         _check(_is_int(self.powersgd_rank) and self.powersgd_rank >= 1, "powersgd_rank", "an integer >= 1", self.powersgd_rank)
         _check(_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "bucket_cap_mb", "a finite number > 0", self.bucket_cap_mb)
@@ -215,9 +258,15 @@ class ExperimentConfig:
                        "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
         _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.lab.policy.Policy", self.policy)
 
+    def arm(self, name: str) -> "arm_spec.ArmSpec":
+        """The arm ``name`` resolved against this experiment: every option explicit."""
+        return arm_spec.resolve(name, self)
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["arms"], d["seeds"] = list(self.arms), list(self.seeds)
+        d["arms"], d["seeds"], d["script_args"] = list(self.arms), list(self.seeds), list(self.script_args)
+        if not self.arm_definitions:
+            d.pop("arm_definitions")  # configs without defined arms keep their earlier form
         return d
 
     @classmethod
@@ -230,14 +279,18 @@ class ExperimentConfig:
         unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise ValueError(f"unknown experiment config keys {unknown}; accepted keys: {sorted(known)}")
-        missing = sorted(f.name for f in fields(cls) if f.name in ("name", "task") and f.name not in raw)
-        if missing:
-            raise ValueError(f"experiment config: {missing[0]} is required (accepted keys: {sorted(known)})")
+        if "name" not in raw:
+            raise ValueError(f"experiment config: name is required (accepted keys: {sorted(known)})")
+        if "task" not in raw and "script" not in raw:
+            raise ValueError(f"experiment config: task or script is required (accepted keys: {sorted(known)})")
         values = dict(raw)
-        for key in ("arms", "seeds"):
+        for key in ("arms", "seeds", "script_args"):
             if key in values:
                 _check(isinstance(values[key], list), key, "a JSON list", values[key])
                 values[key] = tuple(values[key])
+        if "arms" in values:
+            values["arms"], values["arm_definitions"] = _inline_definitions(values["arms"],
+                                                                            values.get("arm_definitions", {}))
         if "policy" in values:
             policy = values["policy"]
             _check(isinstance(policy, dict), "policy", "a JSON object of Policy fields", policy)
@@ -270,8 +323,41 @@ class ExperimentConfig:
                 d.pop(key)
         if self.policy.staleness_limit != DEFAULT_STALENESS_LIMIT:
             d["staleness_limit"] = self.policy.staleness_limit  # default: runs keep their earlier hash
+        d.pop("arm_definitions", None)
+        for key in ("metric", "mode"):  # they only change the report
+            d.pop(key)
+        for key in ("script", "script_args"):
+            if not d[key]:
+                d.pop(key)  # built-in and user tasks keep their earlier hash
+        if self.script is not None:
+            d["script_sha256"] = hashlib.sha256(Path(self.script).read_bytes()).hexdigest()
+        spec = self.arm(arm)
+        if not spec.preset:
+            # A defined arm carries its resolved options: the experiment's wire and optimizer
+            # fields reach it only through them.
+            for key in (*WIRE_DEFAULTS, "density", "dgc_momentum", "powersgd_rank", "optimizer", "lr", "momentum",
+                        "weight_decay"):
+                d.pop(key, None)
+            d["arm_spec"] = {"reducer": spec.reducer, "options": spec.options, "optimizer": spec.optimizer}
         d.update(arm=arm, seed=seed)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _inline_definitions(arms: tuple, definitions) -> tuple[tuple, dict]:
+    """Arms written inline in a config file ({"name": ..., "reducer": ..., ...}) become names
+    plus arm_definitions entries."""
+    _check(isinstance(definitions, dict), "arm_definitions", "a JSON object of name -> definition", definitions)
+    names, definitions = [], dict(definitions)
+    for entry in arms:
+        if isinstance(entry, dict):
+            _check("name" in entry, "arms", "names, or objects with a name and a reducer", entry)
+            name = entry["name"]
+            _check(isinstance(name, str) and name not in definitions, "arms",
+                   "objects with distinct string names not also in arm_definitions", entry)
+            definitions[name] = {k: v for k, v in entry.items() if k != "name"}
+            entry = name
+        names.append(entry)
+    return tuple(names), definitions
 
 
 def _is_int(value) -> bool:

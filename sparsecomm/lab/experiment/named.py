@@ -2,6 +2,8 @@
 
 Each is a function returning an :class:`ExperimentConfig`; read them before adding knobs.
 """
+from pathlib import Path
+
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.policy import Policy
 
@@ -48,6 +50,26 @@ def digits_quick() -> ExperimentConfig:
         density=0.01,
         bucket_cap_mb=0.1,
         policy=Policy(quality_tolerance=0.05, staleness_limit=1000, redundancy_budget=0.05),
+    )
+
+
+def bring_your_own(source: str, *, script: bool) -> ExperimentConfig:
+    """The base of ``compare --task`` / ``--script`` without ``--experiment`` or ``--config``:
+    dense vs topk-dgc, 3 seeds x 2 ranks, 200 steps, no checkpoints and no injected fault
+    (your job, not ours to break). A script builds its own optimizer; a task trains with
+    AdamW at lr 3e-3 (use --config to change it)."""
+    name = Path(source.split(":")[0]).stem if source.split(":")[0].endswith(".py") else source.split(":")[0]
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in name.rsplit(".", 1)[-1]) or "user"
+    return ExperimentConfig(
+        name=f"{name}-compare",
+        task=None if script else source,
+        script=source if script else None,
+        arms=("dense", "topk-dgc"),
+        steps=200,
+        eval_every=25,
+        optimizer="adamw",
+        lr=3e-3,
+        density=0.01,
     )
 
 

@@ -52,6 +52,7 @@ from sparsecomm.lab.experiment.rank_errors import first_rank_error
 from sparsecomm.lab.experiment.run_locks import RunLock, hold_experiment  # noqa: F401  (run_command uses runner.*)
 from sparsecomm.lab.experiment.steps_log import STEPS_FILE, read_steps, rows_up_to
 from sparsecomm.lab.experiment.worker import RESULT_FILE, result_line
+from sparsecomm.lab.script_run import LAUNCH_TIME_ENV, RUN_CONFIG_ENV
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import INTERFACE, STORE_PORT, EmulatedNetwork, maybe_emulated
 
@@ -122,8 +123,11 @@ RUN_CONFIG = "run-config.json"
 which another command may rewrite while this one trains)."""
 
 
-def _worker_arguments(experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
-    """The worker's arguments; it reads its config from the run directory's RUN_CONFIG."""
+def _worker_arguments(config: ExperimentConfig, arm: str, seed: int, out_dir: Path) -> list[str]:
+    """What each rank runs: the user's script (it finds RUN_CONFIG through
+    ``sparsecomm.lab.init()``), or the built-in worker, which reads RUN_CONFIG itself."""
+    if config.script is not None:
+        return [str(Path(config.script).resolve()), *config.script_args]
     return [
         "-m", "sparsecomm.lab.experiment.worker",
         "--experiment-json", str(out_dir / RUN_CONFIG),
@@ -136,7 +140,7 @@ def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, 
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", f"--max-restarts={config.max_restarts}",
-        *_worker_arguments(experiment_dir, arm, seed, out_dir),
+        *_worker_arguments(config, arm, seed, out_dir),
     ]
 
 
@@ -157,7 +161,7 @@ def _launch_commands(config: ExperimentConfig, network: EmulatedNetwork | None, 
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(config.world_size), "LOCAL_RANK": "0",
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": network.address(0), "MASTER_PORT": str(STORE_PORT),
                "GLOO_SOCKET_IFNAME": INTERFACE}
-        argv = network.command(rank, [sys.executable, *_worker_arguments(experiment_dir, arm, seed, out_dir)])
+        argv = network.command(rank, [sys.executable, *_worker_arguments(config, arm, seed, out_dir)])
         commands.append((argv, env))
     return commands
 
@@ -351,7 +355,9 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
     write_json_atomically(out_dir / RUN_CONFIG, {"config": config.to_dict(), "arm": arm, "seed": seed,
                                                  "config_hash": config.run_hash(arm, seed)})
     launch_id = f"{os.getpid()}-{secrets.token_hex(8)}"
-    marks = {LAUNCH_ENV: launch_id, RUN_DIR_ENV: str(out_dir.resolve())}
+    marks = {LAUNCH_ENV: launch_id, RUN_DIR_ENV: str(out_dir.resolve()),
+             # For a script's sparsecomm.lab.init(): which run it is, and when setup began.
+             RUN_CONFIG_ENV: str((out_dir / RUN_CONFIG).resolve()), LAUNCH_TIME_ENV: repr(time.time())}
     steps_path = out_dir / STEPS_FILE
     launched = time.time()
     processes: list[subprocess.Popen] = []

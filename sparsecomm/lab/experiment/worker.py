@@ -56,12 +56,19 @@ def global_batch(config: ExperimentConfig, num_samples: int, seed: int, step: in
 
 
 def make_optimizer(config: ExperimentConfig, params, arm: str = "dense") -> torch.optim.Optimizer:
-    """The experiment's optimizer; for topk-dgc without momentum of its own (the hook has it)."""
-    if arm == "topk-dgc":
-        return dgc_optimizer(params, config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    """The optimizer of ``arm``: the experiment's, with the arm's changes; without momentum of
+    its own when the arm's hook corrects momentum (topk-dgc)."""
+    return optimizer_for_spec(config.arm(arm), params)
+
+
+def optimizer_for_spec(spec, params) -> torch.optim.Optimizer:
+    settings = spec.optimizer
+    if spec.momentum_correction:
+        return dgc_optimizer(params, settings["optimizer"], lr=settings["lr"], weight_decay=settings["weight_decay"])
+    if settings["optimizer"] == "adamw":
+        return torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
+    return torch.optim.SGD(params, lr=settings["lr"], momentum=settings["momentum"],
+                           weight_decay=settings["weight_decay"])
 
 
 def _probe(task, config: ExperimentConfig):
@@ -288,24 +295,15 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     finally:
         if writer is not None:
             writer.close()
-    steady = rows[config.warmup_steps :] or rows  # warm-up steps are dense in every arm
-
-    def median(key):
-        return statistics.median(r[key] for r in steady)
-
     summary = {
         "arm": arm,
         "seed": seed,
         "status": "ok",
         "config_hash": config.run_hash(arm, seed),
         "hook": arm_hook.description,
+        "arm_spec": config.arm(arm).to_dict(),
         "setup_seconds": counters["setup_seconds"],
-        "median_step_seconds": median("step_seconds"),
-        "median_compute_seconds": median("compute_seconds"),
-        "median_compress_seconds": median("compress_seconds"),
-        "median_comm_wait_seconds": median("comm_wait_seconds"),
-        "bytes_sent_per_step": statistics.fmean(r["bytes_sent"] for r in steady),
-        "bytes_dense_per_step": statistics.fmean(r["bytes_dense"] for r in steady),
+        **steady_figures(rows, config.warmup_steps),
         "total_seconds": rows[-1]["elapsed_seconds"],
         "checkpoint_seconds": counters["checkpoint_seconds"] if checkpoints is not None else None,
         "num_checkpoints": counters["num_checkpoints"],
@@ -331,6 +329,24 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     if rank == 0 and out_dir is not None:
         write_json_atomically(out_dir / summary_name, summary)
     return summary
+
+
+def steady_figures(rows: list[dict], warmup_steps: int) -> dict:
+    """The summary's per-step figures: medians of the times and means of the bytes over the
+    steps after warm-up (dense in every arm; all rows if the run is no longer than that)."""
+    steady = rows[warmup_steps:] or rows
+
+    def median(key):
+        return statistics.median(r[key] for r in steady)
+
+    return {
+        "median_step_seconds": median("step_seconds"),
+        "median_compute_seconds": median("compute_seconds"),
+        "median_compress_seconds": median("compress_seconds"),
+        "median_comm_wait_seconds": median("comm_wait_seconds"),
+        "bytes_sent_per_step": statistics.fmean(r["bytes_sent"] for r in steady),
+        "bytes_dense_per_step": statistics.fmean(r["bytes_dense"] for r in steady),
+    }
 
 
 def _write(writer, row: dict) -> None:

@@ -1,8 +1,67 @@
-"""Reference tasks (model + data) that need no download."""
-from sparsecomm.lab.tasks.base import Task
+"""Tasks (model + data) for the experiment runner: the built-in ones, and yours.
+
+A task of your own is a callable that returns a :class:`Task`, named
+``MODULE:FACTORY`` (an importable module; the current directory is on the path) or
+``path/to/file.py:FACTORY``: ``sparsecomm compare --task my_tasks:make_task``. The runner
+calls it once in each rank of each run (after seeding torch with the run's seed), and once
+in the command itself to read ``num_train_samples`` for the config's checks.
+"""
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+TASK_NAMES = ("pydoc-gpt", "digits-mlp")
+TASK_ACCEPTED = f"one of {TASK_NAMES}, or MODULE:FACTORY / path/to/file.py:FACTORY (a callable returning a Task)"
 
 
-def get_task(name: str) -> Task:
+def is_user_task(name) -> bool:
+    """``name`` has the form of a user task (``MODULE:FACTORY``); whether it loads is another matter."""
+    if not isinstance(name, str) or name.count(":") != 1:
+        return False
+    module, factory = name.split(":")
+    return bool(module) and factory.isidentifier()
+
+
+def _import(module: str):
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.is_file():
+            raise ValueError(f"task {module}: no such file (relative paths are relative to the current directory, "
+                             f"{Path.cwd()})")
+        spec = importlib.util.spec_from_file_location(f"sparsecomm_user_task_{path.stem}", path.resolve())
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # as `python -m` does: your module next to you imports
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"task {module}: cannot import it ({error}); name an importable module or a .py file") from None
+
+
+def load_user_task(name: str) -> "Task":
+    """Call the user's factory and check that it returned a Task; ValueError naming the task otherwise."""
+    module_name, factory_name = name.split(":")
+    module = _import(module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ValueError(f"task {name}: {module_name} has no callable {factory_name!r}")
+    from sparsecomm.lab.tasks.base import Task
+
+    task = factory()
+    if not isinstance(task, Task):
+        raise ValueError(f"task {name}: {factory_name}() returned {type(task).__name__}, not a "
+                         "sparsecomm.lab.tasks.Task (subclass it: num_train_samples, build_model, train_batch, loss, "
+                         "val_loss)")
+    count = task.num_train_samples
+    if not (isinstance(count, int) and not isinstance(count, bool) and count >= 1):
+        raise ValueError(f"task {name}: num_train_samples must be an integer >= 1, got {count!r}")
+    return task
+
+
+def get_task(name: str) -> "Task":
     """Build the task called ``name`` (loads its data)."""
     if name == "pydoc-gpt":
         from sparsecomm.lab.tasks.pydoc_gpt import PydocGPT
@@ -12,7 +71,18 @@ def get_task(name: str) -> Task:
         from sparsecomm.lab.tasks.digits import DigitsMLP
 
         return DigitsMLP()
-    raise ValueError(f"task must be 'pydoc-gpt' or 'digits-mlp', got {name!r}")
+    if is_user_task(name):
+        return load_user_task(name)
+    raise ValueError(f"task must be {TASK_ACCEPTED}, got {name!r}")
 
 
-__all__ = ["Task", "get_task"]
+def __getattr__(name):
+    # The Task protocol imports torch; the names above do not (config checks run without it).
+    if name == "Task":
+        from sparsecomm.lab.tasks.base import Task
+
+        return Task
+    raise AttributeError(f"module 'sparsecomm.lab.tasks' has no attribute {name!r}")
+
+
+__all__ = ["TASK_ACCEPTED", "TASK_NAMES", "Task", "get_task", "is_user_task", "load_user_task"]

@@ -1,0 +1,272 @@
+"""An arm as data: a name, the reducer, the reducer's options and the optimizer's changes.
+
+The six preset names (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
+``topk-dgc``) resolve from the experiment's fields (density, dgc_momentum, wire settings,
+powersgd_rank); any other arm is defined in ``ExperimentConfig.arm_definitions``, in a
+config file::
+
+    "arms": ["dense", "topk-dgc", "topk-0.3pc"],
+    "arm_definitions": {"topk-0.3pc": {"reducer": "topk",
+                                       "options": {"density": 0.003, "momentum": 0.9, "value_codec": "int4",
+                                                   "selector": "chunk", "index_codec": "rice"},
+                                       "optimizer": {"lr": 0.002}}}
+
+or on the command line, ``--arms dense topk-0.3pc=topk:density=0.003,momentum=0.9,opt.lr=0.002``.
+
+Reducers and their options:
+
+| reducer    | hook                                    | options                                           |
+|------------|-----------------------------------------|---------------------------------------------------|
+| allreduce  | torch ``allreduce_hook``                 | none                                              |
+| fp16, bf16 | torch ``fp16_/bf16_compress_hook``        | none (bf16 needs NCCL; on gloo it is fp16)        |
+| powersgd   | torch ``powerSGD_hook``                  | ``rank``, ``start_iter``, ``use_error_feedback``, ``warm_start`` |
+| topk       | sparsecomm ``topk_hook`` + ``TopKState``   | every ``TopKState`` keyword that a JSON value can hold (:data:`TOPK_OPTIONS`) |
+
+A topk arm with ``momentum`` > 0 (DGC momentum correction) runs an optimizer without
+momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``,
+``lr``, ``momentum``, ``weight_decay``) override the experiment's for that arm only.
+Options an arm leaves out take the experiment's values (``density``, ``warmup_steps``, the
+wire fields; ``seed`` is always the run's), and the resolved arm (every option explicit)
+is what is hashed, stored with each run and printed in the report.
+"""
+import json
+import math
+from dataclasses import dataclass, field
+
+from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
+
+PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
+REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk")
+TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "selector", "value_dtype", "allow_dense_fallback",
+                "verify_conservation", "k_scope", "density_schedule", "nesterov", "local_clip_norm", "transport",
+                "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link")
+"""TopKState keywords an arm may set. Not here: process_group and module (the run's),
+seed (the run's seed), grad_scaler and on_overflow (the task has no scaler)."""
+POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
+OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""``value_dtype`` / ``residual_dtype`` are written as these names (a JSON value cannot hold a torch.dtype)."""
+OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS}
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One resolved arm: every option explicit."""
+
+    name: str
+    reducer: str
+    options: dict = field(default_factory=dict)
+    optimizer: dict = field(default_factory=dict)
+    """The optimizer of this arm: kind, lr, momentum, weight_decay (all explicit)."""
+    preset: bool = False
+
+    @property
+    def momentum_correction(self) -> float:
+        """The hook's momentum (DGC momentum correction; then the optimizer has none of its own)."""
+        return float(self.options.get("momentum", 0.0)) if self.reducer == "topk" else 0.0
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "reducer": self.reducer, "options": dict(self.options),
+                "optimizer": dict(self.optimizer), "preset": self.preset}
+
+    def describe(self) -> str:
+        """One line: reducer, options and optimizer, e.g. "topk density=0.003 momentum=0.9; adamw lr=0.003"."""
+        options = " ".join(f"{key}={_show(value)}" for key, value in self.options.items())
+        opt = self.optimizer
+        optimizer = f"{opt['optimizer']} lr={opt['lr']:g}"
+        if opt["weight_decay"]:
+            optimizer += f" weight_decay={opt['weight_decay']:g}"
+        if self.momentum_correction:
+            optimizer += " (no momentum of its own: the hook corrects momentum)"
+        elif opt["optimizer"] == "sgd":
+            optimizer += f" momentum={opt['momentum']:g}"
+        return f"{self.reducer}{' ' + options if options else ''}; {optimizer}"
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else json.dumps(value) if not isinstance(value, str) else value
+
+
+def check_definition(name: str, definition) -> dict:
+    """A user's arm definition, validated in shape (names, keys, reducer); ValueError naming what is wrong.
+
+    The option values are checked when the arm resolves against the experiment
+    (:func:`resolve`), by the hook's own validation.
+    """
+    where = f"arm_definitions[{name!r}]"
+    if not is_safe_name(name):
+        raise ValueError(f"experiment config: arm name must be {NAME_ACCEPTED}, got {name!r}")
+    if name in PRESETS:
+        raise ValueError(f"experiment config: {where}: {name!r} is a preset arm ({', '.join(PRESETS)}); give the "
+                         "arm you define another name")
+    if not isinstance(definition, dict):
+        raise ValueError(f"experiment config: {where} must be a JSON object with keys reducer, options, optimizer; "
+                         f"got {definition!r}")
+    unknown = sorted(set(definition) - {"reducer", "options", "optimizer"}, key=str)
+    if unknown:
+        raise ValueError(f"experiment config: {where}: unknown keys {unknown}; accepted: reducer, options, optimizer")
+    reducer = definition.get("reducer")
+    if reducer not in REDUCERS:
+        raise ValueError(f"experiment config: {where}.reducer must be one of {REDUCERS}, got {reducer!r}")
+    options, optimizer = definition.get("options", {}), definition.get("optimizer", {})
+    for key, value, accepted in (("options", options, OPTIONS[reducer]), ("optimizer", optimizer, OPTIMIZER_OPTIONS)):
+        if not isinstance(value, dict):
+            raise ValueError(f"experiment config: {where}.{key} must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(accepted), key=str)
+        if unknown:
+            raise ValueError(f"experiment config: {where}.{key}: unknown keys {unknown} for reducer {reducer!r}; "
+                             f"accepted: {list(accepted) or 'none'}")
+    return {"reducer": reducer, "options": dict(options), "optimizer": dict(optimizer)}
+
+
+def _preset_definition(name: str, config) -> dict:
+    """The preset ``name`` written as a definition, from the experiment's fields."""
+    if name == "dense":
+        return {"reducer": "allreduce"}
+    if name == "dense-bf16":
+        return {"reducer": "bf16"}
+    if name == "powersgd":
+        return {"reducer": "powersgd", "options": {"rank": config.powersgd_rank}}
+    momentum = config.dgc_momentum if name == "topk-dgc" else 0.0
+    return {"reducer": "topk", "options": {"error_feedback": name != "topk-noef", "momentum": momentum}}
+
+
+def resolve(name: str, config) -> ArmSpec:
+    """The arm called ``name`` in ``config`` (a preset or one of its arm_definitions), every option explicit."""
+    if name in PRESETS:
+        definition, preset = _preset_definition(name, config), True
+    elif name in config.arm_definitions:
+        definition, preset = config.arm_definitions[name], False
+    else:
+        raise ValueError(f"experiment config: arm {name!r} is neither a preset ({', '.join(PRESETS)}) nor defined in "
+                         f"arm_definitions ({', '.join(config.arm_definitions) or 'none defined'})")
+    reducer = definition["reducer"]
+    options = dict(definition.get("options", {}))
+    if reducer == "topk":
+        options = {"density": config.density, "warmup_steps": config.warmup_steps, "selector": config.selector,
+                   "chunk_size": config.chunk_size, "index_codec": config.index_codec,
+                   "value_codec": config.value_codec, "exchange": config.exchange, **options}
+        _check_topk(name, options)
+    elif reducer == "powersgd":
+        options = {"rank": config.powersgd_rank, "start_iter": config.warmup_steps, "use_error_feedback": True,
+                   "warm_start": True, **options}
+        _check_powersgd(name, options)
+    optimizer = {"optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
+                 "weight_decay": config.weight_decay, **definition.get("optimizer", {})}
+    _check_optimizer(name, optimizer)
+    return ArmSpec(name, reducer, options, optimizer, preset)
+
+
+def topk_state_kwargs(options: dict) -> dict:
+    """``TopKState`` keyword arguments from a topk arm's JSON options (dtype names -> torch dtypes)."""
+    import torch
+
+    kwargs = dict(options)
+    for key in ("value_dtype", "residual_dtype"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = getattr(torch, kwargs[key])
+    if kwargs.get("density_schedule") is not None:
+        from sparsecomm.hooks import DensitySchedule
+
+        kwargs["density_schedule"] = DensitySchedule(points=tuple(tuple(p) for p in kwargs["density_schedule"]))
+    return kwargs
+
+
+def _check_topk(name: str, options: dict) -> None:
+    from sparsecomm.hooks.config import TopKConfig
+
+    for key in ("value_dtype", "residual_dtype"):
+        if options.get(key) is not None and options[key] not in DTYPE_NAMES:
+            raise ValueError(f"experiment config: arm {name!r}: {key} must be None or one of {DTYPE_NAMES}, "
+                             f"got {options[key]!r}")
+    schedule = options.get("density_schedule")
+    if schedule is not None and not (isinstance(schedule, list) and all(
+            isinstance(p, list) and len(p) == 2 for p in schedule)):
+        raise ValueError(f"experiment config: arm {name!r}: density_schedule must be None or a list of [step, density] "
+                         f"pairs (DensitySchedule.to_list()), got {schedule!r}")
+    try:
+        kwargs = topk_state_kwargs(options)
+        TopKConfig.build(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"experiment config: arm {name!r}: {error}") from None
+
+
+def _check_powersgd(name: str, options: dict) -> None:
+    rank, start = options["rank"], options["start_iter"]
+    if not (_is_int(rank) and rank >= 1):
+        raise ValueError(f"experiment config: arm {name!r}: rank must be an integer >= 1, got {rank!r}")
+    if not (_is_int(start) and start >= 2):
+        raise ValueError(f"experiment config: arm {name!r}: start_iter must be an integer >= 2 (DDP rebuilds its "
+                         f"buckets after step 1), got {start!r}")
+    for key in ("use_error_feedback", "warm_start"):
+        if not isinstance(options[key], bool):
+            raise ValueError(f"experiment config: arm {name!r}: {key} must be true or false, got {options[key]!r}")
+
+
+def _check_optimizer(name: str, optimizer: dict) -> None:
+    from sparsecomm.lab.experiment.config import OPTIMIZERS
+
+    def bad(key: str, accepted: str):
+        raise ValueError(f"experiment config: arm {name!r}: optimizer {key} must be {accepted}, got {optimizer[key]!r}")
+
+    if optimizer["optimizer"] not in OPTIMIZERS:
+        bad("optimizer", f"one of {OPTIMIZERS}")
+    if not (_is_real(optimizer["lr"]) and optimizer["lr"] > 0):
+        bad("lr", "a finite number > 0")
+    if not (_is_real(optimizer["momentum"]) and 0 <= optimizer["momentum"] < 1):
+        bad("momentum", "in [0, 1)")
+    if not (_is_real(optimizer["weight_decay"]) and optimizer["weight_decay"] >= 0):
+        bad("weight_decay", "a finite number >= 0")
+
+
+def parse_cli_arm(text: str) -> tuple[str, dict | None]:
+    """``--arms`` item: a name, or ``NAME=REDUCER[:key=value,...]`` (``opt.KEY`` for the optimizer).
+
+    Values are JSON (``0.003``, ``true``, ``null``, ``[[0, 0.1]]``) or else plain strings
+    (``int4``). Returns (name, definition or None for a bare name).
+    """
+    if "=" not in text.split(":", 1)[0]:
+        return text, None
+    name, rest = text.split("=", 1)
+    reducer, _, settings = rest.partition(":")
+    definition = {"reducer": reducer, "options": {}, "optimizer": {}}
+    for item in _split_settings(settings):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"argument --arms: {text!r}: settings are key=value separated by commas, got {item!r}")
+        target = definition["optimizer"] if key.startswith("opt.") else definition["options"]
+        target[key.removeprefix("opt.")] = _parse_value(value)
+    return name, definition
+
+
+def _split_settings(settings: str) -> list[str]:
+    """Split on commas outside brackets (a density_schedule value is a JSON list)."""
+    items, depth, current = [], 0, ""
+    for char in settings:
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    if current:
+        items.append(current)
+    return [item.strip() for item in items if item.strip()]
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
