@@ -114,7 +114,7 @@ def test_compare_end_to_end_on_digits_and_rerun_skips_finished_runs(tmp_path):
     out = first.stdout
     assert out.count(": final val loss") == 6
     assert "policy: quality tolerance 0.05" in out and "target: val loss <=" in out
-    assert "(boundary: step, link: loopback)" in out and "(boundary: end_to_end, link: loopback)" in out
+    assert "all measured @loopback: ranks linked by" in " ".join(out.split()) and "speedup vs dense" in out
     # The verdict, against scipy's one-sided t-tests on the per-seed final losses read from the
     # run directory (digits-quick's tolerance 0.05 at the default alpha 0.05: a 90% CI). On the
     # development machine: inconclusive, CI ~[+0.04, +0.34] (3 seeds, 120 steps).

@@ -112,6 +112,10 @@ def test_ledger_annotation_strings():
         == "checkpoint, recovery: not measured"
     assert plots.ledger_annotation({"setup": 1.0, "step x steps": None, "checkpoint": 0.5}) \
         == "target not reached; recovery: not measured"
+    unreached = {"setup": 1.0, "step x steps": None, "checkpoint": None, "recovery": None,
+                 "target_reached": False, "budget_steps": 300, "budget_seconds": 21.0}
+    assert plots.ledger_annotation(unreached) == "not reached in 300 steps; checkpoint, recovery: not measured"
+    assert plots.ledger_annotation({**unreached, "setup": None, "target_reached": None}) == "no finished run"
 
 
 def test_ledger_plot_writes_missing_segments_out(tmp_path):
@@ -133,6 +137,68 @@ def test_ledger_plot_writes_missing_segments_out(tmp_path):
     # Only measured segments are drawn: 4 (dense) + 2 (topk-ef) + 1 (topk-noef).
     assert len(ax.patches) == 7
     assert all(s in texts for s in plots.SEGMENTS)
+
+
+def _bars(ax, arm_index: int) -> list:
+    """The bar segments drawn for the arm on row ``arm_index``, left to right."""
+    bars = [p for p in ax.patches if abs(p.get_y() + p.get_height() / 2 - arm_index) < 1e-9]
+    return sorted(bars, key=lambda p: p.get_x())
+
+
+def test_an_arm_that_missed_the_target_is_drawn_at_its_whole_budget_hatched(tmp_path):
+    budget = {"budget_steps": 300}
+    items = {
+        "dense": {"setup": 2.0, "step x steps": 45.0, "checkpoint": 1.0, "recovery": 3.0, "target_reached": True,
+                  "budget_seconds": 60.0, **budget},
+        # The cheapest per step, but it never got there: without the budget it would be the shortest bar.
+        "topk-noef": {"setup": 2.0, "step x steps": None, "checkpoint": 1.0, "recovery": 3.0, "target_reached": False,
+                      "budget_seconds": 54.0, **budget},
+        "powersgd": {"setup": None, "step x steps": None, "checkpoint": None, "recovery": None, "target_reached": None,
+                     "budget_seconds": None, **budget},
+    }
+    seen = {}
+    plots.plot_ledger_items(items, tmp_path / "ledger.png", on_figure=lambda fig: seen.update(fig=fig))
+    fig = seen["fig"]
+    ax = fig.axes[0]
+    order = [t.get_text() for t in ax.get_yticklabels()]
+    assert order == ["dense", "powersgd", "topk-noef"]
+    dense, powersgd, noef = (_bars(ax, order.index(arm)) for arm in order)
+    hatched = [p for p in ax.patches if p.get_gid() == plots.NOT_REACHED_GID]
+    assert len(hatched) == 1 and hatched[0] in noef
+    (budget_bar,) = hatched
+    assert budget_bar.get_hatch() == plots.NOT_REACHED_BAR["hatch"]
+    assert not any(p.get_hatch() == plots.NOT_REACHED_BAR["hatch"] for p in dense + powersgd)
+    # Where step x steps would be: after setup, as long as step x all 300 steps; then the rest.
+    assert (budget_bar.get_x(), budget_bar.get_width()) == (2.0, 54.0)
+    assert [p.get_width() for p in noef] == [2.0, 54.0, 1.0, 3.0]
+    assert noef[-1].get_x() + noef[-1].get_width() == 60.0 > 51.0 == dense[-1].get_x() + dense[-1].get_width()
+    assert powersgd == []
+    texts = _texts(fig)
+    assert "not reached in 300 steps" in texts and "no finished run" in texts and "51.0 s" in texts
+    assert plots.NOT_REACHED_LABEL in texts  # in the legend
+    assert ax.get_xlim()[1] >= 60.0
+
+
+def test_the_ledger_of_a_run_dir_draws_the_unreached_arm_at_its_budget(tmp_path):
+    from sparsecomm.lab.ledger import ledger_items_for_plot
+
+    # Final losses 0.6 + 0.05 x seed (dense) and 0.7 + 0.05 x seed (topk-ef): target 0.7 is
+    # reached by every dense seed, by topk-ef's seed 0 only.
+    curves = _curves(arms=("dense", "topk-ef"))
+    run_dir = write_run_dir(tmp_path / "exp", curves, step_seconds={"dense": 0.1, "topk-ef": 0.05}, target_loss=0.7)
+    items = ledger_items_for_plot(run_dir)
+    assert items["topk-ef"]["target_reached"] is False and items["dense"]["target_reached"] is True
+    seen = []
+    save = plots._save
+    plots._save = lambda fig, path, on_figure: (seen.append(fig), save(fig, path, on_figure))[1]
+    try:
+        plots.plot_run_dir(run_dir, tmp_path / "plots", items)
+    finally:
+        plots._save = save
+    ax = seen[-1].axes[0]
+    (budget_bar,) = [p for p in ax.patches if p.get_gid() == plots.NOT_REACHED_GID]
+    assert budget_bar.get_width() == pytest.approx(0.05 * 50)  # step x the configured 50 steps
+    assert "not reached in 50 steps" in " ".join(_texts(seen[-1]))
 
 
 def test_plot_run_dir_with_and_without_ledger(run_dir, tmp_path):

@@ -1,5 +1,6 @@
 """The "no loss" checker: paired TOST verdicts, noise floor, cost ratios, check() and the CLI."""
 import ast
+import json
 import math
 from pathlib import Path
 
@@ -293,12 +294,80 @@ def test_format_report(equivalent_dir):
     report = check(equivalent_dir)
     text = format_report(report)
     lines = text.splitlines()
-    assert lines[0] == format_policy(report.policy)
-    assert lines[1] == report.target.describe()
+    unfolded = " ".join(text.split())
+    assert format_policy(report.policy) in unfolded
+    assert report.target.describe() in lines
     assert "dense seed spread (noise floor): sd " in text and "over 5 seeds" in text
     assert "topk: EQUIVALENT" in text and "failed runs 1" in text and "p_TOST" in text
     assert "geo-mean 1.50x" in text
-    assert max(len(line) for line in lines[1:]) <= 100  # the policy header is format_policy's own
+    assert max(len(line) for line in lines) <= 100
+
+
+def _verdicts(text: str) -> dict[str, str]:
+    """The one-line verdicts by arm: the lines between the heading and "overall:"."""
+    lines = text.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("overall: "))
+    return {line.split()[0]: line.split(None, 1)[1] for line in lines[1:end]}
+
+
+def test_the_verdicts_come_first_one_line_per_arm_with_the_exact_numbers(equivalent_dir):
+    report = check(equivalent_dir)
+    e = report.arms[0].equivalence
+    lines = format_report(report).splitlines()
+    assert lines[0] == "verdicts vs dense (final val loss, arm - dense: mean [90% CI]; steps to target, arm/dense):"
+    assert lines[1] == (f"  topk  EQUIVALENT    {e.mean_diff:+.4g} [{e.ci_low:+.4g}, {e.ci_high:+.4g}] inside +-0.05; "
+                        "steps 1.00x")
+    assert lines[2] == "overall: every arm equivalent or better (sparsecomm check exits 0)"
+    assert lines[3] == "" and lines[4].startswith("policy: ")  # the detail follows the verdicts
+
+
+def test_verdict_lines_say_where_the_interval_lies_and_why_an_arm_is_inconclusive(tmp_path):
+    run_dir = make_run_dir(tmp_path / "w", {"dense": DENSE, "topk": shifted(0.15), "randk": shifted(-0.15),
+                                            "same": shifted(0.0, noise=[0.0] * 5), "near": shifted(0.05)})
+    report = check(run_dir)
+    by_arm = {a.arm: a for a in report.arms}
+    verdicts = _verdicts(format_report(report))
+    assert set(verdicts) == set(by_arm)  # one line each: no continuation line among them
+    assert verdicts["topk"].startswith("WORSE ") and "above +0.05; steps n/a (not reached: arm 5/5)" in verdicts["topk"]
+    assert verdicts["randk"].startswith("BETTER ") and "below -0.05; steps 1.00x" in verdicts["randk"]
+    # No interval: the reason's gist instead; an interval across a bound explains itself.
+    assert verdicts["same"] == "INCONCLUSIVE  +0, no CI (zero variance of the paired differences); steps 1.00x"
+    near = by_arm["near"].equivalence
+    assert near.verdict == "inconclusive"
+    assert verdicts["near"].startswith(f"INCONCLUSIVE  {near.mean_diff:+.4g} [{near.ci_low:+.4g}, ")
+    assert "crosses +-0.05; steps 1.18x" in verdicts["near"] and "(" not in verdicts["near"]
+
+
+def test_a_verdict_line_explains_an_interval_inside_the_bounds_that_is_still_inconclusive(tmp_path):
+    few = make_run_dir(tmp_path / "f", {"dense": {0: 1.5, 1: 1.5}, "topk": {0: 1.5, 1: 1.51}})
+    assert _verdicts(format_report(check(few)))["topk"].split("] ")[1] == \
+        "inside +-0.05 (n=2 paired seeds < 3); steps 1.00x"
+
+
+def test_relative_verdict_lines_are_in_percent(tmp_path):
+    run_dir = make_run_dir(tmp_path / "w", {"dense": DENSE, "topk": shifted(0.15)})
+    report = check(run_dir, tolerance=0.2, relative=True)
+    text = format_report(report)
+    assert text.splitlines()[0].startswith("verdicts vs dense (final val loss, (arm - dense) / dense: mean [90% CI];")
+    e = report.arms[0].equivalence
+    assert _verdicts(text)["topk"].startswith(f"EQUIVALENT    {e.mean_diff:+.2%} [{e.ci_low:+.2%}, ")
+    assert "inside +-20.00%" in _verdicts(text)["topk"]
+
+
+def test_a_metric_where_higher_is_better_is_named_and_taken_dense_minus_arm(tmp_path):
+    accuracy = {seed: 0.9 + 0.001 * seed for seed in DENSE}
+    run_dir = make_run_dir(tmp_path / "acc", {"dense": accuracy, "topk": shifted(-0.01, dense=accuracy)},
+                           target_loss=0.85)
+    path = run_dir / "experiment.json"
+    experiment = json.loads(path.read_text())
+    experiment["config"].update(metric="val_accuracy", mode="max")
+    path.write_text(json.dumps(experiment))
+    report = check(run_dir)
+    text = format_report(report)
+    assert text.splitlines()[0] == ("verdicts vs dense (final val_accuracy, dense - arm: mean [90% CI]; "
+                                    "steps to target, arm/dense):")
+    assert _verdicts(text)["topk"].startswith(f"EQUIVALENT    {report.arms[0].equivalence.mean_diff:+.4g} [+")
+    assert "tolerance: 0.05 in val_accuracy (absolute)" in text and "final val_accuracy difference: mean" in text
 
 
 def test_check_worse_and_relative(tmp_path):

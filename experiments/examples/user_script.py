@@ -43,7 +43,8 @@ def main() -> None:
     run = sparsecomm.lab.init()  # lab: arm, seed and run directory from the runner
     torch.manual_seed(run.seed)  # lab: the same initial weights in every arm of a seed
     steps = run.steps or args.steps
-    train_set, val_set = teacher_data(4096), teacher_data(4096 + 1024)[4096:]
+    data = teacher_data(4096 + 1024)
+    train_set, (val_inputs, val_labels) = TensorDataset(*data[:4096]), data[4096:]
     sampler = DistributedSampler(train_set, seed=run.seed, drop_last=True)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler)
     model = DDP(nn.Sequential(nn.Linear(INPUTS, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
@@ -61,8 +62,11 @@ def main() -> None:
             step += 1
             if step % args.eval_every == 0 or step == steps:
                 with torch.no_grad():
-                    val_loss = F.cross_entropy(model.module(val_set[:][0]), val_set[:][1]).item()
-                run.log({"val_loss": val_loss, "train_loss": loss.item()}, step=step)  # lab
+                    logits = model.module(val_inputs)
+                    val_loss = F.cross_entropy(logits, val_labels).item()
+                    val_accuracy = (logits.argmax(dim=1) == val_labels).float().mean().item()
+                # lab: --metric picks which of these the verdicts compare (val_loss by default)
+                run.log({"val_loss": val_loss, "val_accuracy": val_accuracy, "train_loss": loss.item()}, step=step)
             if step == steps:
                 break
         epoch += 1

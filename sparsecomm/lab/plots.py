@@ -7,7 +7,9 @@
   loss (moving average) as a thin faint line of the arm's colour.
 * ``ledger.png``: the time-to-quality ledger per arm as stacked horizontal bars (setup,
   step time x steps to target, checkpoint, recovery); what was not measured is written
-  next to the bar, never drawn as zero.
+  next to the bar, never drawn as zero. An arm that did not reach the target is drawn at
+  its whole budget (step time x all configured steps) as a pale hatched segment labelled
+  "not reached in N steps", so that it never looks like the cheapest bar.
 
 Runs that did not finish (status other than "ok": failed, interrupted, invalid; or ok
 without evaluations) are not drawn but counted: per arm in the legend ("topk-ef (2 seeds,
@@ -58,6 +60,12 @@ SEGMENTS = ("setup", "step x steps", "checkpoint", "recovery")
 STEP_SEGMENT = "step x steps"
 _SEGMENT_COLOURS = ("#56B4E9", "#0072B2", "#E69F00", "#D55E00", "#009E73", "#CC79A7", "#F0E442")
 _SEGMENT_HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo")
+# Not ledger segments: what an arm that never reached the target is drawn with (ledger_items_for_plot).
+BUDGET_KEYS = ("target_reached", "budget_steps", "budget_seconds")
+# Open-looking (pale, dashed outline, dense hatch) where a reached arm has its step x steps segment.
+NOT_REACHED_BAR = {"facecolor": "0.93", "hatch": "////", "edgecolor": "0.35", "linestyle": "--", "linewidth": 0.8}
+NOT_REACHED_GID = "not reached"
+NOT_REACHED_LABEL = "not reached: step x all steps (a lower bound)"
 
 TIME_XLABEL = "wall clock since first data touch (s), evaluation included"
 _GRID_POINTS = 200
@@ -296,19 +304,31 @@ def _missing(value) -> bool:
 
 
 def _segments(items: dict[str, dict]) -> list[str]:
-    extra = dict.fromkeys(k for values in items.values() for k in values if k not in SEGMENTS)
+    extra = dict.fromkeys(k for values in items.values() for k in values if k not in SEGMENTS + BUDGET_KEYS)
     return list(SEGMENTS) + list(extra)
 
 
-def ledger_annotation(values: dict[str, float | None]) -> str:
+def _not_reached_seconds(values: dict) -> float | None:
+    """The seconds an arm that never reached the target spent on steps (its whole budget), or
+    None: it reached the target, or its budget is not known."""
+    if values.get("target_reached") is False and not _missing(values.get("budget_seconds")):
+        return values["budget_seconds"]
+    return None
+
+
+def ledger_annotation(values: dict[str, float | int | bool | None]) -> str:
     """What is written next to one arm's ledger bar about missing segments ("" if none).
 
-    A missing "step x steps" means the target was not reached; any other missing segment
-    (None, NaN or absent key) was not measured.
+    ``target_reached`` None means no finished run. A missing "step x steps" means the target
+    was not reached: "not reached in N steps" when ``budget_steps`` is known. Any other missing
+    segment (None, NaN or absent key) was not measured.
     """
+    if "target_reached" in values and values["target_reached"] is None:
+        return "no finished run"
     notes = []
     if _missing(values.get(STEP_SEGMENT)):
-        notes.append("target not reached")
+        budget = values.get("budget_steps")
+        notes.append(f"not reached in {budget} steps" if budget else "target not reached")
     unmeasured = [s for s in _segments({"": values}) if s != STEP_SEGMENT and _missing(values.get(s))]
     if unmeasured:
         notes.append(f"{', '.join(unmeasured)}: not measured")
@@ -318,24 +338,20 @@ def ledger_annotation(values: dict[str, float | None]) -> str:
 LEDGER_TITLE = "time-to-quality ledger (median over seeds)"
 
 
-def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
+def plot_ledger_items(items: dict[str, dict[str, float | int | bool | None]], path, *,
                       title: str = LEDGER_TITLE, note: str = "",
                       on_figure: Callable[[Figure], None] | None = None) -> Path:
-    """Stacked horizontal bars of seconds per ledger segment, one bar per arm."""
+    """Stacked horizontal bars of seconds per ledger segment, one bar per arm.
+
+    ``items[arm]``: seconds per segment (None: not measured), and optionally the keys of
+    :data:`BUDGET_KEYS` (see :func:`sparsecomm.lab.ledger.ledger_items_for_plot`). An arm
+    that did not reach the target has no "step x steps"; with ``target_reached`` False and a
+    ``budget_seconds`` it is drawn at its whole budget, hatched, so that it never looks cheap.
+    """
     arms = arm_order(items)
     segments = _segments(items)
     fig, ax = _new_axes(figsize=(8.0, 1.6 + 0.55 * max(1, len(arms))))
-    totals = {}
-    for arm_index, arm in enumerate(arms):
-        left = 0.0
-        for seg_index, segment in enumerate(segments):
-            value = items[arm].get(segment)
-            if _missing(value):
-                continue
-            ax.barh(arm_index, value, left=left, height=0.6, color=_SEGMENT_COLOURS[seg_index % len(_SEGMENT_COLOURS)],
-                    hatch=_SEGMENT_HATCHES[seg_index % len(_SEGMENT_HATCHES)], edgecolor="0.15", linewidth=0.6)
-            left += value
-        totals[arm] = left
+    totals = {arm: _draw_bar(ax, index, items[arm], segments) for index, arm in enumerate(arms)}
     widest = max(totals.values(), default=0.0)
     for arm_index, arm in enumerate(arms):
         annotation = ledger_annotation(items[arm])
@@ -353,9 +369,27 @@ def plot_ledger_items(items: dict[str, dict[str, float | None]], path, *,
         ax.text(0.5, 0.5, "no ledger items", transform=ax.transAxes, ha="center", va="center")
     handles = [Patch(facecolor=_SEGMENT_COLOURS[i % len(_SEGMENT_COLOURS)], hatch=_SEGMENT_HATCHES[i % len(_SEGMENT_HATCHES)],
                      edgecolor="0.15", linewidth=0.6, label=segment) for i, segment in enumerate(segments)]
+    if any(_not_reached_seconds(values) is not None for values in items.values()):
+        handles.append(Patch(**NOT_REACHED_BAR, label=NOT_REACHED_LABEL))
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=min(4, len(handles)), frameon=False)
     _draw_note(fig, note)
     return _save(fig, path, on_figure)
+
+
+def _draw_bar(ax, arm_index: int, values: dict, segments: list[str]) -> float:
+    """One arm's stacked bar; returns where it ends (seconds)."""
+    left = 0.0
+    for seg_index, segment in enumerate(segments):
+        value = values.get(segment)
+        not_reached = _not_reached_seconds(values) if segment == STEP_SEGMENT else None
+        if not_reached is not None:
+            ax.barh(arm_index, not_reached, left=left, height=0.6, gid=NOT_REACHED_GID, **NOT_REACHED_BAR)
+            left += not_reached
+        elif not _missing(value):
+            ax.barh(arm_index, value, left=left, height=0.6, color=_SEGMENT_COLOURS[seg_index % len(_SEGMENT_COLOURS)],
+                    hatch=_SEGMENT_HATCHES[seg_index % len(_SEGMENT_HATCHES)], edgecolor="0.15", linewidth=0.6)
+            left += value
+    return left
 
 
 def plot_run_dir(run_dir, out_dir, ledger_items: dict | None = None) -> list[Path]:

@@ -65,7 +65,7 @@ class Run:
         self._step = 0
         self._last_step_end = self._step_started = None
         self._writer = None
-        self._finished = False
+        self._finished = self._crashed = False
 
     # -- connecting the script ---------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class Run:
         self.hook_state = arm_hook.state if self.spec.reducer in ("topk", "powersgd") else None
         self._meter = HookMeter(arm_hook)
         self._meter.register(ddp_model)
-        adapt_optimizer(optimizer, self.spec, self.config.arm_definitions.get(self.arm, {}).get("optimizer", {}))
+        adapt_optimizer(optimizer, self.spec)
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
         if dist.get_rank() == 0:
@@ -224,12 +224,11 @@ class Run:
         }
 
 
-def adapt_optimizer(optimizer: torch.optim.Optimizer, spec, changes: dict) -> None:
+def adapt_optimizer(optimizer: torch.optim.Optimizer, spec) -> None:
     """Change ``optimizer`` in place for the arm: no momentum of its own under momentum
-    correction, and the arm's explicit optimizer settings. Refused before its first step."""
-    if "optimizer" in changes:
-        raise ValueError(f"arm {spec.name!r}: an arm of a --script experiment cannot change the optimizer's kind "
-                         f"(the script builds it); set lr, momentum or weight_decay")
+    correction, and the arm's optimizer settings (a script's arm holds only its changes).
+    Refused once the optimizer has stepped."""
+    changes = spec.optimizer
     if not spec.momentum_correction and not changes:
         return
     if optimizer.state:
@@ -260,7 +259,8 @@ def _number(name: str, value) -> float:
 
 
 def _on_exit(run: Run) -> None:
-    if not run._finished and run.in_lab:
+    # A script that raised has its error recorded already; finishing it would replace that.
+    if not run._finished and run.in_lab and not run._crashed:
         try:
             run.finish()
         except Exception as error:  # noqa: BLE001 - at exit: recorded for the runner, and the exit code says it
@@ -271,14 +271,15 @@ def _on_exit(run: Run) -> None:
             os._exit(1)
 
 
-def _record_errors(run_dir: Path) -> None:
+def _record_errors(run: Run) -> None:
     """An exception that ends the script is recorded in error-rank<r>.json for the runner."""
     previous = sys.excepthook
 
     def hook(kind, error, traceback):
         from sparsecomm.lab.experiment.rank_errors import write_rank_error
 
-        write_rank_error(run_dir, error)
+        run._crashed = True
+        write_rank_error(run.run_dir, error)
         previous(kind, error, traceback)
 
     sys.excepthook = hook
@@ -304,7 +305,7 @@ def init(seed: int | None = None) -> Run:
         launch = os.environ.get(LAUNCH_TIME_ENV)
         run = Run(arm=raw["arm"], seed=raw["seed"], config=config, run_dir=Path(path).parent,
                   config_hash=raw["config_hash"], launch_time=float(launch) if launch else None)
-        _record_errors(run.run_dir)
+        _record_errors(run)
         atexit.register(_on_exit, run)
     _ACTIVE.append(run)
     return run

@@ -25,7 +25,6 @@ Needs no torch: reports are made anywhere.
 import argparse
 import math
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import numpy as np
 from scipy import stats
 
 from sparsecomm.lab.policy import format_policy
+from sparsecomm.lab.report import fold_lines
 from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,
@@ -105,9 +105,14 @@ def _ci_label(alpha: float) -> str:
 
 
 def equivalence(
-    dense: dict[int, float], arm: dict[int, float], delta: float, *, relative: bool = False, alpha: float = 0.05
+    dense: dict[int, float], arm: dict[int, float], delta: float, *, relative: bool = False, alpha: float = 0.05,
+    higher_is_better: bool = False,
 ) -> Equivalence:
-    """Paired TOST of ``arm`` vs ``dense`` final losses over the seeds present in both."""
+    """Paired TOST of ``arm`` vs ``dense`` final losses over the seeds present in both.
+
+    The difference is arm - dense (relative: over dense), so that > 0 is worse; with
+    ``higher_is_better`` (a metric such as accuracy) it is dense - arm, for the same reading.
+    """
     delta = _check_delta(delta)
     alpha = _check_alpha(alpha)
     seeds = tuple(sorted(set(dense) & set(arm)))
@@ -125,10 +130,10 @@ def equivalence(
     if relative:
         if np.any(b <= 0):
             raise ValueError("a relative tolerance needs positive dense losses; use an absolute tolerance")
-        d = (a - b) / b
+        d = (b - a) / b if higher_is_better else (a - b) / b
         scale = float(np.max(np.abs(a / b))) if n else 1.0
     else:
-        d = a - b
+        d = b - a if higher_is_better else a - b
         scale = float(max(np.max(np.abs(a)), np.max(np.abs(b)))) if n else 1.0
 
     mean = float(np.mean(d)) if n else None
@@ -310,14 +315,14 @@ class CheckReport:
         return 0
 
 
-def _arm_data(runs: list[RunSummary], arm: str, seeds: list[int], target: float):
+def _arm_data(runs: list[RunSummary], arm: str, seeds: list[int], target: Target):
     mine = [r for r in runs if r.arm == arm]
     ok = [r for r in mine if r.finished]
     failed = sum(r.status != "ok" for r in mine)
     have = {r.seed for r in mine}
     missing = sum(s not in have for s in seeds) + sum(r.status == "ok" and not r.evals for r in mine)
     finals = {r.seed: r.final_val_loss for r in ok}
-    hits = {r.seed: r.first_reaching(target) for r in ok}
+    hits = {r.seed: r.first_reaching(target.val_loss, target.mode) for r in ok}
     steps = {s: (e.step if e else None) for s, e in hits.items()}
     times = {s: (e.elapsed_seconds if e else None) for s, e in hits.items()}
     return finals, steps, times, failed, missing, tuple(status_counts(r for r in mine if r.status != "ok").items())
@@ -358,13 +363,14 @@ def check(
     target = resolve_target(experiment, runs)
     seeds = list(config.get("seeds") or [])
     max_steps = int(config["steps"])
-    d_final, d_steps, d_times, d_failed, d_missing, d_not_ok = _arm_data(runs, DENSE_ARM, seeds, target.val_loss)
+    d_final, d_steps, d_times, d_failed, d_missing, d_not_ok = _arm_data(runs, DENSE_ARM, seeds, target)
     results = []
     for arm in others:
-        finals, steps, times, failed, missing, not_ok = _arm_data(runs, arm, seeds, target.val_loss)
+        finals, steps, times, failed, missing, not_ok = _arm_data(runs, arm, seeds, target)
         results.append(ArmResult(
             arm=arm,
-            equivalence=equivalence(d_final, finals, tolerance, relative=relative, alpha=alpha),
+            equivalence=equivalence(d_final, finals, tolerance, relative=relative, alpha=alpha,
+                                    higher_is_better=target.mode == "max"),
             failed=failed,
             missing=missing,
             steps_ratio=ratio_spread(d_steps, steps),
@@ -414,8 +420,6 @@ def _ratio_line(label: str, r: RatioSpread) -> str:
     )
 
 
-REPORT_WIDTH = 100
-
 EXIT_MEANING = {
     0: "every arm equivalent or better",
     1: "some arm worse than dense beyond the tolerance",
@@ -424,17 +428,89 @@ EXIT_MEANING = {
 
 
 def format_report(report: CheckReport) -> str:
-    """The human-readable report (fits in 100 columns)."""
+    """The verdicts first, one line per arm, and the overall result; then what they rest on
+    (policy, target, tolerance, noise floor), each arm's detail and the runs not compared.
+    Every line fits in 100 columns."""
+    lines = [*_verdict_lines(report), "", *_context_lines(report)]
+    for a in report.arms:
+        lines += ["", *_arm_detail(a, report.target.metric_label)]
+    if report.not_compared:
+        lines += ["", f"runs not compared, counted as failed ({len(report.not_compared)}):"]
+        lines += [f"  {line}" for line in report.not_compared]
+    return "\n".join(fold_lines(lines))
+
+
+def _bound(delta: float, relative: bool) -> str:
+    return f"{delta:.2%}" if relative else f"{delta:g}"
+
+
+def _verdict_lines(report: CheckReport) -> list[str]:
+    """The heading, one line per arm, and the overall result with the exit code."""
+    heading = (f"verdicts vs dense (final {report.target.metric_label}, {_difference_label(report)}: mean "
+               f"[{_ci_label(report.alpha)}]; steps to target, arm/dense):")
+    width = max(len(a.arm) for a in report.arms)
+    lines = [heading]
+    lines += [f"  {a.arm:<{width}}  {a.equivalence.verdict.upper():<12}  {_difference(a.equivalence)}; "
+              f"{_steps_summary(a.steps_ratio)}" for a in report.arms]
+    code = report.exit_code
+    return lines + [f"overall: {EXIT_MEANING[code]} (sparsecomm check exits {code})"]
+
+
+def _difference_label(report: CheckReport) -> str:
+    """How the paired difference is taken: always so that > 0 means the arm is worse."""
+    difference = "dense - arm" if report.target.mode == "max" else "arm - dense"
+    return f"({difference}) / dense" if report.relative else difference
+
+
+def _difference(e: Equivalence) -> str:
+    """"+0.008 [+0.0065, +0.0095] inside +-0.05" (mean [CI]), with the reason when the interval
+    alone does not explain an inconclusive verdict (too few seeds, no variance, ...)."""
+    mean = _diff(e.mean_diff, e.relative)
+    # The reason's first clause is its gist ("zero variance of the paired differences").
+    why = e.reason.split(":")[0]
+    if e.ci_low is None:
+        return f"{mean}, no CI ({why})"
+    side = _ci_side(e)
+    text = (f"{mean} [{_diff(e.ci_low, e.relative)}, {_diff(e.ci_high, e.relative)}] "
+            f"{side} {_BOUND_SIGN[side]}{_bound(e.delta, e.relative)}")
+    return text + (f" ({why})" if e.verdict == "inconclusive" and side != "crosses" else "")
+
+
+_BOUND_SIGN = {"inside": "+-", "above": "+", "below": "-", "crosses": "+-"}
+
+
+def _ci_side(e: Equivalence) -> str:
+    """Where the confidence interval lies against the tolerance bounds +-delta."""
+    if -e.delta < e.ci_low and e.ci_high < e.delta:
+        return "inside"
+    if e.ci_low > e.delta:
+        return "above"
+    if e.ci_high < -e.delta:
+        return "below"
+    return "crosses"
+
+
+def _steps_summary(r: RatioSpread) -> str:
+    """"steps 1.05x", with the seeds that did not reach the target on either side."""
+    if not r.n:
+        return "steps n/a (no paired seed)"
+    ratio = "n/a" if r.geo_mean is None else f"{r.geo_mean:.2f}x"
+    missed = [f"{side} {count}/{r.n}" for side, count in (("arm", r.num_not_reached_arm),
+                                                          ("dense", r.num_not_reached_dense)) if count]
+    return f"steps {ratio}" + (f" (not reached: {', '.join(missed)})" if missed else "")
+
+
+def _context_lines(report: CheckReport) -> list[str]:
+    """Policy, target, tolerance and test, the dense noise floor, and dense's unpaired seeds."""
     nf = report.noise_floor
-    ci = _ci_label(report.alpha)
     if report.relative:
         tol = f"tolerance: {report.tolerance:.2%} of the dense final loss (relative)"
     else:
-        tol = f"tolerance: {report.tolerance:g} in val loss (absolute)"
+        tol = f"tolerance: {report.tolerance:g} in {report.target.metric_label} (absolute)"
     lines = [
         format_policy(report.policy),
         report.target.describe(),
-        f"{tol}; TOST at alpha {report.alpha:g} ({ci}), paired by seed",
+        f"{tol}; TOST at alpha {report.alpha:g} ({_ci_label(report.alpha)}), paired by seed",
         f"dense seed spread (noise floor): sd {_num(nf.sd)}, range {_num(nf.range)} over {nf.n} seeds"
         f" (mean {_num(nf.mean)})",
     ]
@@ -443,33 +519,20 @@ def format_report(report: CheckReport) -> str:
             f"dense: {_failed_text(report.dense_failed, report.dense_not_ok)} failed run(s), "
             f"{report.dense_missing} missing: their seeds have no pair"
         )
-    for a in report.arms:
-        e = a.equivalence
-        lines += [
-            "",
-            f"{a.arm}: {e.verdict.upper()} ({e.reason})",
-            f"  final loss diff (arm - dense): mean {_diff(e.mean_diff, e.relative)}, "
-            f"{ci} [{_diff(e.ci_low, e.relative)}, {_diff(e.ci_high, e.relative)}], "
-            f"p_TOST {_num(e.p_tost, '.3g')}",
-            f"  n={e.n} paired seeds; failed runs {_failed_text(a.failed, a.not_ok)}, missing {a.missing}",
-            _ratio_line("steps-to-target", a.steps_ratio),
-            _ratio_line("time-to-target ", a.time_ratio),
-            f"  more steps than dense? one-sided p {_num(a.steps_test.p_value, '.3g')} "
-            f"({a.steps_test.reason})",
-        ]
-    if report.not_compared:
-        lines += ["", f"runs not compared, counted as failed ({len(report.not_compared)}):"]
-        lines += [f"  {line}" for line in report.not_compared]
-    code = report.exit_code
-    lines += ["", f"overall: {EXIT_MEANING[code]} (sparsecomm check exits {code})"]
-    # Reasons can be long (censoring notes); wrap so the report stays within 100 columns. The
-    # policy header is format_policy's line, kept verbatim so it reads the same in every report.
-    return "\n".join(
-        [lines[0]] + [
-            textwrap.fill(line, REPORT_WIDTH, subsequent_indent="      ", break_on_hyphens=False) if line else line
-            for line in lines[1:]
-        ]
-    )
+    return lines
+
+
+def _arm_detail(a: ArmResult, metric: str) -> list[str]:
+    e = a.equivalence
+    return [
+        f"{a.arm}: {e.verdict.upper()} ({e.reason})",
+        f"  final {metric} difference: mean {_diff(e.mean_diff, e.relative)}, sd {_num(e.sd_diff)}, "
+        f"p_TOST {_num(e.p_tost, '.3g')}",
+        f"  n={e.n} paired seeds; failed runs {_failed_text(a.failed, a.not_ok)}, missing {a.missing}",
+        _ratio_line("steps-to-target", a.steps_ratio),
+        _ratio_line("time-to-target ", a.time_ratio),
+        f"  more steps than dense? one-sided p {_num(a.steps_test.p_value, '.3g')} ({a.steps_test.reason})",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

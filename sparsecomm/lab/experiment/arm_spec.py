@@ -57,7 +57,8 @@ class ArmSpec:
     reducer: str
     options: dict = field(default_factory=dict)
     optimizer: dict = field(default_factory=dict)
-    """The optimizer of this arm: kind, lr, momentum, weight_decay (all explicit)."""
+    """The optimizer of this arm: kind, lr, momentum, weight_decay (all explicit); for a
+    script's arm only the changes it makes to the script's own optimizer."""
     preset: bool = False
 
     @property
@@ -73,13 +74,16 @@ class ArmSpec:
         """One line: reducer, options and optimizer, e.g. "topk density=0.003 momentum=0.9; adamw lr=0.003"."""
         options = " ".join(f"{key}={_show(value)}" for key, value in self.options.items())
         opt = self.optimizer
-        optimizer = f"{opt['optimizer']} lr={opt['lr']:g}"
-        if opt["weight_decay"]:
-            optimizer += f" weight_decay={opt['weight_decay']:g}"
+        if "optimizer" in opt:
+            optimizer = f"{opt['optimizer']} lr={opt['lr']:g}"
+            if opt["weight_decay"]:
+                optimizer += f" weight_decay={opt['weight_decay']:g}"
+            if opt["optimizer"] == "sgd" and not self.momentum_correction:
+                optimizer += f" momentum={opt['momentum']:g}"
+        else:  # a script's optimizer, with this arm's changes
+            optimizer = " ".join(["the script's optimizer", *(f"{k}={_show(v)}" for k, v in opt.items())])
         if self.momentum_correction:
             optimizer += " (no momentum of its own: the hook corrects momentum)"
-        elif opt["optimizer"] == "sgd":
-            optimizer += f" momentum={opt['momentum']:g}"
         return f"{self.reducer}{' ' + options if options else ''}; {optimizer}"
 
 
@@ -151,8 +155,15 @@ def resolve(name: str, config) -> ArmSpec:
         options = {"rank": config.powersgd_rank, "start_iter": config.warmup_steps, "use_error_feedback": True,
                    "warm_start": True, **options}
         _check_powersgd(name, options)
-    optimizer = {"optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
-                 "weight_decay": config.weight_decay, **definition.get("optimizer", {})}
+    if config.script is not None:
+        # The script builds its own optimizer: an arm can only change it (run.apply does, in place).
+        optimizer = dict(definition.get("optimizer", {}))
+        if "optimizer" in optimizer:
+            raise ValueError(f"experiment config: arm {name!r}: an arm of a script cannot change the optimizer's "
+                             "kind (the script builds it); set lr, momentum or weight_decay")
+    else:
+        optimizer = {"optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
+                     "weight_decay": config.weight_decay, **definition.get("optimizer", {})}
     _check_optimizer(name, optimizer)
     return ArmSpec(name, reducer, options, optimizer, preset)
 
@@ -209,14 +220,14 @@ def _check_optimizer(name: str, optimizer: dict) -> None:
     def bad(key: str, accepted: str):
         raise ValueError(f"experiment config: arm {name!r}: optimizer {key} must be {accepted}, got {optimizer[key]!r}")
 
-    if optimizer["optimizer"] not in OPTIMIZERS:
-        bad("optimizer", f"one of {OPTIMIZERS}")
-    if not (_is_real(optimizer["lr"]) and optimizer["lr"] > 0):
-        bad("lr", "a finite number > 0")
-    if not (_is_real(optimizer["momentum"]) and 0 <= optimizer["momentum"] < 1):
-        bad("momentum", "in [0, 1)")
-    if not (_is_real(optimizer["weight_decay"]) and optimizer["weight_decay"] >= 0):
-        bad("weight_decay", "a finite number >= 0")
+    checks = {"optimizer": (lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"),
+              "lr": (lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+              "momentum": (lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
+              "weight_decay": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0")}
+    for key, value in optimizer.items():  # all four for a task's arm; a script's arm, what it changes
+        ok, accepted = checks[key]
+        if not ok(value):
+            bad(key, accepted)
 
 
 def parse_cli_arm(text: str) -> tuple[str, dict | None]:

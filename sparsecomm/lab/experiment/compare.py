@@ -4,6 +4,14 @@
     sparsecomm compare --experiment digits-quick --seeds 0 1 --steps 200
     sparsecomm compare --config my_experiment.json --out runs
     sparsecomm compare --link 1gbit             # each rank in its own network namespace, 1 Gb/s links (root)
+    sparsecomm compare --task my_tasks.py:make_task --arms dense topk-dgc
+    sparsecomm compare --script train.py --arms dense topk-dgc --seeds 0 1 2 --steps 200 -- --data ./data
+    sparsecomm compare --arms dense topk-dgc 'topk-0.3pc=topk:density=0.003,momentum=0.9,opt.lr=0.002'
+
+An arm is a preset name (dense, dense-bf16, powersgd, topk-ef, topk-noef, topk-dgc) or
+NAME=REDUCER[:key=value,...]: reducer allreduce, fp16, bf16, powersgd or topk, any TopKState
+option (powersgd: rank, start_iter, ...) and opt.lr / opt.momentum / opt.weight_decay for
+the optimizer (docs/bring_your_own.md). Arguments after "--" go to the --script.
 
 Everything is checked before the first run starts: the config (each bad value names its
 field, and its file with --config), the experiment name (it names directories), that
@@ -16,14 +24,16 @@ file; 4 no dense run finished, so there is nothing to compare against (the failu
 printed); 130 / 143 stopped by Ctrl-C / SIGTERM (what was kept is printed).
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
+from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.config import ARM_NAMES, ExperimentConfig
-from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
+from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS, bring_your_own
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 LOCAL_RANKS_PER_CORE = 4
@@ -39,8 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_experiment_source(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
-    p.add_argument("--arms", nargs="+", choices=ARM_NAMES,
-                   help="override the arms (must include dense and at least one other arm)")
+    p.add_argument("--arms", nargs="+", metavar="ARM",
+                   help="override the arms: preset names or NAME=REDUCER[:key=value,...] (must include dense and "
+                        "at least one other arm)")
+    p.add_argument("--task", help="your task instead of the experiment's: MODULE:FACTORY or path/to/file.py:FACTORY, "
+                                  "a callable returning a sparsecomm.lab.tasks.Task")
+    p.add_argument("--script", help="your training script instead of a task (it calls sparsecomm.lab.init()); "
+                                    "launched under torchrun once per arm x seed")
+    p.add_argument("--metric", help="the metric the verdicts compare (default val_loss; a --script logs it with "
+                                    "run.log)")
+    p.add_argument("--mode", choices=("min", "max"), help="min: lower metric is better (default); max: higher")
+    p.add_argument("--tolerance", type=float,
+                   help="quality tolerance in the metric's unit (the experiment's policy otherwise)")
+    p.add_argument("--world-size", type=int, help="override the number of ranks (>= 2)")
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     p.add_argument("--name", help=f"override the experiment name (the run directory's name): {NAME_ACCEPTED}")
@@ -51,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_experiment_source(parser: argparse.ArgumentParser) -> None:
     """--experiment NAME | --config FILE (shared by the commands that run experiments)."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
-                        help=f"named experiment (default: {DEFAULT_EXPERIMENT})")
+    source.add_argument("--experiment", choices=sorted(EXPERIMENTS),
+                        help=f"named experiment (default: {DEFAULT_EXPERIMENT}; with --task or --script alone: 2 arms "
+                             "x 3 seeds x 200 steps, no checkpoints or faults)")
     source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
 
 
@@ -71,9 +93,15 @@ def check_link_possible(config: ExperimentConfig) -> None:
 
 
 def experiment_from_source(args: argparse.Namespace) -> ExperimentConfig:
-    """The named experiment, or the --config file's; a bad file raises ValueError naming it and the field."""
+    """The named experiment, or the --config file's, or for a --task / --script given alone
+    the bring-your-own base; a bad file raises ValueError naming it and the field."""
+    task, script = getattr(args, "task", None), getattr(args, "script", None)
+    if task is not None and script is not None:
+        raise ValueError("arguments --task and --script: give one of them (a task or a script), not both")
+    if args.config is None and args.experiment is None and (task or script):
+        return bring_your_own(task or script, script=script is not None)
     if args.config is None:
-        return EXPERIMENTS[args.experiment]()
+        return EXPERIMENTS[args.experiment or DEFAULT_EXPERIMENT]()
     path = args.config
     try:
         text = path.read_text()
@@ -97,13 +125,36 @@ def load_config(args: argparse.Namespace) -> ExperimentConfig:
         raise ValueError(f"argument --name: must be {NAME_ACCEPTED} (it names directories under --out and "
                          f"--plots), got {args.name!r}")
     config = experiment_from_source(args)
-    return config.with_overrides(
-        arms=tuple(args.arms) if args.arms else None,
-        seeds=tuple(args.seeds) if args.seeds else None,
-        steps=args.steps,
-        name=args.name,
-        link=args.link,
-    )
+    arms, definitions = parse_arms(args.arms) if args.arms else (None, None)
+    overrides = dict(arms=arms, seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps, name=args.name,
+                     link=args.link, metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
+                     world_size=getattr(args, "world_size", None))
+    if definitions:
+        overrides["arm_definitions"] = {**config.arm_definitions, **definitions}
+    if getattr(args, "task", None) is not None or getattr(args, "script", None) is not None:
+        # Your task or script, in the experiment's settings (or the bring-your-own base's).
+        overrides.update(task=args.task, script=args.script, script_args=tuple(getattr(args, "script_args", ())))
+        return _replace(config, overrides, keep_none=("task", "script"), tolerance=getattr(args, "tolerance", None))
+    return _replace(config, overrides, tolerance=getattr(args, "tolerance", None))
+
+
+def _replace(config: ExperimentConfig, overrides: dict, *, keep_none=(), tolerance=None) -> ExperimentConfig:
+    """``config`` with the given overrides (None: keep, except for the ``keep_none`` keys)."""
+    values = {k: v for k, v in overrides.items() if v is not None or k in keep_none}
+    if tolerance is not None:
+        values["policy"] = dataclasses.replace(config.policy, quality_tolerance=tolerance)
+    return dataclasses.replace(config, **values)
+
+
+def parse_arms(items: list[str]) -> tuple[tuple[str, ...], dict]:
+    """--arms: names, and definitions written NAME=REDUCER[:key=value,...]."""
+    names, definitions = [], {}
+    for item in items:
+        name, definition = arm_spec.parse_cli_arm(item)
+        names.append(name)
+        if definition is not None:
+            definitions[name] = definition
+    return tuple(names), definitions
 
 
 def check_local_world_size(config: ExperimentConfig) -> None:
@@ -150,9 +201,20 @@ def stop_on_interrupt(error) -> int:
     return EXIT_SIGNAL.get(error.signal_name, 130)
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Everything after the first "--" is the --script's own arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if script_args and args.script is None:
+        parser.error(f"arguments after '--' ({' '.join(script_args)}) go to a --script, but no --script was given")
+    args.script_args = script_args
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     try:
         config = load_config(args)  # every value is validated here, before any launch
         check_has_compared_arm(config, args)
@@ -181,28 +243,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(run_dir: Path, plots_dir: Path) -> int:
-    """Print the ledger and the verdicts, draw the plots; EXIT_NO_DENSE when no dense run finished."""
-    from sparsecomm.lab import ledger, plots, tolerance
-    from sparsecomm.lab.results import load_experiment, load_runs
+    """Print the verdicts and the ledger, draw the plots; EXIT_NO_DENSE when no dense run
+    finished (:func:`sparsecomm.lab.report.report`)."""
+    from sparsecomm.lab.report import report as print_report
 
-    runs = load_runs(run_dir)
-    missing = ledger.missing_runs(load_experiment(run_dir), runs)
-    no_dense = ledger.no_finished_dense(runs, missing)
-    print()
-    if no_dense is not None:
-        print(f"ledger: not available: {no_dense}")
-        print(f"verdicts: not available: {no_dense}")
-        print(ledger.format_not_ok(runs, missing))
-        paths = plots.plot_run_dir(run_dir, plots_dir)
-        print("plots:", *[str(p) for p in paths], sep="\n  ")
-        return EXIT_NO_DENSE
-    print(ledger.format_ledger(ledger.build_ledger(run_dir)))
-    print()
-    print(tolerance.format_report(tolerance.check(run_dir)))
-    print()
-    paths = plots.plot_run_dir(run_dir, plots_dir, ledger.ledger_items_for_plot(run_dir))
-    print("plots:", *[str(p) for p in paths], sep="\n  ")
-    return 0
+    return print_report(run_dir, plots_dir)
 
 
 if __name__ == "__main__":

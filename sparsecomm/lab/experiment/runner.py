@@ -40,6 +40,7 @@ from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_direct
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.files import write_json_atomically
 from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
+from sparsecomm.lab.experiment.progress import RunProgress
 from sparsecomm.lab.experiment.process_tree import (
     KILL_TIMEOUT_S,
     LAUNCH_ENV,
@@ -363,6 +364,7 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
     processes: list[subprocess.Popen] = []
     error, exit_code, stop = None, None, None
     log = open(out_dir / "launch.log", "w")
+    progress = RunProgress(f"{arm} seed {seed}", steps_path, config.steps)  # quiet unless a terminal
     try:
         try:
             for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
@@ -375,6 +377,7 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
                 exit_code = next((code for code in codes if code not in (None, 0)), None if None in codes else 0)
                 if exit_code is not None:
                     break
+                progress.poll()
                 if _stalled_for(steps_path, launched) > config.stall_timeout_s:
                     error = f"stalled: no step completed for {config.stall_timeout_s:g} s (hang); killed"
                     break
@@ -384,6 +387,7 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
         except Exception as caught:  # noqa: BLE001 - e.g. the launcher cannot be started: recorded
             error = f"launch failed: {type(caught).__name__}: {caught}"
     finally:
+        progress.close()
         summary = None
         while summary is None:  # a signal before deferred() took effect: kill and record again
             try:

@@ -356,7 +356,8 @@ def _write(writer, row: dict) -> None:
 
 def result_line(summary: dict) -> str:
     """How a finished run ended, in one line: final validation loss and step time."""
-    return f"final val loss {summary['evals'][-1][2]:.4f}, {summary['median_step_seconds'] * 1e3:.1f} ms/step"
+    metric = summary.get("metric", "val_loss").replace("val_loss", "val loss")
+    return f"final {metric} {summary['evals'][-1][2]:.4f}, {summary['median_step_seconds'] * 1e3:.1f} ms/step"
 
 
 INIT_TRIES = 3

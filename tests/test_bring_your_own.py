@@ -1,0 +1,200 @@
+"""Your own task and your own training script in a paired experiment, end to end through
+``sparsecomm compare``, then ``sparsecomm check``; and the library without the lab.
+
+The examples in experiments/examples/ are what a user would write; these tests run them as
+a user would (the command line, 2 ranks, 2 arms x 3 seeds, a small budget).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from deadline import run_with_deadline
+from sparsecomm.lab.results import load_runs, load_steps
+from sparsecomm.lab.target import Target
+from sparsecomm.lab.tasks import load_user_task
+from sparsecomm.lab.tolerance import equivalence
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "experiments" / "examples"
+VERDICTS = ("EQUIVALENT", "INCONCLUSIVE", "WORSE", "BETTER")
+
+
+def _sparsecomm(*args, cwd=ROOT, timeout=400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return run_with_deadline([sys.executable, "-m", "sparsecomm", *map(str, args)], timeout=timeout, env=env, cwd=cwd)
+
+
+def _compare(tmp_path, *args, script_args=()) -> Path:
+    result = _sparsecomm("compare", *args, "--seeds", 0, 1, 2, "--out", tmp_path / "runs", "--plots",
+                         tmp_path / "plots", *(("--", *script_args) if script_args else ()))
+    assert result.returncode == 0, result.stdout[-4000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir
+
+
+def _check_gives_a_verdict(run_dir: Path, arm: str) -> str:
+    result = _sparsecomm("check", run_dir)
+    assert result.returncode in (0, 1, 3), result.stdout[-3000:]  # equivalent / worse / inconclusive
+    line = next(line for line in result.stdout.splitlines() if line.strip().startswith(arm))
+    assert any(verdict in line.upper() for verdict in VERDICTS), result.stdout
+    return result.stdout
+
+
+# --- your own task --------------------------------------------------------------------------
+
+
+def test_a_user_task_runs_paired_through_compare_and_check(tmp_path):
+    run_dir = _compare(tmp_path, "--task", "experiments/examples/user_task.py:make_task", "--arms", "dense",
+                       "t3=topk:density=0.003,momentum=0.9", "--steps", 30)
+    runs = load_runs(run_dir)
+    assert sorted((r.arm, r.seed) for r in runs) == sorted((a, s) for a in ("dense", "t3") for s in (0, 1, 2))
+    assert all(r.status == "ok" and r.evals[-1].step == 30 for r in runs)
+    spec = json.loads(next(run_dir.glob("runs/t3-seed0-*/summary.json")).read_text())
+    assert spec["arm_spec"]["options"]["density"] == 0.003 and spec["arm_spec"]["options"]["momentum"] == 0.9
+    # Paired: dense and the arm started from the same weights (same seed), so their first
+    # training losses agree; different seeds start elsewhere.
+    first = {(arm, seed): load_steps(next(run_dir.glob(f"runs/{arm}-seed{seed}-*")))[0]["train_loss"]
+             for arm in ("dense", "t3") for seed in (0, 1)}
+    assert first[("dense", 0)] == first[("t3", 0)] and first[("dense", 1)] == first[("t3", 1)]
+    assert first[("dense", 0)] != first[("dense", 1)]
+    _check_gives_a_verdict(run_dir, "t3")
+
+
+def test_user_task_errors_name_the_task(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="nothere.py: no such file"):
+        load_user_task("nothere.py:make")
+    (tmp_path / "bad_tasks.py").write_text("def make():\n    return 42\n")
+    with pytest.raises(ValueError, match=r"make\(\) returned int, not a sparsecomm.lab.tasks.Task"):
+        load_user_task("bad_tasks.py:make")
+    with pytest.raises(ValueError, match="has no callable 'other'"):
+        load_user_task("bad_tasks:other")  # a module next to you imports, as with python -m
+    result = _sparsecomm("compare", "--task", "bad_tasks.py:make", "--out", tmp_path / "runs", cwd=tmp_path)
+    assert result.returncode == 2 and "returned int" in result.stdout
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+
+
+# --- your own script ------------------------------------------------------------------------
+
+
+def test_a_user_script_runs_paired_through_compare_and_check(tmp_path):
+    run_dir = _compare(tmp_path, "--script", EXAMPLES / "user_script.py", "--arms", "dense", "topk-dgc", "--steps",
+                       30, script_args=("--eval-every", 10))
+    runs = {(r.arm, r.seed): r for r in load_runs(run_dir)}
+    assert len(runs) == 6 and all(r.status == "ok" for r in runs.values())
+    assert [e.step for e in runs[("dense", 0)].evals] == [10, 20, 30]  # the script's own eval cadence
+    for (arm, seed), run in runs.items():
+        rows = load_steps(next(run_dir.glob(f"runs/{arm}-seed{seed}-*")))
+        train = [r for r in rows if r["kind"] == "train"]
+        assert [r["step"] for r in train] == list(range(1, 31))
+        steady = train[2:]  # after the two dense warm-up steps
+        sent, dense = sum(r["bytes_sent"] for r in steady), sum(r["bytes_dense"] for r in steady)
+        assert (sent < 0.1 * dense) if arm == "topk-dgc" else sent == dense
+    summary = json.loads(next(run_dir.glob("runs/topk-dgc-seed0-*/summary.json")).read_text())
+    assert summary["arm_spec"]["options"]["momentum"] == 0.9 and summary["hook_stats"]["bytes_sent"] > 0
+    _check_gives_a_verdict(run_dir, "topk-dgc")
+    ledger = _sparsecomm("ledger", run_dir)
+    assert ledger.returncode == 0 and "topk-dgc" in ledger.stdout
+    assert (tmp_path / "plots" / run_dir.name / "time_to_loss.png").is_file()
+
+
+def test_the_metric_can_be_one_where_higher_is_better(tmp_path):
+    run_dir = _compare(tmp_path, "--script", EXAMPLES / "user_script.py", "--arms", "dense", "topk-ef", "--steps", 20,
+                       "--metric", "val_accuracy", "--mode", "max", "--tolerance", 0.05, script_args=("--eval-every", 10))
+    runs = load_runs(run_dir)
+    assert all(0 <= e.val_loss <= 1 for r in runs for e in r.evals)  # accuracies, as logged
+    out = _check_gives_a_verdict(run_dir, "topk-ef")
+    assert "val_accuracy >=" in out
+
+
+def test_higher_is_better_turns_the_difference_around():
+    dense, arm = {0: 0.90, 1: 0.80, 2: 0.85}, {0: 0.88, 1: 0.79, 2: 0.84}  # the arm is worse by 0.02, 0.01, 0.01
+    result = equivalence(dense, arm, 0.05, higher_is_better=True)
+    assert result.mean_diff == pytest.approx(0.04 / 3)  # dense - arm: > 0 reads "worse", as for a loss
+    assert equivalence(dense, arm, 0.05).mean_diff == pytest.approx(-0.04 / 3)
+    target = Target(0.85, "declared", "val_accuracy", "max")
+    assert target.reached(0.86) and not target.reached(0.84) and "val_accuracy >= 0.8500" in target.describe()
+
+
+def test_a_script_run_standalone_is_a_plain_dense_run(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLES / "user_script.py"), "--steps", "6", "--eval-every", "3"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSECOMM_")}
+    result = run_with_deadline(command, timeout=120, env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "dense seed 0: 6 steps" in result.stdout
+    assert not any(tmp_path.iterdir())  # nothing written outside the lab
+
+
+SCRIPT_HEAD = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import sparsecomm.lab
+dist.init_process_group("gloo")
+run = sparsecomm.lab.init()
+torch.manual_seed(run.seed)
+model = DDP(torch.nn.Linear(4, 2))
+optimizer = run.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(1, 4):
+    model(torch.randn(8, 4) + dist.get_rank()).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("tail, message", [
+    ("raise RuntimeError('the user script broke at step 3')", "RuntimeError: the user script broke at step 3"),
+    ("run.finish()", "run.log never recorded the experiment's metric 'val_loss'"),
+])
+def test_a_failing_script_is_a_failed_run_with_its_error(tmp_path, tail, message):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT_HEAD) + tail + "\n")
+    result = _sparsecomm("compare", "--script", script, "--arms", "dense", "topk-ef", "--seeds", 0, "--steps", 3,
+                         "--out", tmp_path / "runs", "--plots", tmp_path / "plots", cwd=tmp_path, timeout=200)
+    assert result.returncode == 4, result.stdout[-3000:]  # no dense run finished
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    failed = [r for r in load_runs(run_dir) if r.arm == "dense"]
+    assert failed and failed[0].status == "failed" and message in failed[0].describe_problem(), failed
+
+
+# --- the library without the lab ------------------------------------------------------------
+
+LIBRARY_ALONE = """
+import sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import sparsecomm, sparsecomm.hooks, sparsecomm.ops, sparsecomm.comm, sparsecomm.checkpoint, sparsecomm.monitor
+import sparsecomm.integrations
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+model = DDP(torch.nn.Linear(64, 8))
+state = sparsecomm.register_topk_hook(model, density=0.05, exchange="auto")
+sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(4, 64)).sum().backward()
+    sgd.step()
+    sgd.zero_grad()
+assert state.stats()["bytes_sent"] > 0
+assert not [m for m in sys.modules if m.startswith("sparsecomm.lab")], "the library imported the lab"
+dist.destroy_process_group()
+print("library ok")
+"""
+
+
+def test_the_library_needs_neither_scipy_matplotlib_nor_scikit_learn(tmp_path):
+    # Shadow packages first on the path stand for "not installed": importing one fails.
+    for name in ("scipy", "matplotlib", "sklearn"):
+        (tmp_path / "shadow" / name).mkdir(parents=True)
+        (tmp_path / "shadow" / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed (the library must not need it)')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), str(ROOT)]))
+    shadowed = subprocess.run([sys.executable, "-c", "import scipy"], env=env, capture_output=True, text=True,
+                              timeout=60)
+    assert shadowed.returncode != 0 and "scipy is not installed" in shadowed.stderr  # the shadows do shadow
+    result = subprocess.run([sys.executable, "-c", LIBRARY_ALONE, str(tmp_path / "store")], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0 and "library ok" in result.stdout, result.stderr[-3000:]
