@@ -45,7 +45,7 @@ def test_mpiexec_runs_match_torchrun_runs_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--arm", "dense", "--seed", "0"], "needs >= 2 processes (found 1, launcher none)"),
-    (["--arm", "sparse", "--seed", "0"], "argument --arm: invalid choice: 'sparse'"),
+    (["--arm", "sparse", "--seed", "0"], "argument --arm: 'sparse' is neither a preset"),
     (["--arm", "dense", "--seed", "-1"], "--seed must be an integer >= 0"),
 ])
 def test_bad_use_is_refused_before_any_collective(args, message, tmp_path):

@@ -4,15 +4,18 @@
   Lightning callback; needs ``pip install 'sparsecomm[lightning]'``.
 - :func:`register_topk_hook_accelerate` (``sparsecomm.integrations.accelerate``):
   Hugging Face Accelerate; needs ``pip install 'sparsecomm[accelerate]'``.
+- :class:`SparseCommTrainerCallback` (``sparsecomm.integrations.transformers``): a
+  Hugging Face ``Trainer`` callback; needs the ``transformers`` package.
 
 Nothing here imports a framework until one of these names is used: importing
-``sparsecomm`` or this package never requires Lightning or Accelerate.
+``sparsecomm`` or this package never requires Lightning, Accelerate or Transformers.
 """
 import importlib
 
 _EXPORTS = {
     "SparseCommCallback": "sparsecomm.integrations.lightning",
     "register_topk_hook_accelerate": "sparsecomm.integrations.accelerate",
+    "SparseCommTrainerCallback": "sparsecomm.integrations.transformers",
 }
 
 

@@ -30,17 +30,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparsecomm.lab.experiment.compare import (
+    add_experiment_source,
+    add_job_arguments,
     add_link_argument,
     check_link_possible,
     check_local_world_size,
     check_writable_directory,
+    experiment_from_source,
+    parse_arguments,
+    parse_arms,
     stop_on_interrupt,
+    with_job_overrides,
 )
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.hooks.config import EXCHANGE_CHOICES
 from sparsecomm.compress.value_codecs import VALUE_CODECS
 from sparsecomm.lab.experiment.config import ARM_NAMES
-from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS
 
 SPARSE_ARMS = tuple(arm for arm in ARM_NAMES if arm.startswith("topk-"))
 VERDICT_MARKERS = {"equivalent": "o", "better": "o", "inconclusive": "s", "worse": "x"}
@@ -254,11 +259,12 @@ def plot_frontier(points: list[FrontierPoint], path: Path) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsecomm frontier", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experiment", choices=sorted(EXPERIMENTS), default=DEFAULT_EXPERIMENT,
-                   help=f"named experiment to sweep (default: {DEFAULT_EXPERIMENT})")
+    add_experiment_source(p)
+    add_job_arguments(p)
     p.add_argument("--densities", nargs="+", type=float, required=True, help="densities to try, each in (0, 1]")
-    p.add_argument("--arms", nargs="+", choices=SPARSE_ARMS, default=["topk-ef", "topk-dgc"],
-                   help="sparse techniques to sweep (default: topk-ef topk-dgc)")
+    p.add_argument("--arms", nargs="+", default=["topk-ef", "topk-dgc"], metavar="ARM",
+                   help=f"sparse techniques to sweep (default: topk-ef topk-dgc): presets {SPARSE_ARMS}, arms the "
+                        "--config defines, or NAME=topk:key=value,... (without density: the sweep sets it)")
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     p.add_argument("--selector", choices=("exact", "chunk"), help="how the top-k arms select (docs/wire.md)")
@@ -276,16 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     if len(set(args.densities)) != len(args.densities):
         parser.error(f"--densities must be distinct, got {args.densities}")
     if args.value_codecs and len(set(args.value_codecs)) != len(args.value_codecs):
         parser.error(f"--value-codecs must be distinct, got {args.value_codecs}")
     value_codecs = tuple(args.value_codecs) if args.value_codecs else (None,)
-    base = EXPERIMENTS[args.experiment]()
     try:  # validate every per-density configuration before the first launch
-        config = base.with_overrides(seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps,
-                                     link=args.link, selector=args.selector, chunk_size=args.chunk_size,
+        arms, definitions = parse_arms(args.arms)
+        if "dense" in arms:
+            raise ValueError("argument --arms: the sparse techniques to sweep; dense is always run (once per density)")
+        base = with_job_overrides(experiment_from_source(args), args, definitions=definitions)
+        config = base.with_overrides(selector=args.selector, chunk_size=args.chunk_size,
                                      index_codec=args.index_codec, exchange=args.exchange)
         if config.link != "loopback":  # its own frontier files beside the loopback one
             config = config.with_overrides(name=f"{config.name}-{config.link}")
@@ -293,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         check_link_possible(config)
         for density in args.densities:
             for value_codec in value_codecs:
-                point_config(config, density, tuple(args.arms), value_codec)
+                point_config(config, density, arms, value_codec)
         check_writable_directory(args.out, "--out")
         check_writable_directory(args.plots / frontier_stem(config, value_codecs), "--plots")
     except (ValueError, TypeError, RuntimeError, OSError) as error:
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with warnings_to_stderr("sparsecomm frontier"):
-            points = run_frontier(config, sorted(args.densities), tuple(args.arms), args.out, value_codecs)
+            points = run_frontier(config, sorted(args.densities), arms, args.out, value_codecs)
     except ExperimentInterrupted as error:
         return stop_on_interrupt(error)
     except (ResultFileError, FileNotFoundError) as error:

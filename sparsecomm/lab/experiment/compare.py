@@ -52,21 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="override the arms: preset names or NAME=REDUCER[:key=value,...] (must include dense and "
                         "at least one other arm)")
+    add_job_arguments(p)
+    p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
+    p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
+    p.add_argument("--name", help=f"override the experiment name (the run directory's name): {NAME_ACCEPTED}")
+    add_link_argument(p)
+    return p
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """--task / --script and what goes with your own job (shared with frontier)."""
     p.add_argument("--task", help="your task instead of the experiment's: MODULE:FACTORY or path/to/file.py:FACTORY, "
                                   "a callable returning a sparsecomm.lab.tasks.Task")
     p.add_argument("--script", help="your training script instead of a task (it calls sparsecomm.lab.init()); "
-                                    "launched under torchrun once per arm x seed")
+                                    "launched under torchrun once per arm x seed; its own arguments after '--'")
     p.add_argument("--metric", help="the metric the verdicts compare (default val_loss; a --script logs it with "
                                     "run.log)")
     p.add_argument("--mode", choices=("min", "max"), help="min: lower metric is better (default); max: higher")
     p.add_argument("--tolerance", type=float,
                    help="quality tolerance in the metric's unit (the experiment's policy otherwise)")
     p.add_argument("--world-size", type=int, help="override the number of ranks (>= 2)")
-    p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
-    p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
-    p.add_argument("--name", help=f"override the experiment name (the run directory's name): {NAME_ACCEPTED}")
-    add_link_argument(p)
-    return p
 
 
 def add_experiment_source(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +131,13 @@ def load_config(args: argparse.Namespace) -> ExperimentConfig:
                          f"--plots), got {args.name!r}")
     config = experiment_from_source(args)
     arms, definitions = parse_arms(args.arms) if args.arms else (None, None)
-    overrides = dict(arms=arms, seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps, name=args.name,
+    return with_job_overrides(config, args, arms=arms, definitions=definitions, name=args.name)
+
+
+def with_job_overrides(config: ExperimentConfig, args: argparse.Namespace, *, arms=None, definitions=None,
+                       name=None) -> ExperimentConfig:
+    """``config`` with the command line's choices: arms, seeds, steps, link, your task or script, metric."""
+    overrides = dict(arms=arms, seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps, name=name,
                      link=args.link, metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
                      world_size=getattr(args, "world_size", None))
     if definitions:

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="named experiments: " + ", ".join(EXPERIMENTS))
     add_experiment_source(p)
-    p.add_argument("--arm", required=True, choices=ARM_NAMES, help="the arm to run")
+    p.add_argument("--arm", required=True,
+                   help=f"the arm to run: a preset ({', '.join(ARM_NAMES)}) or one the --config defines")
     p.add_argument("--seed", required=True, type=int, help="the seed (an integer >= 0)")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
@@ -55,16 +56,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
+        config = experiment_from_source(args)
+        if args.arm not in (*ARM_NAMES, *config.arm_definitions):
+            raise ValueError(f"argument --arm: {args.arm!r} is neither a preset ({', '.join(ARM_NAMES)}) nor an arm "
+                             f"the experiment defines ({', '.join(config.arm_definitions) or 'none'})")
         info = discover()
         if info.world_size < 2:
             raise ValueError(f"sparsecomm run needs >= 2 processes (found {info.world_size}, launcher "
                              f"{info.launcher}): start it with e.g. mpiexec -n 2")
-        config = experiment_from_source(args)
         # The run is the one compare would make for this arm and seed; world size from the launcher.
         seeds = config.seeds if args.seed in config.seeds else (*config.seeds, args.seed)
         arms = config.arms if args.arm in config.arms else (*config.arms, args.arm)
         config = replace(config, world_size=info.world_size, max_restarts=0, fault=None, seeds=seeds, arms=arms)
         config = config.with_overrides(steps=args.steps)
+        if config.script is not None:
+            raise ValueError("the experiment is a --script: launch the script itself (it calls "
+                             "sparsecomm.lab.init()) through sparsecomm compare, not sparsecomm run")
         if config.link != "loopback":
             raise ValueError(f"the experiment's link is {config.link!r}: emulated links are built by sparsecomm "
                              "compare, not under an external launcher; set link to 'loopback'")
