@@ -113,6 +113,8 @@ setup(
         "lightning": ["lightning>=2.0"],
         # Accelerator.register_save_state_pre_hook/register_load_state_pre_hook keep per-rank hook state.
         "accelerate": ["accelerate>=1.0"],
+        # SparseCommTrainerCallback (sparsecomm.integrations.transformers).
+        "transformers": ["transformers>=4.40"],
     },
     entry_points={"console_scripts": ["sparsecomm=sparsecomm.lab.cli:main"]},
     **_native_extension(),

@@ -50,7 +50,10 @@ def load_user_task(name: str) -> "Task":
         raise ValueError(f"task {name}: {module_name} has no callable {factory_name!r}")
     from sparsecomm.lab.tasks.base import Task
 
-    task = factory()
+    try:
+        task = factory()
+    except Exception as error:  # the user's code: say whose it is, and what it raised
+        raise ValueError(f"task {name}: {factory_name}() raised {type(error).__name__}: {error}") from error
     if not isinstance(task, Task):
         raise ValueError(f"task {name}: {factory_name}() returned {type(task).__name__}, not a "
                          "sparsecomm.lab.tasks.Task (subclass it: num_train_samples, build_model, train_batch, loss, "
