@@ -103,6 +103,18 @@ def test_a_user_script_runs_paired_through_compare_and_check(tmp_path):
     assert (tmp_path / "plots" / run_dir.name / "time_to_loss.png").is_file()
 
 
+def test_a_hugging_face_trainer_script_runs_paired_through_compare_and_check(tmp_path):
+    pytest.importorskip("transformers")
+    run_dir = _compare(tmp_path, "--script", EXAMPLES / "hf_trainer.py", "--arms", "dense", "topk-dgc", "--steps", 10,
+                       script_args=("--eval-steps", 5))
+    runs = {(r.arm, r.seed): r for r in load_runs(run_dir)}
+    assert len(runs) == 6 and all(r.status == "ok" for r in runs.values())
+    assert [e.step for e in runs[("topk-dgc", 1)].evals] == [5, 10]  # the Trainer's eval_loss, logged as val_loss
+    summary = json.loads(next(run_dir.glob("runs/topk-dgc-seed0-*/summary.json")).read_text())
+    assert 0 < summary["bytes_sent_per_step"] < 0.1 * summary["bytes_dense_per_step"]
+    _check_gives_a_verdict(run_dir, "topk-dgc")
+
+
 def test_the_metric_can_be_one_where_higher_is_better(tmp_path):
     run_dir = _compare(tmp_path, "--script", EXAMPLES / "user_script.py", "--arms", "dense", "topk-ef", "--steps", 20,
                        "--metric", "val_accuracy", "--mode", "max", "--tolerance", 0.05, script_args=("--eval-every", 10))

@@ -5,7 +5,7 @@
 - :func:`register_topk_hook_accelerate` (``sparsecomm.integrations.accelerate``):
   Hugging Face Accelerate; needs ``pip install 'sparsecomm[accelerate]'``.
 - :class:`SparseCommTrainerCallback` (``sparsecomm.integrations.transformers``): a
-  Hugging Face ``Trainer`` callback; needs the ``transformers`` package.
+  Hugging Face ``Trainer`` callback; needs ``pip install 'sparsecomm[transformers]'``.
 
 Nothing here imports a framework until one of these names is used: importing
 ``sparsecomm`` or this package never requires Lightning, Accelerate or Transformers.
