@@ -133,6 +133,19 @@ def test_higher_is_better_turns_the_difference_around():
     assert target.reached(0.86) and not target.reached(0.84) and "val_accuracy >= 0.8500" in target.describe()
 
 
+def test_a_user_script_runs_under_mpiexec_too(tmp_path):
+    from mpi_launch import mpiexec_or_skip
+
+    mpiexec_or_skip()
+    result = _sparsecomm("compare", "--script", EXAMPLES / "user_script.py", "--launcher", "mpiexec", "--arms", "dense",
+                         "topk-ef", "--seeds", 0, "--steps", 6, "--world-size", 3, "--out", tmp_path / "runs",
+                         "--plots", tmp_path / "plots", "--", "--eval-every", 3)
+    assert result.returncode == 0, result.stdout[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    runs = load_runs(run_dir)
+    assert [(r.arm, r.status, r.extra["world_size"]) for r in runs] == [("dense", "ok", 3), ("topk-ef", "ok", 3)]
+
+
 def test_a_script_run_standalone_is_a_plain_dense_run(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(EXAMPLES / "user_script.py"), "--steps", "6", "--eval-every", "3"]

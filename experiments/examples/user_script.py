@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import sparsecomm.lab  # lab
+from sparsecomm.dist import init_distributed
 
 INPUTS, CLASSES = 32, 10
 
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_distributed("gloo")  # torchrun's variables, or mpiexec's (compare --launcher mpiexec)
     run = sparsecomm.lab.init()  # lab: arm, seed and run directory from the runner
     torch.manual_seed(run.seed)  # lab: the same initial weights in every arm of a seed
     steps = run.steps or args.steps

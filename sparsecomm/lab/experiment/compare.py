@@ -72,6 +72,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tolerance", type=float,
                    help="quality tolerance in the metric's unit (the experiment's policy otherwise)")
     p.add_argument("--world-size", type=int, help="override the number of ranks (>= 2)")
+    p.add_argument("--launcher", choices=("torchrun", "mpiexec"),
+                   help="what starts each run's ranks (default torchrun; a script under mpiexec joins with "
+                        "sparsecomm.dist.init_distributed)")
 
 
 def add_experiment_source(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +142,7 @@ def with_job_overrides(config: ExperimentConfig, args: argparse.Namespace, *, ar
     """``config`` with the command line's choices: arms, seeds, steps, link, your task or script, metric."""
     overrides = dict(arms=arms, seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps, name=name,
                      link=args.link, metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
-                     world_size=getattr(args, "world_size", None))
+                     world_size=getattr(args, "world_size", None), launcher=getattr(args, "launcher", None))
     if definitions:
         overrides["arm_definitions"] = {**config.arm_definitions, **definitions}
     if getattr(args, "task", None) is not None or getattr(args, "script", None) is not None:
@@ -175,6 +178,19 @@ def check_local_world_size(config: ExperimentConfig) -> None:
     if config.world_size > limit:
         raise ValueError(f"world_size must be <= {limit} for a run on this machine ({LOCAL_RANKS_PER_CORE} ranks "
                          f"per CPU core x {cores} cores; every rank is started here), got {config.world_size}")
+
+
+def check_launcher_possible(config: ExperimentConfig) -> None:
+    """launcher mpiexec without mpiexec or mpi4py: say so before anything runs (RuntimeError)."""
+    if config.launcher != "mpiexec":
+        return
+    import importlib.util
+
+    from sparsecomm.lab.experiment.runner import find_mpiexec
+
+    if find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None:
+        raise RuntimeError("launcher mpiexec needs an mpiexec (beside the Python interpreter or on PATH) and mpi4py: "
+                           "pip install 'sparsecomm[mpi]'")
 
 
 def check_writable_directory(path: Path, argument: str) -> None:
@@ -231,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         check_has_compared_arm(config, args)
         check_local_world_size(config)
         check_link_possible(config)
+        check_launcher_possible(config)
         check_writable_directory(args.out / config.name, "--out")
         check_writable_directory(args.plots / config.name, "--plots")
     except (ValueError, TypeError, OSError, RuntimeError) as error:

@@ -20,6 +20,7 @@ from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
 
 OPTIMIZERS = ("adamw", "sgd")
 MODES = ("min", "max")
+LAUNCHERS = ("torchrun", "mpiexec")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
 CORRUPTION_ACTIONS = ("stop", "rollback")
 MAX_SEED = 2**32 - 1
@@ -90,6 +91,10 @@ class ExperimentConfig:
     script logs under this name (``run.log({NAME: value})``)."""
     mode: str = "min"
     """Whether a lower ("min", a loss) or higher ("max", an accuracy) metric is better."""
+    launcher: str = "torchrun"
+    """What starts a run's ranks on this machine: "torchrun" (restarts possible), or
+    "mpiexec" (the one beside the Python interpreter, else on PATH; no restarts). Under
+    mpiexec a script joins with :func:`sparsecomm.dist.init_distributed`."""
     arms: tuple[str, ...] = ARM_NAMES
     """Ways of reducing gradients to compare, by name: presets (ARM_NAMES) or arms defined in
     ``arm_definitions``; "dense" is the baseline every arm is paired with."""
@@ -177,6 +182,12 @@ class ExperimentConfig:
         _check(isinstance(self.metric, str) and self.metric.isidentifier(), "metric",
                "a name (letters, digits, underscores), e.g. val_loss or val_accuracy", self.metric)
         _check(self.mode in MODES, "mode", f"one of {MODES} (lower or higher is better)", self.mode)
+        _check(self.launcher in LAUNCHERS, "launcher", f"one of {LAUNCHERS}", self.launcher)
+        if self.launcher == "mpiexec":
+            _check(self.max_restarts == 0, "max_restarts", "0 with launcher mpiexec (restarts need torchrun's agent)",
+                   self.max_restarts)
+            _check(self.link == "loopback", "link", "'loopback' with launcher mpiexec (an emulated link starts one "
+                   "process per rank in its namespace itself)", self.link)
         _check(isinstance(self.arm_definitions, dict), "arm_definitions", "a JSON object of name -> definition",
                self.arm_definitions)
         object.__setattr__(self, "arm_definitions", {name: arm_spec.check_definition(name, definition)
@@ -324,7 +335,7 @@ class ExperimentConfig:
         if self.policy.staleness_limit != DEFAULT_STALENESS_LIMIT:
             d["staleness_limit"] = self.policy.staleness_limit  # default: runs keep their earlier hash
         d.pop("arm_definitions", None)
-        for key in ("metric", "mode"):  # they only change the report
+        for key in ("metric", "mode", "launcher"):  # the report, and what started the same ranks
             d.pop(key)
         for key in ("script", "script_args"):
             if not d[key]:

@@ -145,16 +145,42 @@ def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, 
     ]
 
 
+def find_mpiexec() -> str | None:
+    """The mpiexec beside the running Python (the ``mpich`` wheel puts it in the virtual
+    environment, matching mpi4py), else the one on PATH."""
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    return str(beside_python) if os.access(beside_python, os.X_OK) else shutil.which("mpiexec")
+
+
+def _mpiexec_command(config: ExperimentConfig, arm: str, seed: int, out_dir: Path) -> list[str]:
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise RuntimeError("launcher mpiexec: no mpiexec beside the Python interpreter or on PATH "
+                           "(pip install 'sparsecomm[mpi]')")
+    return [mpiexec, "-n", str(config.world_size), sys.executable, *_worker_arguments(config, arm, seed, out_dir)]
+
+
+def _mpiexec_environment() -> dict:
+    """This environment without another launcher's variables (the ranks would believe them);
+    Open MPI is told that root and more ranks than cores are fine (MPICH ignores these)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    return env
+
+
 def _launch_commands(config: ExperimentConfig, network: EmulatedNetwork | None, experiment_dir: Path, arm: str,
                      seed: int, out_dir: Path) -> list[tuple[list[str], dict | None]]:
     """(argv, environment) of the processes that make up one run.
 
-    On loopback: one torchrun, which starts the ranks. On an emulated link: one process
+    On loopback: one torchrun (or mpiexec), which starts the ranks. On an emulated link: one process
     per rank, each inside its own namespace (torchrun's agent cannot span namespaces);
     rank 0 hosts the rendezvous store at its address, and gloo is told to use the link's
     interface (it would otherwise resolve the host name to an address that does not exist
     inside the namespace).
     """
+    if network is None and config.launcher == "mpiexec":
+        return [(_mpiexec_command(config, arm, seed, out_dir), _mpiexec_environment())]
     if network is None:
         return [(_torchrun_command(config, experiment_dir, arm, seed, out_dir), None)]
     commands = []
