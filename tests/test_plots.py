@@ -260,3 +260,18 @@ def test_main_missing_run_dir(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert plots.main([str(tmp_path / "empty")]) == 2
     assert "experiment.json" in capsys.readouterr().err
+
+
+def test_a_metric_other_than_the_loss_names_the_axes_and_drops_the_train_loss(run_dir, tmp_path):
+    target = Target(0.9, "declared", "val_accuracy", "max")
+    seen = {}
+    plots.plot_loss_vs_step(load_runs(run_dir), target, tmp_path / "s.png", on_figure=lambda fig: seen.update(s=fig))
+    plots.plot_time_to_loss(load_runs(run_dir), target, tmp_path / "t.png", on_figure=lambda fig: seen.update(t=fig))
+    steps_axes, time_axes = seen["s"].axes[0], seen["t"].axes[0]
+    assert steps_axes.get_ylabel() == "val_accuracy" and steps_axes.get_title() == "val_accuracy vs step"
+    assert time_axes.get_ylabel() == "val_accuracy"
+    labels = [h.get_label() for h in steps_axes.get_legend().legend_handles]
+    assert not any("train loss" in label for label in labels)  # a loss on an accuracy's axis would mislead
+    plots.plot_loss_vs_step(load_runs(run_dir), None, tmp_path / "d.png", on_figure=lambda fig: seen.update(d=fig))
+    assert seen["d"].axes[0].get_ylabel() == "loss"
+    assert any("train loss" in h.get_label() for h in seen["d"].axes[0].get_legend().legend_handles)

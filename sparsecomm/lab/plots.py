@@ -233,12 +233,17 @@ def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *, li
     _draw_target(ax, target)
     ax.set_title("time to loss" + (f", ranks linked by {link}" if link else ""))
     ax.set_xlabel(TIME_XLABEL)
-    ax.set_ylabel("validation loss")
+    ax.set_ylabel(_metric_axis_label(target))
     ax.grid(True, alpha=0.3)
     band = Patch(facecolor="0.5", alpha=0.3, label="shaded: min to max over seeds")
     _finish_legend(ax, groups, styles, drawn, [band])
     _draw_note(fig, note)
     return _save(fig, path, on_figure)
+
+
+def _metric_axis_label(target: Target | None) -> str:
+    """The y axis of the metric: "validation loss" for the built-in metric, else its name."""
+    return "validation loss" if target is None or target.metric == "val_loss" else target.metric
 
 
 def _train_curve(runs: list[RunSummary]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -274,7 +279,8 @@ def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *, no
             continue
         evals = [{e.step: e.val_loss for e in r.evals} for r in group["ok"]]
         steps = sorted(set.intersection(*(set(e) for e in evals)))
-        train = _train_curve(group["ok"])
+        # The training loss shares the axis only with a loss (not with, say, an accuracy).
+        train = _train_curve(group["ok"]) if _metric_axis_label(target) == "validation loss" else None
         if train is not None:
             train_steps, train_loss = train
             window = max(1, len(train_steps) // 50)
@@ -287,9 +293,10 @@ def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *, no
         _draw_mean_band(ax, steps, *_mean_band(curves, steps), styles[arm], _arm_label(arm, group))
         drawn.add(arm)
     _draw_target(ax, target)
-    ax.set_title("loss vs step")
+    ax.set_title("loss vs step" if _metric_axis_label(target) == "validation loss" else
+                 f"{_metric_axis_label(target)} vs step")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss" if _metric_axis_label(target) == "validation loss" else _metric_axis_label(target))
     ax.grid(True, alpha=0.3)
     extra = [Patch(facecolor="0.5", alpha=0.3, label="shaded: min to max over seeds")]
     if any_train:
