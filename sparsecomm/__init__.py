@@ -16,6 +16,10 @@ _HOOK_NAMES = ("DenseFallbackWarning", "DensitySchedule", "MomentumMismatchWarni
 
 
 def __getattr__(name):
+    if name == "SparseDeltaAverager":
+        from sparsecomm.averaging.sparse_delta import SparseDeltaAverager
+
+        return SparseDeltaAverager
     if name in _HOOK_NAMES:
         from sparsecomm import hooks
 
@@ -23,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'sparsecomm' has no attribute {name!r}")
 
 
-__all__ = ["ConservationError", "SparsecommError", *_HOOK_NAMES, "__version__"]
+__all__ = ["ConservationError", "SparseDeltaAverager", "SparsecommError", *_HOOK_NAMES, "__version__"]

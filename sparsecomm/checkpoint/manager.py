@@ -215,8 +215,11 @@ class CheckpointManager:
         if self.hook_state is not None:
             if getattr(self.hook_state, "pending_collectives", 0):
                 problems.append(f"{self.hook_state.pending_collectives} hook collective(s) in flight (save after optimizer.step())")
-            if self.hook_state.step != step:
-                problems.append(f"hook state counted {self.hook_state.step} steps, not {step}")
+            # A TopKState counts its steps in .step; an averager, whose step() is its API, in .optimizer_steps.
+            counted = getattr(self.hook_state, "optimizer_steps", None)
+            counted = self.hook_state.step if counted is None else counted
+            if counted != step:
+                problems.append(f"hook state counted {counted} steps, not {step}")
         if self.scheduler is not None and self.scheduler.last_epoch != step:
             problems.append(f"scheduler last_epoch is {self.scheduler.last_epoch}, not {step}")
         optimizer_steps = {int(s["step"]) for s in self.optimizer.state.values() if "step" in s}

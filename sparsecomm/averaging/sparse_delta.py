@@ -1,0 +1,217 @@
+"""Local steps with a sparse, error-fed outer sync of the weights (SparseLoCo-style).
+
+Between syncs every replica trains alone: the averager registers a comm hook that reduces
+nothing (:func:`sparsecomm.hooks.local_gradient.local_gradient_hook`), so the inner
+optimizer (AdamW at its normal betas) sees this rank's own gradients. Every ``period``
+optimizer steps, :meth:`SparseDeltaAverager.step` does the outer step::
+
+    delta   = anchor - weights                 # this rank's pseudo-gradient since the last sync
+    e       = ef_decay * e + delta              # the error-feedback buffer (stands in for outer momentum)
+    sent    = C(e);  e -= decoded(sent)         # top-k (per chunk) + value codec, the hook's wire formats
+    average = sum over ranks of decoded(sent) / world_size
+    weights = anchor - outer_lr * average;  anchor = weights
+
+Every rank decodes the same gathered bytes in rank order from the same anchor, so every
+replica holds the same bits after a sync (the tests check it). The inner optimizers'
+states stay per rank, as in SparseLoCo and DiLoCo. The payload is the one the top-k hook
+sends for a bucket of the model's size (``selector``, ``chunk_size``, ``index_codec``,
+``value_codec``: docs/wire.md), all-gathered; bytes are counted as the hook counts them.
+"""
+import copy
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sparsecomm import compress, ops
+from sparsecomm.comm.collectives import allgather_future
+from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.hooks.config import TopKConfig
+from sparsecomm.hooks.local_gradient import local_gradient_hook
+from sparsecomm.hooks.pipeline.layouts import payload_layout
+from sparsecomm.hooks.validation import check_choice, check_int, check_real
+
+SETTINGS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr", "ef_decay")
+STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
+         "seconds_encode", "seconds_exchange", "seconds_decode")
+
+
+class SparseDeltaAverager:
+    """Local steps with a sparse outer sync; call :meth:`step` after every ``optimizer.step()``.
+
+    Args:
+        ddp_model: the DDP model (no comm hook yet: the averager registers its own).
+        period: optimizer steps between outer syncs (H), an integer >= 1.
+        density: fraction of the model's entries sent per sync, in (0, 1] (64/4096 = 1.5625%: SparseLoCo's).
+        selector: "chunk" (the top entries of every ``chunk_size`` entries) or "exact".
+        chunk_size, index_codec, value_codec: the wire, as :class:`sparsecomm.TopKState`
+            (defaults: chunks of 4096, Rice-coded indices, 2-bit values with a bf16 scale per chunk).
+        outer_lr: the outer step's learning rate, > 0 (SparseLoCo: 0.6-1.0).
+        ef_decay: decay of the error-feedback buffer, in [0, 1] (SparseLoCo: 0.95).
+        process_group: the group to average over (None: the default group).
+    """
+
+    def __init__(self, ddp_model, *, period: int = 16, density: float = 64 / 4096, selector: str = "chunk",
+                 chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
+                 outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None):
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
+        self.period = check_int("period", period, 1)
+        self.outer_lr = check_real("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
+        self.ef_decay = check_real("ef_decay", ef_decay, 0.0, 1.0, low_open=False, high_open=False)
+        check_choice("selector", selector, ("chunk", "exact"))
+        # The wire's own validation: the same refusals and messages as the hook's.
+        self.wire = TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size,
+                                     index_codec=index_codec, value_codec=value_codec, warmup_steps=0,
+                                     error_feedback=False)  # the averager keeps its own error feedback
+        self.density, self.selector, self.chunk_size = self.wire.density, selector, chunk_size
+        self.index_codec, self.value_codec = index_codec, value_codec
+        self.process_group = process_group
+        self.module = ddp_model.module
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("ddp_model has no parameter that requires grad: nothing to average")
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        self.layout = payload_layout(self.wire, self.density, numel, compress.num_selected(numel, self.density),
+                                     torch.float32)
+        with torch.no_grad():
+            self.anchor = self._flat_weights()  # replicas are equal here: DDP broadcast rank 0's weights
+        self.error = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.step_count = 0
+        self.counters = dict.fromkeys(STATS, 0)
+        self.counters["seconds_encode"] = self.counters["seconds_exchange"] = self.counters["seconds_decode"] = 0.0
+        ddp_model.register_comm_hook(None, local_gradient_hook)
+
+    # -- the hook-state protocol the checkpoint manager reads ----------------------------------
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps counted (the checkpoint manager checks it against its own)."""
+        return self.step_count
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    # -- the outer step --------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Count one optimizer step; at the end of a period, sync (True when it did). Every
+        rank calls it after every ``optimizer.step()``: the sync is a collective."""
+        self.step_count += 1
+        if self.step_count % self.period:
+            return False
+        self._sync()
+        return True
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        started = time.perf_counter()
+        delta = self.anchor - self._flat_weights()
+        self.error.mul_(self.ef_decay)
+        payload = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.error.device)
+        sent = self._encode(delta, payload)  # error <- ef_decay * error + delta - decoded
+        encoded = time.perf_counter()
+        world_size = self.world_size
+        gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        allgather_future(gathered, payload, self.process_group).wait()
+        exchanged = time.perf_counter()
+        average = torch.empty_like(self.anchor)
+        self._decode(gathered.view(world_size, -1), average)
+        average.div_(world_size)
+        self.anchor.sub_(average, alpha=self.outer_lr)
+        self._write_weights(self.anchor)
+        done = time.perf_counter()
+        dense = self.anchor.numel() * 4
+        self._count(syncs=1, bytes_sent=payload.numel(), bytes_dense=dense,
+                    bytes_received=(world_size - 1) * payload.numel(), elements_sent=sent,
+                    elements_total=self.anchor.numel(), seconds_encode=encoded - started,
+                    seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
+
+    def _encode(self, delta: torch.Tensor, payload: torch.Tensor) -> int:
+        """Select and encode ``delta + error`` into ``payload``; the error keeps what was not sent."""
+        if isinstance(self.layout, ChunkLayout):
+            indices, _ = ops.dispatch.chunk_encode(delta, self.error, 1.0, True, self.layout, payload)
+            return indices.numel()
+        index_view, value_view = self.layout.payload_views(payload)
+        ops.ef_topk_pack(delta, self.error, 1.0, True, self.layout.capacity, index_view, value_view)
+        return self.layout.capacity
+
+    def _decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = the sum of every rank's decoded payload, in rank order."""
+        if isinstance(self.layout, ChunkLayout):
+            ops.dispatch.chunk_decode_add(gathered, self.layout, out)
+        else:
+            ops.unpack_payloads(gathered, out, self.layout.capacity, torch.float32)
+
+    def _flat_weights(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def _write_weights(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.data.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _count(self, **increments) -> None:
+        for name, value in increments.items():
+            self.counters[name] += value
+
+    # -- stats and checkpoints -------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since construction (or the last load), for this rank; byte counters as
+        :meth:`sparsecomm.TopKState.stats` (``bytes_dense``: an fp32 allreduce of the
+        weights at every sync); ``bytes_sent_per_step``: amortised over the steps counted."""
+        s = dict(self.counters)
+        s["steps"] = self.step_count
+        s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
+        s["bytes_sent_per_step"] = s["bytes_sent"] / self.step_count if self.step_count else None
+        s["residual_reset"] = False
+        return s
+
+    def settings(self) -> dict:
+        return {"period": self.period, "density": self.density, "selector": self.selector,
+                "chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec,
+                "outer_lr": self.outer_lr, "ef_decay": self.ef_decay}
+
+    def state_dict(self) -> dict:
+        """This rank's state: its error buffer and the anchor (the weights at the last sync),
+        under ``rank<r>.`` keys, with the settings and the step count."""
+        rank = dist.get_rank(self.process_group)
+        return {"kind": "SparseDeltaAverager", "settings": self.settings(), "step": self.step_count,
+                "world_size": self.world_size, "counters": dict(self.counters),
+                f"rank{rank}.error": self.error.clone(), f"rank{rank}.anchor": self.anchor.clone()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` bit for bit; refuses another world size, another rank's
+        entries, a model of another size and (``strict``) other settings, naming both values."""
+        rank = dist.get_rank(self.process_group)
+        if not isinstance(state, dict) or state.get("kind") != "SparseDeltaAverager":
+            raise ValueError("not a SparseDeltaAverager state dict")
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"the state was saved by {state['world_size']} ranks, this job has {self.world_size}")
+        if strict and state["settings"] != self.settings():
+            raise ValueError(f"the state was saved with settings {state['settings']}, this averager has "
+                             f"{self.settings()} (strict=False loads it anyway)")
+        key = f"rank{rank}."
+        if key + "error" not in state:
+            raise ValueError(f"the state has no entries for rank {rank} ({key}error)")
+        for name in ("error", "anchor"):
+            saved = state[key + name]
+            mine = getattr(self, name)
+            if saved.shape != mine.shape:
+                raise ValueError(f"{key}{name} holds {saved.numel()} entries, the model has {mine.numel()}")
+            mine.copy_(saved)
+        self.step_count = int(state["step"])
+        self.counters = dict.fromkeys(STATS, 0) | dict(state.get("counters", {}))
+
+    def __deepcopy__(self, memo):
+        # The checkpoint manager stages a restore on a copy: copy the state, share the model.
+        clone = copy.copy(self)
+        clone.error, clone.anchor = self.error.clone(), self.anchor.clone()
+        clone.counters = dict(self.counters)
+        return clone
