@@ -154,3 +154,15 @@ def test_a_config_names_a_task_or_a_script_not_both(tmp_path):
         ExperimentConfig(name="x", script=str(tmp_path / "missing.py"))
     with pytest.raises(ValueError, match="mode must be one of"):
         ExperimentConfig(name="x", task="digits-mlp", mode="biggest")
+
+
+def test_a_sparse_delta_arm_resolves_and_its_period_must_divide_checkpoints_and_replica_checks():
+    loco = {"loco": {"reducer": "sparse-delta", "options": {"period": 20}}}
+    config = dataclasses.replace(pydoc_gpt(), arms=("dense", "loco"), arm_definitions=loco)  # checkpoints every 100
+    spec = config.arm("loco")
+    assert spec.options == {"density": 0.01, "period": 20, "selector": "chunk", "chunk_size": 4096,
+                            "index_codec": "rice", "value_codec": "int2", "outer_lr": 0.7, "ef_decay": 0.95}
+    with pytest.raises(ValueError, match=r"checkpoint_every must be a multiple of its period 30"):
+        dataclasses.replace(config, arm_definitions={"loco": {"reducer": "sparse-delta", "options": {"period": 30}}})
+    with pytest.raises(ValueError, match=r"arm 'loco': outer_lr"):
+        dataclasses.replace(config, arm_definitions={"loco": {"reducer": "sparse-delta", "options": {"outer_lr": 0}}})

@@ -49,8 +49,13 @@ def _syncs(rank, world_size, settings, steps):
     for _ in range(steps // averager.period):
         _train(model, optimizer, averager, averager.period, generator, record=before)
         after.append(_flat(model))
-    return {"initial": initial, "before": before, "after": after, "stats": averager.stats(),
-            "error": averager.error.clone()}
+    stats, error = averager.stats(), averager.error.clone()
+    _train(model, optimizer, averager, 1, generator)  # one local step past the last sync
+    local = _flat(model)
+    with averager.consensus_weights():
+        consensus = _flat(model)
+    return {"initial": initial, "before": before, "after": after, "stats": stats, "error": error,
+            "consensus": consensus, "local_kept": torch.equal(_flat(model), local)}
 
 
 def _replay(initial, before_per_rank, settings) -> list[torch.Tensor]:
@@ -93,6 +98,8 @@ def test_each_sync_is_the_replayed_outer_step_and_replicas_end_bit_identical(wor
         torch.testing.assert_close(results[0]["after"][sync], want, rtol=1e-6, atol=1e-7)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["error"], errors[rank], rtol=1e-5, atol=1e-6)
+    for result in results:  # evaluation sees the last sync's weights; the local ones come back after
+        assert torch.equal(result["consensus"], results[0]["after"][-1]) and result["local_kept"]
     stats = results[0]["stats"]
     assert stats["syncs"] == 4 and stats["steps"] == 4 * PERIOD
     assert stats["elements_sent"] == 4 * 8 * (results[0]["initial"].numel() // CHUNK)

@@ -62,7 +62,7 @@ def main() -> None:
             optimizer.step()
             step += 1
             if step % args.eval_every == 0 or step == steps:
-                with torch.no_grad():
+                with torch.no_grad(), run.evaluating():  # lab: the synced weights, for arms that train locally
                     logits = model.module(val_inputs)
                     val_loss = F.cross_entropy(logits, val_labels).item()
                     val_accuracy = (logits.argmax(dim=1) == val_labels).float().mean().item()

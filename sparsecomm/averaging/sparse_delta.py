@@ -17,6 +17,7 @@ states stay per rank, as in SparseLoCo and DiLoCo. The payload is the one the to
 sends for a bucket of the model's size (``selector``, ``chunk_size``, ``index_codec``,
 ``value_codec``: docs/wire.md), all-gathered; bytes are counted as the hook counts them.
 """
+import contextlib
 import copy
 import math
 import time
@@ -38,6 +39,19 @@ STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent"
          "seconds_encode", "seconds_exchange", "seconds_decode")
 
 
+def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay) -> TopKConfig:
+    """The averager's settings checked (ValueError/TypeError naming the argument and its
+    range); returns the wire's TopKConfig. Needs no model: configs are checked before a run."""
+    check_int("period", period, 1)
+    check_real("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
+    check_real("ef_decay", ef_decay, 0.0, 1.0, low_open=False, high_open=False)
+    check_choice("selector", selector, ("chunk", "exact"))
+    # The wire's own validation: the same refusals and messages as the hook's. The averager
+    # keeps its own error feedback, so the hook's (and its warm-up) is off here.
+    return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
+                            value_codec=value_codec, warmup_steps=0, error_feedback=False)
+
+
 class SparseDeltaAverager:
     """Local steps with a sparse outer sync; call :meth:`step` after every ``optimizer.step()``.
 
@@ -55,17 +69,14 @@ class SparseDeltaAverager:
 
     def __init__(self, ddp_model, *, period: int = 16, density: float = 64 / 4096, selector: str = "chunk",
                  chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
-                 outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None):
+                 outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
+                 register_hook: bool = True):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
-        self.period = check_int("period", period, 1)
-        self.outer_lr = check_real("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
-        self.ef_decay = check_real("ef_decay", ef_decay, 0.0, 1.0, low_open=False, high_open=False)
-        check_choice("selector", selector, ("chunk", "exact"))
-        # The wire's own validation: the same refusals and messages as the hook's.
-        self.wire = TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size,
-                                     index_codec=index_codec, value_codec=value_codec, warmup_steps=0,
-                                     error_feedback=False)  # the averager keeps its own error feedback
+        self.wire = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
+                                   index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
+                                   ef_decay=ef_decay)
+        self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
         self.density, self.selector, self.chunk_size = self.wire.density, selector, chunk_size
         self.index_codec, self.value_codec = index_codec, value_codec
         self.process_group = process_group
@@ -83,7 +94,21 @@ class SparseDeltaAverager:
         self.step_count = 0
         self.counters = dict.fromkeys(STATS, 0)
         self.counters["seconds_encode"] = self.counters["seconds_exchange"] = self.counters["seconds_decode"] = 0.0
-        ddp_model.register_comm_hook(None, local_gradient_hook)
+        if register_hook:  # False: the caller registers local_gradient_hook itself (wrapped, e.g. timed)
+            ddp_model.register_comm_hook(None, local_gradient_hook)
+
+    @contextlib.contextmanager
+    def consensus_weights(self):
+        """Inside, the model holds the weights of the last sync (the same on every rank: the
+        model the replicas agree on, to evaluate); its local weights come back after."""
+        with torch.no_grad():
+            local = self._flat_weights()
+            self._write_weights(self.anchor)
+        try:
+            yield self.module
+        finally:
+            with torch.no_grad():
+                self._write_weights(local)
 
     # -- the hook-state protocol the checkpoint manager reads ----------------------------------
 

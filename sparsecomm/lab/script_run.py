@@ -98,7 +98,7 @@ class Run:
         arm_hook = hook_for_spec(self.spec, ddp_model, self.seed)
         self._description = arm_hook.description
         self._arm_hook = arm_hook
-        self.hook_state = arm_hook.state if self.spec.reducer in ("topk", "powersgd") else None
+        self.hook_state = arm_hook.checkpoint_state if self.spec.reducer != "powersgd" else arm_hook.state
         self._meter = HookMeter(arm_hook)
         self._meter.register(ddp_model)
         adapt_optimizer(optimizer, self.spec)
@@ -110,6 +110,14 @@ class Run:
             self._writer = StepLog(self.run_dir, append=False)
         self._last_step_end = time.perf_counter()
         return optimizer
+
+    def evaluating(self):
+        """Evaluate inside this: for an arm that trains locally between syncs (sparse-delta),
+        the model then holds the weights every rank agrees on (the last sync's); for other
+        arms, and standalone, it changes nothing."""
+        import contextlib
+
+        return self._arm_hook.evaluation() if self._meter is not None else contextlib.nullcontext()
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         """Record metrics at ``step`` (default: the optimizer steps taken so far).
@@ -163,21 +171,26 @@ class Run:
         self._step_started = time.perf_counter()  # backward (and whatever follows it) is done
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        from sparsecomm.lab.experiment.arms import after_optimizer_step
+
+        after = after_optimizer_step(self._arm_hook)  # an averager's outer sync, every period steps
         now = time.perf_counter()
         measured = self._meter.take_step()
         step_seconds = now - self._last_step_end
         last_hook = measured["last_hook_return"]
         comm_wait = max(0.0, self._step_started - last_hook) if last_hook is not None else 0.0
+        comm_wait += after["comm_seconds"]
+        compress = measured["hook_seconds"] + after["compress_seconds"]
         self._step += 1
         row = {
             "kind": "train",
             "step": self._step,
             "train_loss": self._train_loss,
             "step_seconds": step_seconds,
-            "compute_seconds": step_seconds - measured["hook_seconds"] - comm_wait,
-            "compress_seconds": measured["hook_seconds"],
+            "compute_seconds": step_seconds - compress - comm_wait,
+            "compress_seconds": compress,
             "comm_wait_seconds": comm_wait,
-            "bytes_sent": measured["bytes_sent"],
+            "bytes_sent": measured["bytes_sent"] + after["bytes_sent"],
             "bytes_dense": measured["bytes_dense"],
             "elapsed_seconds": time.time() - self._started,
         }

@@ -21,6 +21,7 @@ Reducers and their options:
 | fp16, bf16 | torch ``fp16_/bf16_compress_hook``        | none (bf16 needs NCCL; on gloo it is fp16)        |
 | powersgd   | torch ``powerSGD_hook``                  | ``rank``, ``start_iter``, ``use_error_feedback``, ``warm_start`` |
 | topk       | sparsecomm ``topk_hook`` + ``TopKState``   | every ``TopKState`` keyword that a JSON value can hold (:data:`TOPK_OPTIONS`) |
+| sparse-delta | ``SparseDeltaAverager``: local steps, a sparse outer sync every ``period`` | :data:`SPARSE_DELTA_OPTIONS` |
 
 A topk arm with ``momentum`` > 0 (DGC momentum correction) runs an optimizer without
 momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``,
@@ -36,17 +37,25 @@ from dataclasses import dataclass, field
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
-REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk")
+REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk", "sparse-delta")
 TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "selector", "value_dtype", "allow_dense_fallback",
                 "verify_conservation", "k_scope", "density_schedule", "nesterov", "local_clip_norm", "transport",
                 "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link")
 """TopKState keywords an arm may set. Not here: process_group and module (the run's),
 seed (the run's seed), grad_scaler and on_overflow (the task has no scaler)."""
 POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
+SPARSE_DELTA_OPTIONS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr",
+                        "ef_decay")
+"""SparseDeltaAverager keywords: local steps, then every ``period`` steps a sparse outer sync."""
+SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, "index_codec": "rice",
+                         "value_codec": "int2", "outer_lr": 0.7, "ef_decay": 0.95}
+"""What a sparse-delta arm leaves out (density: the experiment's): SparseLoCo's wire (chunks
+of 4096, Rice indices, 2-bit values), its outer learning rate and error-feedback decay."""
 OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """``value_dtype`` / ``residual_dtype`` are written as these names (a JSON value cannot hold a torch.dtype)."""
-OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS}
+OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS,
+           "sparse-delta": SPARSE_DELTA_OPTIONS}
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,9 @@ def resolve(name: str, config) -> ArmSpec:
         options = {"rank": config.powersgd_rank, "start_iter": config.warmup_steps, "use_error_feedback": True,
                    "warm_start": True, **options}
         _check_powersgd(name, options)
+    elif reducer == "sparse-delta":
+        options = {"density": config.density, **SPARSE_DELTA_DEFAULTS, **options}
+        _check_sparse_delta(name, options, config)
     if config.script is not None:
         # The script builds its own optimizer: an arm can only change it (run.apply does, in place).
         optimizer = dict(definition.get("optimizer", {}))
@@ -200,6 +212,22 @@ def _check_topk(name: str, options: dict) -> None:
         TopKConfig.build(**kwargs)
     except (TypeError, ValueError) as error:
         raise ValueError(f"experiment config: arm {name!r}: {error}") from None
+
+
+def _check_sparse_delta(name: str, options: dict, config) -> None:
+    from sparsecomm.averaging.sparse_delta import check_settings
+
+    try:
+        check_settings(**options)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"experiment config: arm {name!r}: {error}") from None
+    period = options["period"]
+    # Checkpoints and replica checks need the replicas equal: right after a sync.
+    for field_name in ("checkpoint_every", "monitor_every"):
+        value = getattr(config, field_name)
+        if value % period:
+            raise ValueError(f"experiment config: arm {name!r}: {field_name} must be a multiple of its period "
+                             f"{period} (the replicas agree only right after a sync), got {value}")
 
 
 def _check_powersgd(name: str, options: dict) -> None:

@@ -13,7 +13,11 @@ The presets (an arm defined as data resolves to its reducer the same way:
 | topk-ef    | sparsecomm ``topk_hook``, error feedback                      |
 | topk-noef  | sparsecomm ``topk_hook`` without error feedback (ablation)    |
 | topk-dgc   | sparsecomm ``topk_hook``, error feedback + DGC momentum correction; the optimizer runs without momentum of its own |
+
+A ``sparse-delta`` arm (only as data) trains locally and syncs the weights every ``period``
+steps through :class:`sparsecomm.SparseDeltaAverager`; its comm hook reduces nothing.
 """
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +42,36 @@ class ArmHook:
     call_bytes: Callable
     snapshot: Callable = lambda state: None
     stats: Callable = lambda state: None
+    averager: object = None
+    """A SparseDeltaAverager (reducer sparse-delta): stepped after every optimizer step
+    (:func:`after_optimizer_step`), checkpointed, and evaluated on its consensus weights."""
+
+    @property
+    def checkpoint_state(self):
+        """What the checkpoint manager saves per rank beside the model (None: nothing)."""
+        return self.averager if self.averager is not None else (
+            self.state if isinstance(self.state, TopKState) else None)
+
+    def evaluation(self):
+        """Where to evaluate: the replicas' consensus (the last sync) for an averager, else the model as it is."""
+        return self.averager.consensus_weights() if self.averager is not None else contextlib.nullcontext()
+
+
+def after_optimizer_step(arm_hook: ArmHook) -> dict:
+    """Run what follows an optimizer step (an averager's step, perhaps a sync); the figures
+    it adds to the step: bytes sent, host time encoding/decoding, time in the exchange."""
+    averager = arm_hook.averager
+    if averager is None:
+        return {"bytes_sent": 0, "compress_seconds": 0.0, "comm_seconds": 0.0}
+    before = averager.stats()
+    averager.step()
+    after = averager.stats()
+
+    def grew(key):
+        return after[key] - before[key]
+
+    return {"bytes_sent": grew("bytes_sent"), "compress_seconds": grew("seconds_encode") + grew("seconds_decode"),
+            "comm_seconds": grew("seconds_exchange")}
 
 
 def _buffer_bytes(state, bucket, before) -> int:
@@ -82,6 +116,18 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
             return ArmHook("torch bf16_compress_hook", process_group, default_hooks.bf16_compress_hook, _half_bytes)
         why = " (bf16 needs NCCL)" if spec.reducer == "bf16" else ""
         return ArmHook(f"torch fp16_compress_hook{why}", process_group, default_hooks.fp16_compress_hook, _half_bytes)
+    if spec.reducer == "sparse-delta":
+        from sparsecomm.averaging import SparseDeltaAverager
+        from sparsecomm.hooks.local_gradient import local_gradient_hook
+
+        averager = SparseDeltaAverager(ddp_model, process_group=process_group, register_hook=False, **spec.options)
+        options = spec.options
+        return ArmHook(
+            f"sparsecomm SparseDeltaAverager period {options['period']} density {options['density']:g} "
+            f"{options['selector']} {options['index_codec']}/{options['value_codec']} outer_lr {options['outer_lr']:g} "
+            f"ef_decay {options['ef_decay']:g}",
+            None, local_gradient_hook, lambda state, bucket, before: 0, stats=lambda state: averager.stats(),
+            averager=averager)
     if spec.reducer == "powersgd":
         options = spec.options
         state = powerSGD_hook.PowerSGDState(

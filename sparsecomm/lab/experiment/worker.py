@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparsecomm.lab.experiment.arms import HookMeter, make_arm_hook
+from sparsecomm.lab.experiment.arms import HookMeter, after_optimizer_step, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.dist import discover, init_distributed
 from sparsecomm.lab.experiment.config import ExperimentConfig
@@ -171,7 +171,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     if config.checkpoint_every and out_dir is not None:
         checkpoints = CheckpointManager(
             out_dir / "checkpoints", model=ddp, optimizer=optimizer,
-            hook_state=arm_hook.state if isinstance(arm_hook.state, TopKState) else None,
+            hook_state=arm_hook.checkpoint_state,
             probe=_probe(task, config), config_hash=config.run_hash(arm, seed), keep=config.keep_checkpoints,
         )
         start_step, counters, rows, evals = _resume(checkpoints, out_dir, rank)
@@ -232,21 +232,24 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             loss.backward()
             backward_done = time.perf_counter()
             optimizer.step()
+            after = after_optimizer_step(arm_hook)  # an averager's outer sync, every period steps
             finished = time.perf_counter()
             measured = meter.take_step()
             # Outside the timed region: the mean loss over ranks, for the record.
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             comm_wait = max(0.0, backward_done - measured["last_hook_return"]) if measured["last_hook_return"] else 0.0
+            comm_wait += after["comm_seconds"]
+            compress = measured["hook_seconds"] + after["compress_seconds"]
             row = {
                 "kind": "train",
                 "step": step,
                 "train_loss": mean_loss.item() / world_size,
                 "step_seconds": finished - started,
-                "compute_seconds": finished - started - measured["hook_seconds"] - comm_wait,
-                "compress_seconds": measured["hook_seconds"],
+                "compute_seconds": finished - started - compress - comm_wait,
+                "compress_seconds": compress,
                 "comm_wait_seconds": comm_wait,
-                "bytes_sent": measured["bytes_sent"],
+                "bytes_sent": measured["bytes_sent"] + after["bytes_sent"],
                 "bytes_dense": measured["bytes_dense"],
                 "elapsed_seconds": elapsed(),
             }
@@ -263,7 +266,8 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                     counters.setdefault("recovery_seconds", time.time() - fault["wall_time"])
             recovering = False
             if step % config.eval_every == 0 or step == config.steps:
-                val_loss = task.val_loss(model)
+                with arm_hook.evaluation():  # an averager's consensus weights, the same on every rank
+                    val_loss = task.val_loss(model)
                 evals.append([step, elapsed(), val_loss])
                 _write(writer, {"kind": "eval", "step": step, "val_loss": val_loss, "elapsed_seconds": evals[-1][1]})
             if replicas is not None:
