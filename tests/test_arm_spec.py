@@ -166,3 +166,16 @@ def test_a_sparse_delta_arm_resolves_and_its_period_must_divide_checkpoints_and_
         dataclasses.replace(config, arm_definitions={"loco": {"reducer": "sparse-delta", "options": {"period": 30}}})
     with pytest.raises(ValueError, match=r"arm 'loco': outer_lr"):
         dataclasses.replace(config, arm_definitions={"loco": {"reducer": "sparse-delta", "options": {"outer_lr": 0}}})
+
+
+def test_the_sign_mode_is_a_topk_arm_with_the_sign_sgd_optimizer():
+    from sparsecomm.hooks.sign_sgd import SignSGD
+
+    sign = {"sign": {"reducer": "topk", "options": {"density": 0.003, "value_codec": "sign", "selector": "chunk",
+                                                    "index_codec": "rice"},
+                     "optimizer": {"optimizer": "signsgd", "lr": 0.001}}}
+    config = dataclasses.replace(pydoc_gpt(), arms=("dense", "sign"), arm_definitions=sign)
+    optimizer = make_optimizer(config, torch.nn.Linear(3, 2).parameters(), "sign")
+    assert isinstance(optimizer, SignSGD) and optimizer.param_groups[0]["lr"] == 0.001
+    with pytest.raises(ValueError, match=r"optimizer optimizer must be one of \('adamw', 'sgd', 'signsgd'\)"):
+        dataclasses.replace(config, arm_definitions={"sign": {**sign["sign"], "optimizer": {"optimizer": "lion"}}})

@@ -122,3 +122,15 @@ def test_nesterov_needs_momentum():
 def test_local_clip_norm_must_be_positive():
     with pytest.raises(ValueError, match=r"local_clip_norm must be in \(0.0, inf\), got 0.0"):
         sparsecomm.TopKState(density=0.01, momentum=0.9, local_clip_norm=0)
+
+
+def test_sign_sgd_moves_each_weight_by_lr_in_the_sign_of_its_gradient():
+    from sparsecomm.hooks.sign_sgd import SignSGD
+
+    weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    weight.grad = torch.tensor([0.3, -1e-8, 0.0, -40.0])  # sizes do not matter, signs do; 0 stays
+    SignSGD([weight], lr=0.1, weight_decay=0.5).step()
+    decayed = torch.tensor([1.0, -2.0, 3.0, 0.5]) * (1 - 0.1 * 0.5)
+    assert torch.equal(weight.detach(), decayed - 0.1 * torch.tensor([1.0, -1.0, 0.0, -1.0]))
+    with pytest.raises(ValueError, match="lr"):
+        SignSGD([weight], lr=0.0)

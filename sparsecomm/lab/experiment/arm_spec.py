@@ -24,8 +24,10 @@ Reducers and their options:
 | sparse-delta | ``SparseDeltaAverager``: local steps, a sparse outer sync every ``period`` | :data:`SPARSE_DELTA_OPTIONS` |
 
 A topk arm with ``momentum`` > 0 (DGC momentum correction) runs an optimizer without
-momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``,
-``lr``, ``momentum``, ``weight_decay``) override the experiment's for that arm only.
+momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``:
+adamw, sgd or signsgd, ``lr``, ``momentum``, ``weight_decay``) override the experiment's for
+that arm only; ``signsgd`` with a topk arm is the sign mode (DeMo-style: error feedback,
+then the sign of the aggregate).
 Options an arm leaves out take the experiment's values (``density``, ``warmup_steps``, the
 wire fields; ``seed`` is always the run's), and the resolved arm (every option explicit)
 is what is hashed, stored with each run and printed in the report.
@@ -52,6 +54,8 @@ SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, 
 """What a sparse-delta arm leaves out (density: the experiment's): SparseLoCo's wire (chunks
 of 4096, Rice indices, 2-bit values), its outer learning rate and error-feedback decay."""
 OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
+ARM_OPTIMIZERS = ("adamw", "sgd", "signsgd")
+"""An arm's optimizer: the experiment's two, or sign-SGD (the sign mode: ``sparsecomm.hooks.sign_sgd``)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """``value_dtype`` / ``residual_dtype`` are written as these names (a JSON value cannot hold a torch.dtype)."""
 OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS,
@@ -243,12 +247,10 @@ def _check_powersgd(name: str, options: dict) -> None:
 
 
 def _check_optimizer(name: str, optimizer: dict) -> None:
-    from sparsecomm.lab.experiment.config import OPTIMIZERS
-
     def bad(key: str, accepted: str):
         raise ValueError(f"experiment config: arm {name!r}: optimizer {key} must be {accepted}, got {optimizer[key]!r}")
 
-    checks = {"optimizer": (lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"),
+    checks = {"optimizer": (lambda v: v in ARM_OPTIMIZERS, f"one of {ARM_OPTIMIZERS}"),
               "lr": (lambda v: _is_real(v) and v > 0, "a finite number > 0"),
               "momentum": (lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
               "weight_decay": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0")}

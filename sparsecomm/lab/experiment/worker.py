@@ -38,6 +38,7 @@ from sparsecomm.lab.experiment.process_tree import LAUNCH_ENV, die_with_parent
 from sparsecomm.lab.experiment.rank_errors import write_rank_error
 from sparsecomm.lab.experiment.steps_log import STEPS_FILE, StepLog, read_steps, rows_up_to, write_steps_atomically
 from sparsecomm.hooks import TopKState, dgc_optimizer
+from sparsecomm.hooks.sign_sgd import SignSGD
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
 from sparsecomm.lab.tasks import get_task
 
@@ -63,6 +64,8 @@ def make_optimizer(config: ExperimentConfig, params, arm: str = "dense") -> torc
 
 def optimizer_for_spec(spec, params) -> torch.optim.Optimizer:
     settings = spec.optimizer
+    if settings["optimizer"] == "signsgd":  # the sign mode: no momentum to take out
+        return SignSGD(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
     if spec.momentum_correction:
         return dgc_optimizer(params, settings["optimizer"], lr=settings["lr"], weight_decay=settings["weight_decay"])
     if settings["optimizer"] == "adamw":
