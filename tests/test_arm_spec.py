@@ -97,6 +97,7 @@ def test_defined_arms_build_the_hook_and_optimizer_they_describe():
                                                   "density": 0.02, "residual_dtype": "bfloat16"}},
         "p3": {"reducer": "powersgd", "options": {"rank": 3}},
         "half": {"reducer": "fp16"},
+        "floor": {"reducer": "local"},
         "t3": DEFINED["t3"],
     }
     config = dataclasses.replace(pydoc_gpt(), arms=("dense", *definitions), arm_definitions=definitions)
@@ -106,6 +107,8 @@ def test_defined_arms_build_the_hook_and_optimizer_they_describe():
     assert chunky.config.residual_dtype == torch.bfloat16 and chunky.config.seed == 7
     assert make_arm_hook("p3", config, model, seed=0).state.matrix_approximation_rank == 3
     assert "fp16_compress_hook" in make_arm_hook("half", config, model, seed=0).description
+    floor = make_arm_hook("floor", config, model, seed=0)
+    assert "nothing sent" in floor.description and floor.hook.__name__ == "local_gradient_hook"
     t3 = make_arm_hook("t3", config, model, seed=0)
     assert t3.state.momentum == 0.9 and t3.state.density == 0.003
     optimizer = make_optimizer(config, model.parameters(), "t3")  # adamw, momentum corrected in the hook

@@ -22,6 +22,7 @@ Reducers and their options:
 | powersgd   | torch ``powerSGD_hook``                  | ``rank``, ``start_iter``, ``use_error_feedback``, ``warm_start`` |
 | topk       | sparsecomm ``topk_hook`` + ``TopKState``   | every ``TopKState`` keyword that a JSON value can hold (:data:`TOPK_OPTIONS`) |
 | sparse-delta | ``SparseDeltaAverager``: local steps, a sparse outer sync every ``period`` | :data:`SPARSE_DELTA_OPTIONS` |
+| local      | a hook that reduces nothing: the no-communication floor of the step time (its quality means nothing: the replicas never meet) | none |
 
 A topk arm with ``momentum`` > 0 (DGC momentum correction) runs an optimizer without
 momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``:
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
-REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk", "sparse-delta")
+REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk", "sparse-delta", "local")
 TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "selector", "value_dtype", "allow_dense_fallback",
                 "verify_conservation", "k_scope", "density_schedule", "nesterov", "local_clip_norm", "transport",
                 "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link")
@@ -59,7 +60,7 @@ ARM_OPTIMIZERS = ("adamw", "sgd", "signsgd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """``value_dtype`` / ``residual_dtype`` are written as these names (a JSON value cannot hold a torch.dtype)."""
 OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS,
-           "sparse-delta": SPARSE_DELTA_OPTIONS}
+           "sparse-delta": SPARSE_DELTA_OPTIONS, "local": ()}
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,11 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
             return ArmHook("torch bf16_compress_hook", process_group, default_hooks.bf16_compress_hook, _half_bytes)
         why = " (bf16 needs NCCL)" if spec.reducer == "bf16" else ""
         return ArmHook(f"torch fp16_compress_hook{why}", process_group, default_hooks.fp16_compress_hook, _half_bytes)
+    if spec.reducer == "local":
+        from sparsecomm.hooks.local_gradient import local_gradient_hook
+
+        return ArmHook("sparsecomm local_gradient_hook: nothing sent (the no-communication floor; replicas diverge)",
+                       None, local_gradient_hook, lambda state, bucket, before: 0)
     if spec.reducer == "sparse-delta":
         from sparsecomm.averaging import SparseDeltaAverager
         from sparsecomm.hooks.local_gradient import local_gradient_hook
