@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(240)
     "overrides, message",
     [
         ({"arms": ("topk-ef",)}, "arms must be a list that includes 'dense'"),
-        ({"arms": ("dense", "topk")}, "arms must be distinct names from"),
+        ({"arms": ("dense", "topk")}, "arms must be distinct names of presets"),
         ({"seeds": (0, 0)}, "seeds must be distinct integers >= 0"),
         ({"seeds": (-1,)}, "seeds must be distinct integers >= 0"),
         ({"world_size": 1}, "world_size must be an integer >= 2"),

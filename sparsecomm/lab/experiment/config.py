@@ -229,8 +229,6 @@ class ExperimentConfig:
         _check(_is_real(self.dgc_momentum) and 0 < self.dgc_momentum < 1, "dgc_momentum", "in (0, 1)",
                self.dgc_momentum)
         _check_wire(self)
-        for name in self.arms:
-            self.arm(name)  # every arm resolves: its options are checked before anything runs
         _check(_is_int(self.warmup_steps) and self.warmup_steps >= 2, "warmup_steps", "an integer >= 2", self.warmup_steps)
         _check(_is_int(self.powersgd_rank) and self.powersgd_rank >= 1, "powersgd_rank", "an integer >= 1", self.powersgd_rank)
         _check(_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "bucket_cap_mb", "a finite number > 0", self.bucket_cap_mb)
@@ -268,6 +266,8 @@ class ExperimentConfig:
                 _check(self.max_restarts >= 1 and self.checkpoint_every >= 1, "fault",
                        "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
         _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.lab.policy.Policy", self.policy)
+        for name in self.arms:  # last: an arm resolves against the fields checked above
+            self.arm(name)  # every arm's options are checked before anything runs
 
     def arm(self, name: str) -> "arm_spec.ArmSpec":
         """The arm ``name`` resolved against this experiment: every option explicit."""
