@@ -25,7 +25,7 @@ def test_presets_keep_the_run_hashes_they_had_before_arms_were_data():
     before = {"dense": "ac5a400b8a66", "dense-bf16": "d79a69d51767", "powersgd": "db4b1033ce4b",
               "topk-ef": "f3e505d83feb", "topk-noef": "4d774ab3238b", "topk-dgc": "91b06a9cb1d5"}
     config = pydoc_gpt()
-    assert {arm: config.run_hash(arm, 1) for arm in config.arms} == before
+    assert {arm: config.run_hash(arm, 1) for arm in before} == before
     assert digits_quick().run_hash("topk-ef", 0) == "e0d1ad727b89"
     wire = dataclasses.replace(config, selector="chunk", index_codec="rice", value_codec="int4", exchange="owner")
     assert wire.run_hash("topk-dgc", 2) == "3db48a23105b" and wire.run_hash("dense", 2) == "7e99735e0893"
@@ -182,3 +182,16 @@ def test_the_sign_mode_is_a_topk_arm_with_the_sign_sgd_optimizer():
     assert isinstance(optimizer, SignSGD) and optimizer.param_groups[0]["lr"] == 0.001
     with pytest.raises(ValueError, match=r"optimizer optimizer must be one of \('adamw', 'sgd', 'signsgd'\)"):
         dataclasses.replace(config, arm_definitions={"sign": {**sign["sign"], "optimizer": {"optimizer": "lion"}}})
+
+
+def test_the_fixed_presets_resolve_to_their_own_options_and_hash_them():
+    config = pydoc_gpt()
+    loco = config.arm("sparseloco")
+    assert "sparseloco" in config.arms and loco.reducer == "sparse-delta"
+    assert loco.options == {"period": 2, "density": 0.015625, "selector": "exact", "chunk_size": 4096,
+                            "index_codec": "rice", "value_codec": "int2", "outer_lr": 1.0, "ef_decay": 0.95}
+    # The experiment's density does not reach it (its own is fixed), so its runs are kept.
+    assert dataclasses.replace(config, density=0.003).run_hash("sparseloco", 0) == config.run_hash("sparseloco", 0)
+    sign = config.arm("topk-sign")
+    assert sign.options["value_codec"] == "sign" and sign.optimizer["optimizer"] == "signsgd"
+    assert sign.options["density"] == config.density  # the experiment's density, for frontier sweeps

@@ -49,7 +49,8 @@ from sparsecomm.lab.results import (
 from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
 
 OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
-PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
+PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc", "sparseloco",
+                       "topk-sign")
 # Non-dense colours in assignment order; black is kept for dense. Yellow goes last because
 # a thin yellow line is nearly invisible on white.
 _ARM_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#D55E00", "#0072B2", "#CC79A7", "#F0E442")

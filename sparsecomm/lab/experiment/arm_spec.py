@@ -39,7 +39,22 @@ from dataclasses import dataclass, field
 
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
-PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
+HOOK_PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
+"""The presets that resolve from the experiment's fields (density, dgc_momentum, wire, powersgd_rank)."""
+FIXED_PRESETS = {
+    # Full AdamW at its normal betas, local steps, a sparse outer sync every 2 steps: exact
+    # top-k of 1.5625% (SparseLoCo's 64 of 4096) with Rice indices and 2-bit values. Measured
+    # equivalent to dense on the default task (docs/local_steps.md).
+    "sparseloco": {"reducer": "sparse-delta", "options": {
+        "period": 2, "density": 64 / 4096, "selector": "exact", "index_codec": "rice", "value_codec": "int2",
+        "outer_lr": 1.0, "ef_decay": 0.95}},
+    # The sign mode (DeMo-style): error feedback, chunked top-k of the experiment's density
+    # with 1-bit values, sign-SGD on the aggregate.
+    "topk-sign": {"reducer": "topk", "options": {"selector": "chunk", "index_codec": "rice", "value_codec": "sign"},
+                  "optimizer": {"optimizer": "signsgd"}},
+}
+"""Presets with options of their own (their run hash covers them, as a defined arm's does)."""
+PRESETS = (*HOOK_PRESETS, *FIXED_PRESETS)
 REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk", "sparse-delta", "local")
 TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "selector", "value_dtype", "allow_dense_fallback",
                 "verify_conservation", "k_scope", "density_schedule", "nesterov", "local_clip_norm", "transport",
@@ -139,6 +154,8 @@ def check_definition(name: str, definition) -> dict:
 
 def _preset_definition(name: str, config) -> dict:
     """The preset ``name`` written as a definition, from the experiment's fields."""
+    if name in FIXED_PRESETS:
+        return FIXED_PRESETS[name]
     if name == "dense":
         return {"reducer": "allreduce"}
     if name == "dense-bf16":

@@ -151,7 +151,7 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
             snapshot=lambda s: s.total_numel_after_compression,
         )
     state = TopKState(process_group, seed=seed, module=ddp_model, **topk_state_kwargs(spec.options))
-    if spec.preset:
+    if spec.name in ("topk-ef", "topk-noef", "topk-dgc"):
         detail = {"topk-ef": "", "topk-noef": " without error feedback",
                   "topk-dgc": f" with momentum correction {spec.momentum_correction:g}"}[spec.name]
         description = f"sparsecomm topk_hook density {state.density:g}{wire}{detail}"

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from sparsecomm.lab.experiment import arm_spec
-from sparsecomm.lab.experiment.arm_spec import PRESETS as ARM_NAMES
+from sparsecomm.lab.experiment.arm_spec import HOOK_PRESETS, PRESETS as ARM_NAMES
 from sparsecomm.lab.policy import Policy
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 from sparsecomm.lab.tasks import TASK_ACCEPTED, TASK_NAMES, is_user_task, load_user_task
@@ -95,7 +95,7 @@ class ExperimentConfig:
     """What starts a run's ranks on this machine: "torchrun" (restarts possible), or
     "mpiexec" (the one beside the Python interpreter, else on PATH; no restarts). Under
     mpiexec a script joins with :func:`sparsecomm.dist.init_distributed`."""
-    arms: tuple[str, ...] = ARM_NAMES
+    arms: tuple[str, ...] = HOOK_PRESETS
     """Ways of reducing gradients to compare, by name: presets (ARM_NAMES) or arms defined in
     ``arm_definitions``; "dense" is the baseline every arm is paired with."""
     arm_definitions: dict = field(default_factory=dict)
@@ -343,7 +343,7 @@ class ExperimentConfig:
         if self.script is not None:
             d["script_sha256"] = hashlib.sha256(Path(self.script).read_bytes()).hexdigest()
         spec = self.arm(arm)
-        if not spec.preset:
+        if spec.name not in HOOK_PRESETS:
             # A defined arm carries its resolved options: the experiment's wire and optimizer
             # fields reach it only through them.
             for key in (*WIRE_DEFAULTS, "density", "dgc_momentum", "powersgd_rank", "optimizer", "lr", "momentum",

@@ -11,13 +11,16 @@ from sparsecomm.lab.policy import Policy
 def pydoc_gpt() -> ExperimentConfig:
     """The default: byte-level GPT (2 layers, width 96, 0.25M parameters) on Python's docs.
 
-    6 arms x 3 seeds x 2 gloo ranks, 400 AdamW steps each, a verified checkpoint every 100
+    7 arms x 3 seeds x 2 gloo ranks, 400 AdamW steps each, a verified checkpoint every 100
     steps and one injected fault per run (rank 1 killed after step 350; torchrun restarts
-    the job, which resumes from the step-300 checkpoint); about 8 minutes on 2 CPU cores.
+    the job, which resumes from the step-300 checkpoint); about 9 minutes on 2 CPU cores.
+    The arms: the six hook presets and ``sparseloco`` (local AdamW steps, a sparse outer
+    sync every 2 steps).
     """
     return ExperimentConfig(
         name="pydoc-gpt",
         task="pydoc-gpt",
+        arms=("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc", "sparseloco"),
         steps=400,
         batch_size=16,
         eval_every=25,
