@@ -68,6 +68,8 @@ def write_run(root, *, arms: dict, link: str | None = "loopback", world_size: in
                 "hook_stats": _topk_stats(world_size) if figures.get("topk") else None,
                 "world_size": world_size,
             }
+            if figures.get("arm_spec"):
+                summary["arm_spec"] = figures["arm_spec"]
             (run / "summary.json").write_text(json.dumps(summary))
             rows = [{"kind": "eval", "step": s, "val_loss": v, "elapsed_seconds": t} for s, t, v in evals]
             (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -142,6 +144,13 @@ def test_read_run_takes_measured_inputs(run_dir):
     assert topk.density == pytest.approx(0.01, rel=REL)
     assert topk.unpack_adds_per_s == pytest.approx(UNPACK_RATE, rel=REL)
     assert (dense.steps_to_target, topk.steps_to_target) == (60, 80)
+
+
+def test_arms_that_train_locally_are_named_and_not_projected(tmp_path):
+    local = {**DENSE, "sent": PAYLOAD / 4, "arm_spec": {"reducer": "sparse-delta", "options": {"period": 2}}}
+    run = read_run(write_run(tmp_path / "loco", arms={"dense": DENSE, "topk-ef": TOPK, "loco": local}))
+    assert run.not_modelled == ("loco",) and run.arm("loco") is None and run.arm("topk-ef") is not None
+    assert any("not projected: loco" in line for line in costmodel.assumptions(run, make_scenario(32, "1gbit")))
 
 
 def test_projection_at_32_workers_on_1gbit_matches_hand_computation(run_dir):

@@ -197,6 +197,8 @@ class RunInputs:
     buckets_source: str
     target: Target
     arms: tuple[ArmInputs, ...]
+    not_modelled: tuple[str, ...] = ()
+    """Arms the formulas do not cover (local steps with an outer sync, or nothing sent)."""
 
     def arm(self, name: str) -> ArmInputs | None:
         return next((a for a in self.arms if a.arm == name), None)
@@ -277,12 +279,22 @@ def read_run(run_dir: str | Path) -> RunInputs:
     order = arms_configured_first(config.get("arms") or [], runs)
     sizes = {r.extra.get("world_size") for r in runs if r.status == "ok"} - {None}
     world_size = int(sizes.pop()) if len(sizes) == 1 else int(config["world_size"])
-    arms = tuple(a for a in (_arm_inputs(name, runs, target, world_size) for name in order) if a is not None)
+    not_modelled = tuple(name for name in order if _trains_locally(name, runs))
+    arms = tuple(a for a in (_arm_inputs(name, runs, target, world_size) for name in order
+                             if name not in not_modelled) if a is not None)
     if not arms:
         raise ValueError(f"{run_dir}: no finished run with step timings")
     buckets, source = _buckets_per_step(runs, config, max(a.bytes_dense for a in arms))
     return RunInputs(str(run_dir), str(config.get("name", Path(run_dir).name)), experiment_link(experiment),
-                     world_size, buckets, source, target, arms)
+                     world_size, buckets, source, target, arms, not_modelled)
+
+
+def _trains_locally(arm: str, runs: list[RunSummary]) -> bool:
+    """An arm whose ranks train apart between syncs (sparse-delta) or never meet (local):
+    one collective per period, not per bucket, which these formulas do not model."""
+    stored = next((r.extra.get("arm_spec") for r in runs if r.arm == arm and isinstance(r.extra.get("arm_spec"), dict)),
+                  None)
+    return stored is not None and stored.get("reducer") in ("sparse-delta", "local")
 
 
 def measured_alpha_s(run: RunInputs) -> float | None:
@@ -579,6 +591,9 @@ def assumptions(run: RunInputs, scenario: Scenario) -> list[str]:
         "compute and compress per worker as measured at the run's world size (weak scaling)",
         f"run's own comm wait (link {run.link}) not used: communication is modelled",
     ]
+    if run.not_modelled:
+        lines.append(f"not projected: {', '.join(run.not_modelled)} (local steps with an outer sync, or nothing "
+                     "sent: one collective per period, which this model does not cover)")
     if scenario.exchange != "allgather":
         how = ("through range owners" if scenario.exchange == "owner"
                else "by the cheaper of all-gather and owner, per arm")
