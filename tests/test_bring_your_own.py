@@ -194,7 +194,7 @@ import sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 import sparsecomm, sparsecomm.hooks, sparsecomm.ops, sparsecomm.comm, sparsecomm.checkpoint, sparsecomm.monitor
-import sparsecomm.integrations
+import sparsecomm.integrations, sparsecomm.dist
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
 model = DDP(torch.nn.Linear(64, 8))
 state = sparsecomm.register_topk_hook(model, density=0.05, exchange="auto")
@@ -205,7 +205,8 @@ for _ in range(3):
     sgd.zero_grad()
 assert state.stats()["bytes_sent"] > 0
 assert not [m for m in sys.modules if m.startswith("sparsecomm.lab")], "the library imported the lab"
-dist.destroy_process_group()
+del model, state, sgd
+sparsecomm.dist.shutdown()  # the DDP model freed first: a gloo group left to interpreter exit can abort it
 print("library ok")
 """
 
