@@ -275,3 +275,9 @@ def test_a_metric_other_than_the_loss_names_the_axes_and_drops_the_train_loss(ru
     plots.plot_loss_vs_step(load_runs(run_dir), None, tmp_path / "d.png", on_figure=lambda fig: seen.update(d=fig))
     assert seen["d"].axes[0].get_ylabel() == "loss"
     assert any("train loss" in h.get_label() for h in seen["d"].axes[0].get_legend().legend_handles)
+
+
+def test_arms_defined_as_data_take_colours_no_preset_of_the_figure_uses():
+    styles = plots.arm_styles(["dense", "dense-bf16", "topk-dgc", "sparseloco", "mine", "floor"])
+    assert len({s["color"] for s in styles.values()}) == 6
+    assert styles["topk-dgc"] == plots.arm_styles(["dense", "topk-dgc"])["topk-dgc"]  # presets keep theirs

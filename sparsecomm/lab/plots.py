@@ -87,15 +87,19 @@ def arm_styles(arms: Iterable[str]) -> dict[str, dict]:
     other arms are; unknown names take the slots after the known ones.
     """
     styles = {}
+    ordered = arm_order(arms)
+    # Other names take the slots the known arms of this figure leave free (then wrap).
+    taken = {PREFERRED_ARM_ORDER.index(a) - 1 for a in ordered if a in PREFERRED_ARM_ORDER and a != DENSE_ARM}
+    free = [s for s in range(len(_ARM_COLOURS)) if s not in taken] or list(range(len(_ARM_COLOURS)))
     others = 0
-    for arm in arm_order(arms):
+    for arm in ordered:
         if arm == DENSE_ARM:
             styles[arm] = {"color": OKABE_ITO[0], "linestyle": "-"}
             continue
         if arm in PREFERRED_ARM_ORDER:
             slot = PREFERRED_ARM_ORDER.index(arm) - 1
         else:
-            slot = len(PREFERRED_ARM_ORDER) - 1 + others
+            slot = free[others % len(free)]
             others += 1
         styles[arm] = {"color": _ARM_COLOURS[slot % len(_ARM_COLOURS)],
                        "linestyle": _ARM_LINESTYLES[slot % len(_ARM_LINESTYLES)]}
