@@ -195,3 +195,43 @@ def test_the_fixed_presets_resolve_to_their_own_options_and_hash_them():
     sign = config.arm("topk-sign")
     assert sign.options["value_codec"] == "sign" and sign.optimizer["optimizer"] == "signsgd"
     assert sign.options["density"] == config.density  # the experiment's density, for frontier sweeps
+
+
+@pytest.mark.parametrize("item, message", [
+    ("c=topk:density=0.1,density=0.2", "density is given twice"),
+    ("c=topk:opt.lr=0.1,momentum=0.9,opt.lr=0.2", "opt.lr is given twice"),
+])
+def test_a_setting_given_twice_in_an_arm_string_is_refused(item, message):
+    with pytest.raises(ValueError, match=f"argument --arms: .*{message}"):
+        parse_arms(["dense", item])
+
+
+@pytest.mark.parametrize("definition, message", [
+    ({"reducer": "topk", "options": {"momentum": 0.9}, "optimizer": {"momentum": 0.5}},
+     r"arm 'm': optimizer momentum 0.5 cannot apply: the arm's hook corrects momentum \(momentum=0.9\)"),
+    ({"reducer": "topk", "optimizer": {"optimizer": "adamw", "momentum": 0.5}},
+     r"arm 'm': optimizer momentum 0.5 cannot apply: only optimizer sgd has a momentum setting.*'adamw'"),
+    ({"reducer": "allreduce", "optimizer": {"optimizer": "signsgd", "momentum": 0.5}},
+     r"arm 'm': optimizer momentum 0.5 cannot apply: only optimizer sgd"),
+])
+def test_an_optimizer_momentum_the_arm_cannot_apply_is_refused_naming_arm_and_option(definition, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(digits_quick(), arms=("dense", "m"), arm_definitions={"m": definition})
+
+
+def test_an_optimizer_momentum_the_arm_can_apply_reaches_its_optimizer(tmp_path):
+    from sparsecomm.lab.script_run import adapt_optimizer
+
+    config = dataclasses.replace(digits_quick(), arms=("dense", "m"),
+                                 arm_definitions={"m": {"reducer": "topk", "optimizer": {"momentum": 0.5}}})
+    model = torch.nn.Linear(3, 2)
+    assert make_optimizer(config, model.parameters(), "m").param_groups[0]["momentum"] == 0.5  # digits: sgd
+    script = _script_config(tmp_path, {"m": {"reducer": "topk", "optimizer": {"momentum": 0.5}}})
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adapt_optimizer(sgd, script.arm("m"))
+    assert sgd.param_groups[0]["momentum"] == 0.5
+    adam = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="arm 'm' sets the optimizer's momentum to 0.5, but the script's AdamW has no "
+                                         "momentum setting"):
+        adapt_optimizer(adam, script.arm("m"))
+    assert adam.param_groups[0]["betas"] == (0.9, 0.999)  # refused before anything changed

@@ -90,6 +90,7 @@ GOOD = json.dumps({"name": "mine", "task": "digits-mlp", "arms": ["dense", "topk
     ('{"name": "x", "task": "digits-mlp", "link": 5}', "link must be"),
     ('{"name": "x", "task": ', "not valid JSON (Expecting value at line 1 column 23; truncated?)"),
     ('{"name": "../up", "task": "digits-mlp"}', "name must be a non-empty string without '/'"),
+    ('{"name": "x", "task": "digits-mlp", "lr": 0.1, "lr": 0.2}', "key 'lr' appears twice in one JSON object"),
 ])
 def test_every_bad_config_file_names_the_file_and_the_field(content, message, tmp_path, capsys, no_launch):
     path = _config_file(tmp_path, content)

@@ -247,11 +247,14 @@ def adapt_optimizer(optimizer: torch.optim.Optimizer, spec) -> None:
     if optimizer.state:
         raise RuntimeError(f"arm {spec.name!r} changes the optimizer, which has already stepped: call run.apply "
                            "before the first optimizer.step()")
+    if "momentum" in changes and not all("momentum" in group for group in optimizer.param_groups):
+        raise ValueError(f"arm {spec.name!r} sets the optimizer's momentum to {changes['momentum']!r}, but the "
+                         f"script's {type(optimizer).__name__} has no momentum setting (SGD has): it cannot apply")
     for group in optimizer.param_groups:
         for key in ("lr", "weight_decay"):
             if key in changes:
                 group[key] = changes[key]
-        if "momentum" in changes and "momentum" in group:
+        if "momentum" in changes:
             group["momentum"] = changes["momentum"]
         if spec.momentum_correction:
             if "betas" in group:

@@ -199,7 +199,10 @@ def resolve(name: str, config) -> ArmSpec:
         optimizer = {"optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
                      "weight_decay": config.weight_decay, **definition.get("optimizer", {})}
     _check_optimizer(name, optimizer)
-    return ArmSpec(name, reducer, options, optimizer, preset)
+    spec = ArmSpec(name, reducer, options, optimizer, preset)
+    if "momentum" in definition.get("optimizer", {}):
+        _check_optimizer_momentum_applies(spec)
+    return spec
 
 
 def topk_state_kwargs(options: dict) -> dict:
@@ -278,6 +281,21 @@ def _check_optimizer(name: str, optimizer: dict) -> None:
             bad(key, accepted)
 
 
+def _check_optimizer_momentum_applies(spec: ArmSpec) -> None:
+    """An arm that sets the optimizer's momentum gets it, or is refused: under momentum
+    correction the optimizer runs without momentum, and only SGD has a momentum setting
+    (a script's optimizer is known at ``run.apply``, which checks it there)."""
+    if spec.momentum_correction:
+        raise ValueError(f"experiment config: arm {spec.name!r}: optimizer momentum "
+                         f"{spec.optimizer['momentum']!r} cannot apply: the arm's hook corrects momentum "
+                         f"(momentum={spec.momentum_correction:g}), so its optimizer runs without momentum of its "
+                         "own; leave the optimizer's momentum out, or set the hook's momentum to 0")
+    kind = spec.optimizer.get("optimizer")
+    if kind is not None and kind != "sgd":
+        raise ValueError(f"experiment config: arm {spec.name!r}: optimizer momentum {spec.optimizer['momentum']!r} "
+                         f"cannot apply: only optimizer sgd has a momentum setting, the arm's optimizer is {kind!r}")
+
+
 def parse_cli_arm(text: str) -> tuple[str, dict | None]:
     """``--arms`` item: a name, or ``NAME=REDUCER[:key=value,...]`` (``opt.KEY`` for the optimizer).
 
@@ -294,6 +312,8 @@ def parse_cli_arm(text: str) -> tuple[str, dict | None]:
         if not sep or not key:
             raise ValueError(f"argument --arms: {text!r}: settings are key=value separated by commas, got {item!r}")
         target = definition["optimizer"] if key.startswith("opt.") else definition["options"]
+        if key.removeprefix("opt.") in target:  # the last would silently win
+            raise ValueError(f"argument --arms: {text!r}: {key} is given twice; give each setting once")
         target[key.removeprefix("opt.")] = _parse_value(value)
     return name, definition
 

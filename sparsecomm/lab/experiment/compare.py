@@ -118,14 +118,25 @@ def experiment_from_source(args: argparse.Namespace) -> ExperimentConfig:
     except OSError as error:
         raise ValueError(f"argument --config: {path}: {error.strerror or error}") from None
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as error:
         raise ValueError(f"argument --config: {path}: not valid JSON ({error.msg} at line {error.lineno} column "
                          f"{error.colno}{'; truncated?' if error.pos >= len(text.rstrip()) else ''})") from None
+    except ValueError as error:  # a key given twice
+        raise ValueError(f"argument --config: {path}: {error}") from None
     try:
         return ExperimentConfig.from_dict(raw)
     except (ValueError, TypeError) as error:
         raise ValueError(f"argument --config: {path}: {error}") from None
+
+
+def _refuse_duplicate_keys(pairs: list) -> dict:
+    """A JSON object whose key appears twice: refused (json would keep the last one silently)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"key {twice[0]!r} appears twice in one JSON object; give each setting once")
+    return dict(pairs)
 
 
 def load_config(args: argparse.Namespace) -> ExperimentConfig:
