@@ -79,6 +79,22 @@ def test_user_task_errors_name_the_task(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # refused before anything ran
 
 
+@pytest.mark.parametrize("task, source, said", [
+    ("sys:exit", None, "task sys:exit: exit() ended the process (SystemExit, code None) instead of returning"),
+    ("quits.py:make", "import sys\ndef make():\n    sys.exit(0)\n",
+     "task quits.py:make: make() ended the process (SystemExit, code 0)"),
+    ("quits.py:make", "import sys\nsys.exit(0)\n",
+     "task quits.py:make: importing quits.py ended the process (SystemExit, code 0)"),
+    ("quits.py:make", "def make():\n    raise KeyboardInterrupt\n", "task quits.py:make: make() raised KeyboardInterrupt"),
+])
+def test_a_task_that_exits_or_interrupts_fails_the_command(tmp_path, task, source, said):
+    if source is not None:
+        (tmp_path / "quits.py").write_text(source)
+    result = _sparsecomm("compare", "--task", task, "--out", tmp_path / "runs", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and said in result.stdout, result.stdout[-3000:]
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+
+
 # --- your own script ------------------------------------------------------------------------
 
 

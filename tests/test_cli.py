@@ -227,3 +227,41 @@ def test_run_hash_covers_steps_and_a_non_default_staleness_limit():
     # The default keeps earlier hashes; the tolerance only changes the report.
     assert base.run_hash("topk-ef", 0) == base.with_overrides(policy=Policy(quality_tolerance=1.0,
                                                                             staleness_limit=1000)).run_hash("topk-ef", 0)
+
+
+HUGE_TASK = """
+from sparsecomm.lab.tasks import Task
+
+class Huge(Task):
+    name = "huge"
+    num_train_samples = 10**12
+    build_model = train_batch = loss = val_loss = None
+
+def make():
+    return Huge()
+"""
+
+
+def test_batch_size_of_a_task_with_a_huge_dataset_is_bounded_by_the_global_batch(tmp_path, monkeypatch):
+    from sparsecomm.lab.experiment.config import ExperimentConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "huge_task.py").write_text(HUGE_TASK)
+    bound = 2**20 // 4  # the stated bound on the global batch, over 4 ranks
+    with pytest.raises(ValueError, match=rf"batch_size must be an integer >= 1 and <= {bound} \(samples per rank per "
+                                         rf"step: MAX_GLOBAL_BATCH 1048576 \(2\*\*20\) samples per step over all ranks "
+                                         rf"/ world_size 4.*got 1000000000"):
+        ExperimentConfig(name="x", task="huge_task.py:make", world_size=4, batch_size=10**9)
+    with pytest.raises(ValueError, match=rf"<= {bound} .*got {bound + 1}"):
+        ExperimentConfig(name="x", task="huge_task.py:make", world_size=4, batch_size=bound + 1)
+    assert ExperimentConfig(name="x", task="huge_task.py:make", world_size=4, batch_size=bound).batch_size == bound
+
+
+def test_an_arm_with_transport_mpi_needs_the_mpiexec_launcher(tmp_path, capsys, no_launch):
+    err = _refused(["compare", "--experiment", "digits-quick", "--arms", "dense", "m=topk:transport=mpi"], tmp_path,
+                   capsys)
+    assert ("arm 'm': transport 'mpi' needs launcher 'mpiexec' (the ranks must be one MPI job; under torchrun every "
+            "rank is an MPI job of one process), got launcher 'torchrun'") in err, err
+    config = digits_quick().with_overrides(launcher="mpiexec", arms=("dense", "m"),
+                                           arm_definitions={"m": {"reducer": "topk", "options": {"transport": "mpi"}}})
+    assert config.arm("m").options["transport"] == "mpi"  # one MPI job: accepted

@@ -182,6 +182,10 @@ def resolve(name: str, config) -> ArmSpec:
                    "chunk_size": config.chunk_size, "index_codec": config.index_codec,
                    "value_codec": config.value_codec, "exchange": config.exchange, **options}
         _check_topk(name, options)
+        if options.get("transport") == "mpi" and config.launcher != "mpiexec":
+            raise ValueError(f"experiment config: arm {name!r}: transport 'mpi' needs launcher 'mpiexec' (the ranks "
+                             f"must be one MPI job; under {config.launcher} every rank is an MPI job of one process), "
+                             f"got launcher {config.launcher!r}")
     elif reducer == "powersgd":
         options = {"rank": config.powersgd_rank, "start_iter": config.warmup_steps, "use_error_feedback": True,
                    "warm_start": True, **options}

@@ -29,6 +29,10 @@ RandomState, which takes 32 bits: the narrower range is the accepted one."""
 MAX_WORLD_SIZE = 1024
 """A hard bound on ranks (gloo on CPU, every rank connected to every other); ``sparsecomm
 compare`` further bounds it by the machine's cores, since it starts every rank locally."""
+MAX_GLOBAL_BATCH = 2**20
+"""A bound on samples per step over all ranks (world_size x batch_size), whatever the
+task's size: every rank draws the ids of the whole global batch each step (8 MiB of int64
+at the bound) and the task builds its batch in memory; more is a typo, not an experiment."""
 DEFAULT_STALENESS_LIMIT = Policy().staleness_limit
 
 
@@ -215,11 +219,15 @@ class ExperimentConfig:
                    self.max_restarts)
         _check(_is_int(self.steps) and self.steps >= 1, "steps", "an integer >= 1", self.steps)
         if self.task is not None:  # a script reads its own data
-            largest = max(1, task_train_samples(self.task) // self.world_size)
+            samples = task_train_samples(self.task)
+            by_samples, by_bound = max(1, samples // self.world_size), MAX_GLOBAL_BATCH // self.world_size
+            why = (f"the {self.task} task's {samples} training samples / world_size {self.world_size}; a larger "
+                   "global batch would repeat samples within a step" if by_samples <= by_bound else
+                   f"MAX_GLOBAL_BATCH {MAX_GLOBAL_BATCH} (2**20) samples per step over all ranks / world_size "
+                   f"{self.world_size}: every rank draws the whole global batch's ids each step")
+            largest = min(by_samples, by_bound)
             _check(_is_int(self.batch_size) and 1 <= self.batch_size <= largest, "batch_size",
-                   f"an integer >= 1 and <= {largest} (samples per rank per step: the {self.task} task's "
-                   f"{task_train_samples(self.task)} training samples / world_size {self.world_size}; a larger "
-                   "global batch would repeat samples within a step)", self.batch_size)
+                   f"an integer >= 1 and <= {largest} (samples per rank per step: {why})", self.batch_size)
         _check(_is_int(self.eval_every) and 1 <= self.eval_every, "eval_every", "an integer >= 1", self.eval_every)
         _check(self.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}", self.optimizer)
         _check(_is_real(self.lr) and self.lr > 0, "lr", "a finite number > 0", self.lr)

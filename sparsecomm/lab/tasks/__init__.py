@@ -23,7 +23,22 @@ def is_user_task(name) -> bool:
     return bool(module) and factory.isidentifier()
 
 
-def _import(module: str):
+def _users_code(task: str, what: str, call):
+    """``call()``, which runs the user's code: whatever ends it (an exception, ``sys.exit``, a
+    KeyboardInterrupt) becomes a ValueError naming the task and what its code did, so that
+    nothing the code does can end the command with success."""
+    try:
+        return call()
+    except SystemExit as stop:
+        raise ValueError(f"task {task}: {what} ended the process (SystemExit, code {stop.code!r}) instead of "
+                         "returning") from None
+    except KeyboardInterrupt:
+        raise ValueError(f"task {task}: {what} raised KeyboardInterrupt") from None
+    except Exception as error:  # noqa: BLE001 - the user's code: say whose it is, and what it raised
+        raise ValueError(f"task {task}: {what} raised {type(error).__name__}: {error}") from error
+
+
+def _import(module: str, task: str):
     if module.endswith(".py"):
         path = Path(module)
         if not path.is_file():
@@ -31,34 +46,34 @@ def _import(module: str):
                              f"{Path.cwd()})")
         spec = importlib.util.spec_from_file_location(f"sparsecomm_user_task_{path.stem}", path.resolve())
         loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
+        _users_code(task, f"importing {module}", lambda: spec.loader.exec_module(loaded))
         return loaded
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # as `python -m` does: your module next to you imports
     try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        raise ValueError(f"task {module}: cannot import it ({error}); name an importable module or a .py file") from None
+        return _users_code(task, f"importing {module}", lambda: importlib.import_module(module))
+    except ValueError as error:
+        if isinstance(error.__cause__, ModuleNotFoundError):
+            raise ValueError(f"task {module}: cannot import it ({error.__cause__}); name an importable module or a "
+                             ".py file") from None
+        raise
 
 
 def load_user_task(name: str) -> "Task":
     """Call the user's factory and check that it returned a Task; ValueError naming the task otherwise."""
     module_name, factory_name = name.split(":")
-    module = _import(module_name)
+    module = _import(module_name, name)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ValueError(f"task {name}: {module_name} has no callable {factory_name!r}")
     from sparsecomm.lab.tasks.base import Task
 
-    try:
-        task = factory()
-    except Exception as error:  # the user's code: say whose it is, and what it raised
-        raise ValueError(f"task {name}: {factory_name}() raised {type(error).__name__}: {error}") from error
+    task = _users_code(name, f"{factory_name}()", factory)
     if not isinstance(task, Task):
         raise ValueError(f"task {name}: {factory_name}() returned {type(task).__name__}, not a "
                          "sparsecomm.lab.tasks.Task (subclass it: num_train_samples, build_model, train_batch, loss, "
                          "val_loss)")
-    count = task.num_train_samples
+    count = _users_code(name, "its num_train_samples", lambda: task.num_train_samples)
     if not (isinstance(count, int) and not isinstance(count, bool) and count >= 1):
         raise ValueError(f"task {name}: num_train_samples must be an integer >= 1, got {count!r}")
     return task
