@@ -137,30 +137,16 @@ def _checkpointed(rank, world_size, compact):
     resumed_averager.load_state_dict(saved["averager"])
     generator.set_state(saved["rng"])
     _train(resumed, resumed_optimizer, resumed_averager, 2 * PERIOD, generator)
-    refusals = {}
-    for name, bad in (("settings", dict(settings, outer_lr=0.5)),):
-        other = SparseDeltaAverager(_model(), **bad)
-        try:
-            other.load_state_dict(saved["averager"])
-        except ValueError as error:
-            refusals[name] = str(error)
-    wrong_rank = {k.replace(f"rank{rank}.", f"rank{rank + 5}."): v for k, v in saved["averager"].items()}
-    try:
-        SparseDeltaAverager(_model(), **settings).load_state_dict(wrong_rank)
-    except ValueError as error:
-        refusals["rank"] = str(error)
-    return {"same": torch.equal(uninterrupted, _flat(resumed)), "refusals": refusals,
-            "keys": sorted(saved["averager"])}
+    return {"same": torch.equal(uninterrupted, _flat(resumed)), "keys": sorted(saved["averager"])}
 
 
 @pytest.mark.parametrize("compact", [False, True])
 def test_a_restored_averager_trains_on_bit_for_bit(compact):
+    # What a bad state dict gets (refusals by key, all or nothing): tests/test_averager_state_dict.py.
     results = run_on_ranks(_checkpointed, compact, world_size=2, timeout=120)
     for rank, result in enumerate(results):
         assert result["same"]
         assert f"rank{rank}.error" in result["keys"] and f"rank{rank}.anchor" in result["keys"]
-        assert "outer_lr" in result["refusals"]["settings"] and "strict=False" in result["refusals"]["settings"]
-        assert f"no entries for rank {rank}" in result["refusals"]["rank"]
 
 
 def _refusals(rank, world_size):

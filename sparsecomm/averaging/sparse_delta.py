@@ -12,7 +12,10 @@ optimizer steps, :meth:`SparseDeltaAverager.step` does the outer step::
     weights = anchor - outer_lr * average;  anchor = weights
 
 Every rank decodes the same gathered bytes in rank order from the same anchor, so every
-replica holds the same bits after a sync (the tests check it). The inner optimizers'
+replica holds the same bits after a sync (the tests check it). A sync whose new anchor
+would not be finite is refused on every rank alike, with nothing changed
+(:mod:`sparsecomm.averaging.sync_guard`): no Inf or NaN reaches the anchor, the error
+buffer or another replica. The inner optimizers'
 states stay per rank, as in SparseLoCo and DiLoCo. The payload is the one the top-k hook
 sends for a bucket of the model's size (``selector``, ``chunk_size``, ``index_codec``,
 ``value_codec``: docs/wire.md), all-gathered; bytes are counted as the hook counts them.
@@ -27,6 +30,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm import compress, ops
+from sparsecomm.averaging import state_check
+from sparsecomm.averaging.sync_guard import refusal
 from sparsecomm.comm.collectives import allgather_future
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.config import TopKConfig
@@ -124,30 +129,43 @@ class SparseDeltaAverager:
     # -- the outer step --------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Count one optimizer step; at the end of a period, sync (True when it did). Every
-        rank calls it after every ``optimizer.step()``: the sync is a collective."""
-        self.step_count += 1
-        if self.step_count % self.period:
-            return False
-        self._sync()
-        return True
+        """Count one optimizer step; at the end of a period, sync (True when it did).
+
+        Call it after every ``optimizer.step()`` that happened, and not after a step the
+        loop skipped: every rank's k-th sync is the same collective, so ranks may skip
+        different steps (their syncs then fall on different batches; a rank waits in the
+        sync's all-gather for the others). A loop whose ranks can skip different steps must
+        therefore end on :attr:`optimizer_steps`, the same on every rank, not on a count of
+        batches. Raises :class:`~sparsecomm.averaging.NonFiniteSyncError` on every rank
+        alike, with nothing changed and this step not counted, when the sync would put
+        Inf or NaN into the weights."""
+        step = self.step_count + 1
+        if step % self.period == 0:
+            self._sync(step)
+        self.step_count = step
+        return step % self.period == 0
 
     @torch.no_grad()
-    def _sync(self) -> None:
+    def _sync(self, step: int) -> None:
+        """The outer step into new buffers, assigned only when the new anchor is finite."""
         started = time.perf_counter()
         delta = self.anchor - self._flat_weights()
-        self.error.mul_(self.ef_decay)
-        payload = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.error.device)
-        sent = self._encode(delta, payload)  # error <- ef_decay * error + delta - decoded
+        error = self.error * self.ef_decay
+        payload = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=error.device)
+        sent = self._encode(delta, error, payload)  # error <- ef_decay * error + delta - decoded
         encoded = time.perf_counter()
         world_size = self.world_size
         gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
         allgather_future(gathered, payload, self.process_group).wait()
         exchanged = time.perf_counter()
-        average = torch.empty_like(self.anchor)
-        self._decode(gathered.view(world_size, -1), average)
-        average.div_(world_size)
-        self.anchor.sub_(average, alpha=self.outer_lr)
+        gathered = gathered.view(world_size, -1)
+        anchor = torch.empty_like(self.anchor)
+        self._decode(gathered, anchor)
+        anchor.div_(world_size)  # the mean of what the ranks sent
+        torch.sub(self.anchor, anchor, alpha=self.outer_lr, out=anchor)
+        if not bool(torch.isfinite(anchor).all()):  # the same bits, so the same verdict, on every rank
+            raise refusal(gathered, self._decoded, step)
+        self.anchor, self.error = anchor, error
         self._write_weights(self.anchor)
         done = time.perf_counter()
         dense = self.anchor.numel() * 4
@@ -156,13 +174,13 @@ class SparseDeltaAverager:
                     elements_total=self.anchor.numel(), seconds_encode=encoded - started,
                     seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
 
-    def _encode(self, delta: torch.Tensor, payload: torch.Tensor) -> int:
-        """Select and encode ``delta + error`` into ``payload``; the error keeps what was not sent."""
+    def _encode(self, delta: torch.Tensor, error: torch.Tensor, payload: torch.Tensor) -> int:
+        """Select and encode ``delta + error`` into ``payload``; ``error`` keeps what was not sent."""
         if isinstance(self.layout, ChunkLayout):
-            indices, _ = ops.dispatch.chunk_encode(delta, self.error, 1.0, True, self.layout, payload)
+            indices, _ = ops.dispatch.chunk_encode(delta, error, 1.0, True, self.layout, payload)
             return indices.numel()
         index_view, value_view = self.layout.payload_views(payload)
-        ops.ef_topk_pack(delta, self.error, 1.0, True, self.layout.capacity, index_view, value_view)
+        ops.ef_topk_pack(delta, error, 1.0, True, self.layout.capacity, index_view, value_view)
         return self.layout.capacity
 
     def _decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
@@ -171,6 +189,11 @@ class SparseDeltaAverager:
             ops.dispatch.chunk_decode_add(gathered, self.layout, out)
         else:
             ops.unpack_payloads(gathered, out, self.layout.capacity, torch.float32)
+
+    def _decoded(self, gathered: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(self.anchor)
+        self._decode(gathered, out)
+        return out
 
     def _flat_weights(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
@@ -212,27 +235,18 @@ class SparseDeltaAverager:
                 f"rank{rank}.error": self.error.clone(), f"rank{rank}.anchor": self.anchor.clone()}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Restore :meth:`state_dict` bit for bit; refuses another world size, another rank's
-        entries, a model of another size and (``strict``) other settings, naming both values."""
-        rank = dist.get_rank(self.process_group)
-        if not isinstance(state, dict) or state.get("kind") != "SparseDeltaAverager":
-            raise ValueError("not a SparseDeltaAverager state dict")
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"the state was saved by {state['world_size']} ranks, this job has {self.world_size}")
-        if strict and state["settings"] != self.settings():
-            raise ValueError(f"the state was saved with settings {state['settings']}, this averager has "
-                             f"{self.settings()} (strict=False loads it anyway)")
-        key = f"rank{rank}."
-        if key + "error" not in state:
-            raise ValueError(f"the state has no entries for rank {rank} ({key}error)")
-        for name in ("error", "anchor"):
-            saved = state[key + name]
-            mine = getattr(self, name)
-            if saved.shape != mine.shape:
-                raise ValueError(f"{key}{name} holds {saved.numel()} entries, the model has {mine.numel()}")
-            mine.copy_(saved)
-        self.step_count = int(state["step"])
-        self.counters = dict.fromkeys(STATS, 0) | dict(state.get("counters", {}))
+        """Restore :meth:`state_dict` bit for bit, all or nothing: the whole dict is checked
+        first (:mod:`sparsecomm.averaging.state_check`: format, keys, step >= 0, world size,
+        this rank's entries, their dtype, size and finiteness, counters and, ``strict``,
+        the settings), a ValueError names the key and what is accepted, and only a dict
+        that passes is assigned. ``strict=False`` loads it under other settings."""
+        checked = state_check.check(state, rank=dist.get_rank(self.process_group), world_size=self.world_size,
+                                    numel=self.anchor.numel(), settings=self.settings(), counter_names=STATS,
+                                    strict=strict)
+        self.error.copy_(checked.error)
+        self.anchor.copy_(checked.anchor)
+        self.step_count = checked.step
+        self.counters = dict.fromkeys(STATS, 0) | checked.counters
 
     def __deepcopy__(self, memo):
         # The checkpoint manager stages a restore on a copy: copy the state, share the model.
