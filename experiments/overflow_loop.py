@@ -1,13 +1,20 @@
 """A training loop that skips overflowing steps, with and without the top-k hook.
 
 The loop does what ``torch.amp.GradScaler`` does: a step whose gradients are not all
-finite is skipped (no optimizer step). One backward on rank 0 overflows (an Inf in its
-input at step ``--overflow-step``). Plain DDP skips that one step and trains on; so must
-the hook. Printed per setup: steps skipped, and the evaluation loss after the last step.
+finite is skipped (no optimizer step). One backward overflows at step ``--overflow-step``:
 
-    python experiments/overflow_loop.py [--steps 40] [--overflow-step 5] [--density 0.05]
+- ``--kind inf-input``: an Inf in rank 0's input (NaN/Inf in almost every gradient entry);
+- ``--kind scaled-loss``: every rank multiplies that step's loss by 3e38 (a loss scale that
+  is too large), which leaves Inf in some gradient entries and huge finite ones (up to
+  ~1e38) in the others.
 
-2 gloo ranks on this machine (spawned), an MLP (3 x 32 tanh), SGD lr 0.05, batches of 8.
+Plain DDP skips that one step and trains on; so must the hook. Printed per setup: steps
+skipped, and the evaluation loss after the last step.
+
+    python experiments/overflow_loop.py [--kind scaled-loss] [--steps 40] [--overflow-step 5] [--density 0.05]
+
+2 gloo ranks on this machine (spawned), an MLP (32-64-64-4, ReLU; inputs of scale 20 so that
+the scaled gradient overflows in part), SGD lr 0.01, batches of 8, regression targets.
 """
 import argparse
 import os
@@ -24,14 +31,14 @@ SETUPS = {  # label -> register_topk_hook keyword arguments (None: plain DDP)
     "plain DDP": None,
     "top-k hook (defaults)": {},
     "top-k hook, momentum correction 0.9": {"momentum": 0.9},
-    "top-k hook, on_overflow='rollback'": {"on_overflow": "rollback"},
+    "top-k hook, on_overflow='drop' (opt-out)": {"on_overflow": "drop"},
 }
+LOSS_SCALE = 3e38
 
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
 def _run(rank, args, hook_kwargs):
@@ -41,22 +48,27 @@ def _run(rank, args, hook_kwargs):
     ddp = DDP(model)
     if hook_kwargs is not None:
         sparsecomm.register_topk_hook(ddp, density=args.density, **hook_kwargs)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(1000 + rank)
     evaluation = torch.randn(64, 32, generator=torch.Generator().manual_seed(7))
+    evaluation_targets = torch.randn(64, 4, generator=torch.Generator().manual_seed(8))
     skipped = 0
     for step in range(args.steps):
-        x = torch.randn(8, 32, generator=data)
-        if step == args.overflow_step and rank == 0:
+        x, y = 20 * torch.randn(8, 32, generator=data), torch.randn(8, 4, generator=data)
+        overflow = step == args.overflow_step
+        if overflow and args.kind == "inf-input" and rank == 0:
             x[0, 0] = float("inf")
         optimizer.zero_grad()
-        ddp(x).pow(2).mean().backward()
+        loss = (ddp(x) - y).pow(2).mean()
+        if overflow and args.kind == "scaled-loss":
+            loss = loss * LOSS_SCALE
+        loss.backward()
         if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
             skipped += 1
             continue
         optimizer.step()
     with torch.no_grad():
-        loss = float(model(evaluation).pow(2).mean())
+        loss = float((model(20 * evaluation) - evaluation_targets).pow(2).mean())
     return skipped, loss
 
 
@@ -76,6 +88,8 @@ def _rank_main(rank, args, port, results_path):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=("scaled-loss", "inf-input"), default="scaled-loss",
+                        help="how the step overflows (default scaled-loss)")
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     parser.add_argument("--overflow-step", type=int, default=5, help="step whose backward overflows on rank 0")
     parser.add_argument("--density", type=float, default=0.05, help="top-k density of the hook (default 0.05)")
@@ -87,7 +101,8 @@ def main(argv=None) -> None:
         results_path = os.path.join(workdir, "rows.pt")
         mp.spawn(_rank_main, args=(args, port, results_path), nprocs=2)
         rows = torch.load(results_path)
-    print(f"{args.steps} steps, overflow on rank 0 at step {args.overflow_step}, density {args.density}, 2 gloo ranks")
+    where = "every rank's loss x 3e38" if args.kind == "scaled-loss" else "an Inf in rank 0's input"
+    print(f"{args.steps} steps, overflow at step {args.overflow_step} ({where}), density {args.density}, 2 gloo ranks")
     print(f"{'setup':40s} {'steps skipped':>14s} {'eval loss after':>16s}")
     for label, skipped, loss in rows:
         if skipped is None:

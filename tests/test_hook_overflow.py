@@ -4,8 +4,10 @@ A loop that skips a step whose gradients are not finite (what ``torch.amp.GradSc
 does, by design, in its first steps) must train with the hook as it does with plain DDP:
 - the overflow reaches every rank (so every rank skips), and the hook's memories stay
   finite (an Inf - Inf = NaN kept in a residual would be selected and sent every step);
-- with ``on_overflow="rollback"`` (default with a ``grad_scaler``) the skipped step leaves
-  no trace: the run is bit for bit the run that never saw that batch;
+- with ``on_overflow="rollback"`` (the default) the skipped step leaves no trace: the run
+  is bit for bit the run that never saw that batch, whatever made the loop skip it (an
+  Inf input, or a loss scale so large that the backward mixes Inf with huge finite
+  entries);
 - with a ``GradScaler`` the residual follows the loss scale, so a scaled run equals the
   unscaled one bit for bit (the scale factors are powers of two: scaling is exact).
 Oracles: plain DDP's skip count, and the same training without the skipped batch.
@@ -82,7 +84,7 @@ HOOKS = {
     "momentum": {"density": 0.05, "momentum": 0.9},
     "parameter-scope": {"density": 0.05, "k_scope": "parameter", "verify_conservation": True},
 }
-ROLLBACK_HOOKS = ["exact", "momentum", "random"]
+ROLLBACK_HOOKS = ["exact", "momentum", "random", "sampled"]
 
 
 @pytest.mark.parametrize("kind", ["nan-everywhere", "one-inf", "one-nan"])
@@ -111,7 +113,8 @@ def test_rollback_makes_a_skipped_step_leave_no_trace(kind):
     for name in ROLLBACK_HOOKS:
         kwargs = {**HOOKS[name], "on_overflow": "rollback"}
         runs += [(kwargs, kind, None, OVERFLOW_STEP), (kwargs, kind, OVERFLOW_STEP, -1)]  # skipped / batch dropped
-    runs += [(HOOKS["exact"], kind, None, OVERFLOW_STEP), (HOOKS["exact"], kind, OVERFLOW_STEP, -1)]  # "drop" mode
+    drop = {**HOOKS["exact"], "on_overflow": "drop"}
+    runs += [(drop, kind, None, OVERFLOW_STEP), (drop, kind, OVERFLOW_STEP, -1)]
     for rank_results in run_on_ranks(_skip_loop_worker, runs, timeout=150):
         for i, name in enumerate(ROLLBACK_HOOKS):
             (skipped, _, finite, with_skip, stats), (none_skipped, _, _, without, _) = rank_results[2 * i : 2 * i + 2]
@@ -119,12 +122,88 @@ def test_rollback_makes_a_skipped_step_leave_no_trace(kind):
             assert stats["skipped_steps"] == 1, name
             # As with plain DDP the skipped step changed nothing, so the rest of the run
             # is the run without that batch, bit for bit (step counter included: same
-            # warm-up, same random-k indices).
+            # warm-up, same random-k indices; the sampled selector's stream included).
             assert all(torch.equal(a, b) for a, b in zip(with_skip, without)), name
-        # The default without a scaler ("drop") keeps the finite part of the overflowing
-        # step, so there the runs differ: the comparison above can fail.
+        # The opt-out ("drop") keeps the finite part of the overflowing step, so there the
+        # runs differ: the comparison above can fail.
         dropped, never_seen = rank_results[-2][3], rank_results[-1][3]
         assert not all(torch.equal(a, b) for a, b in zip(dropped, never_seen))
+
+
+# ----- a loss scale too large: Inf and huge finite entries in one backward -----------------
+
+SCALED_LOSS_STEP = 5  # after the 2 dense warm-up steps and a few sparse ones
+LOSS_SCALE = 3e38  # near float32's largest: the gradient overflows where it is above ~1.1
+SCALED_LOSS_HOOKS = {
+    "exact": {"density": 0.05},
+    "momentum correction": {"density": 0.05, "momentum": 0.9},
+    "owner": {"density": 0.05, "exchange": "owner"},
+    "shared-index": {"density": 0.05, "exchange": "shared-index"},
+    "chunk rice+int4": {"density": 0.05, "selector": "chunk", "chunk_size": 256, "index_codec": "rice",
+                        "value_codec": "int4"},
+}
+
+
+def _relu_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def _scaled_loss_loop(rank, hook_kwargs, optimizer_name, drop_batch, steps=16):
+    """The hardening loop: every rank scales one step's loss by LOSS_SCALE (a loss scale that
+    is too large), and the loop skips any step whose gradients are not all finite. With
+    inputs of scale 20 that backward holds Inf in some entries and finite ones up to ~1e38
+    in the others, in every bucket (4 buckets here)."""
+    model = _relu_mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = sparsecomm.register_topk_hook(ddp, **hook_kwargs) if hook_kwargs is not None else None
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    else:  # AdamW; with momentum correction its first moment is off (the hook's velocity replaces it)
+        beta1 = 0.0 if hook_kwargs and hook_kwargs.get("momentum") else 0.9
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, betas=(beta1, 0.999))
+    inputs, targets = rank_data(rank, steps, (8, 32)), rank_data(rank, steps, (8, 4), seed=5)
+    skipped = 0
+    for step, (x, y) in enumerate(zip(inputs, targets)):
+        if step == drop_batch:
+            continue
+        optimizer.zero_grad()
+        loss = (ddp(20 * x) - y).pow(2).mean()
+        if step == SCALED_LOSS_STEP:
+            loss = loss * LOSS_SCALE
+        loss.backward()
+        if not all_finite(p.grad for p in model.parameters()):
+            skipped += 1
+            continue
+        optimizer.step()
+    memories = None if state is None else {k: v for k, v in state.state_dict().items() if isinstance(v, torch.Tensor)}
+    return skipped, params(model), memories, None if state is None else state.stats()["skipped_steps"]
+
+
+def _scaled_loss_worker(rank, world_size, optimizer_name):
+    plain = _scaled_loss_loop(rank, None, optimizer_name, None)
+    runs = {name: (_scaled_loss_loop(rank, kwargs, optimizer_name, None),
+                   _scaled_loss_loop(rank, kwargs, optimizer_name, SCALED_LOSS_STEP))
+            for name, kwargs in SCALED_LOSS_HOOKS.items()}
+    return plain, runs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_a_too_large_loss_scale_is_skipped_like_plain_ddp_and_leaves_no_trace(world_size, optimizer_name):
+    for plain, runs in run_on_ranks(_scaled_loss_worker, optimizer_name, world_size=world_size, timeout=150):
+        assert plain[0] == 1  # plain DDP skips the one step and trains on
+        for name, ((skipped, with_skip, memories, undone), (none_skipped, without, memories_without, _)) in runs.items():
+            # With the defaults the hook skips what plain DDP skips: the huge finite entries of
+            # the overflowing step were undone with it, not sent again step after step.
+            assert (skipped, undone, none_skipped) == (1, 1, 0), (name, skipped)
+            # ... and the rest of the run is the run that never saw that batch, bit for bit:
+            # weights, and every memory (residuals, velocities, owner residuals).
+            assert all(torch.equal(a, b) for a, b in zip(with_skip, without)), name
+            assert memories.keys() == memories_without.keys(), name
+            assert all(torch.equal(memories[key], memories_without[key]) for key in memories), (name, [
+                key for key in memories if not torch.equal(memories[key], memories_without[key])])
 
 
 # ----- GradScaler -----------------------------------------------------------------------
@@ -213,7 +292,7 @@ def test_fp16_autocast_with_grad_scaler_recipe():
 def _skip_step_worker(rank, world_size, skip_at, drop_batch):
     model = mlp()
     ddp = DDP(model)
-    state = sparsecomm.register_topk_hook(ddp, density=0.05, on_overflow="rollback")
+    state = sparsecomm.register_topk_hook(ddp, density=0.05)  # on_overflow="rollback" is the default
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step, x in enumerate(rank_data(rank, 12, (8, 32))):
         if step == drop_batch:
@@ -225,9 +304,9 @@ def _skip_step_worker(rank, world_size, skip_at, drop_batch):
             continue
         optimizer.step()
     errors = []
-    plain = sparsecomm.register_topk_hook(DDP(mlp()), density=0.05)
+    opted_out = sparsecomm.register_topk_hook(DDP(mlp()), density=0.05, on_overflow="drop")
     try:
-        plain.skip_step()
+        opted_out.skip_step()
     except ValueError as error:
         errors.append(str(error))
     state.reset_residuals()
@@ -243,6 +322,6 @@ def test_skip_step_undoes_a_step_the_loop_rejected():
     for (with_skip, count, errors, after_reset), (without, _, _, _) in zip(skipped, never_seen):
         assert count == 1
         assert all(torch.equal(a, b) for a, b in zip(with_skip, without))
-        assert "on_overflow='rollback'" in errors[0]
+        assert "on_overflow='rollback'" in errors[0] and "'drop'" in errors[0]
         residuals = [v for k, v in after_reset.items() if ".residual." in k]
         assert residuals and all(not v.any() for v in residuals)

@@ -25,7 +25,7 @@ from sparsecomm.hooks.validation import (
 
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
-OVERFLOW_CHOICES = ("drop", "rollback")
+OVERFLOW_CHOICES = ("rollback", "drop")
 EXCHANGE_CHOICES = ("allgather", "owner", "shared-index", "auto")
 
 
@@ -50,7 +50,9 @@ class TopKConfig:
     verify_conservation: bool = False
     k_scope: str = "bucket"
     transport: str = "c10d"  # "c10d" | "mpi": who all-gathers the sparse payloads
-    on_overflow: str = "drop"  # "drop" | "rollback": what an overflow step leaves in the memories
+    # What a step that carried an Inf/NaN leaves in the memories: "rollback" nothing (the safe
+    # default, whatever loop or scaler skips the step), "drop" its finite part (no copy).
+    on_overflow: str = "rollback"
     # The wire of selector="chunk": chunk length, and how its indices and values are written.
     chunk_size: int = 4096
     index_codec: str = "int32"
@@ -60,10 +62,9 @@ class TopKConfig:
     link: str | None = None  # exchange="auto": the link it models, e.g. "1gbit@50us" (None: 10gbit@50us)
 
     @classmethod
-    def build(cls, *, density_schedule=None, on_overflow=None, has_grad_scaler: bool = False,
-              **settings) -> "TopKConfig":
+    def build(cls, *, density_schedule=None, **settings) -> "TopKConfig":
         """A validated config from :class:`TopKState`'s keyword arguments (TypeError/ValueError
-        naming the argument otherwise). ``on_overflow`` None: "rollback" with a grad scaler."""
+        naming the argument otherwise)."""
         s = dict(settings)
         selector = check_choice("selector", s.get("selector", cls.selector), SELECTOR_CHOICES)
         value_dtype, value_codec = _resolve_value_codec(s.get("value_codec"), check_value_dtype(s.get("value_dtype")),
@@ -89,8 +90,7 @@ class TopKConfig:
             k_scope=check_choice("k_scope", s.get("k_scope", cls.k_scope), K_SCOPES),
             transport=check_transport(s.get("transport", cls.transport),
                                       check_choice("selector", s.get("selector", cls.selector), SELECTOR_CHOICES)),
-            on_overflow=check_choice("on_overflow", on_overflow or ("rollback" if has_grad_scaler else "drop"),
-                                     OVERFLOW_CHOICES),
+            on_overflow=check_choice("on_overflow", s.get("on_overflow", cls.on_overflow), OVERFLOW_CHOICES),
             chunk_size=check_int("chunk_size", s.get("chunk_size", cls.chunk_size), MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
             index_codec=check_choice("index_codec", s.get("index_codec", cls.index_codec), INDEX_CODECS),
             value_codec=value_codec,

@@ -5,7 +5,8 @@ checks ``isfinite`` itself) leaves the weights and the optimizer as they were. P
 has nothing else to undo. The hook does: it already folded that step's gradient into the
 error-feedback residual and the momentum velocity, and it took out the entries it sent. To
 leave the hook as plain DDP would be, every bucket's memories are copied before the hook
-changes them; when the step turns out to be skipped, the copies go back.
+changes them; when the step turns out to be skipped, the copies go back, and so does the
+sampled selector's random stream (it draws every step).
 
 Cost: one copy of the residual (and of the velocity with momentum correction) in memory,
 and one copy pass over them per step. The copies are allocated once per bucket layout.
@@ -24,6 +25,8 @@ class StepJournal:
         # not Python bools: on a GPU reading one is a synchronisation, deferred to undo time.
         self._nonfinite: list[torch.Tensor] = []
         self.skip_requested = False  # the user called TopKState.skip_step()
+        # The sampled selector's generator state before the step; None: it had none yet.
+        self._generator_state: torch.Tensor | None = None
 
     def record(self, bucket_index: int, memories: list[torch.Tensor]) -> None:
         """Copy ``memories`` (flat tensors the hook is about to change) of one bucket."""
@@ -46,17 +49,24 @@ class StepJournal:
         """True if a reduced bucket of the step held an Inf or NaN (so every rank skips it)."""
         return any(bool(flag) for flag in self._nonfinite)
 
-    def undo(self) -> None:
-        """Put back every memory copied during the step."""
+    def undo(self, generator: torch.Generator | None) -> torch.Generator | None:
+        """Put back every memory copied during the step; returns the sampled selector's
+        generator as it was before the step (None if the undone step created it: the next
+        step creates it afresh from the seed, as the run without that step would)."""
         for bucket_index in self._taken:
             memories, copies = self._copies[bucket_index]
             for memory, copy in zip(memories, copies):
                 memory.copy_(copy)
+        if self._generator_state is None:
+            return None
+        generator.set_state(self._generator_state)
+        return generator
 
-    def start_step(self) -> None:
+    def start_step(self, generator: torch.Generator | None = None) -> None:
         self._taken = set()
         self._nonfinite = []
         self.skip_requested = False
+        self._generator_state = None if generator is None else generator.get_state()
 
     def forget(self) -> None:
         """Drop everything (the memories were replaced, e.g. by a checkpoint load)."""

@@ -1,6 +1,5 @@
 """The top-k hook's state (:func:`sparsecomm.topk_hook`): its config, per-rank memories,
 steps, counters and observers. Checkpoints and pickles: :mod:`sparsecomm.hooks.state_persistence`."""
-import dataclasses
 import warnings
 
 import torch
@@ -81,14 +80,19 @@ class TopKState(PersistentState):
        Inf or NaN is still reduced and delivered to every rank (non-finite entries rank
        first and are sent), so the loop or ``torch.amp.GradScaler`` sees it and skips the
        step; the hook's memories never take in a non-finite value (those entries become
-       0). ``"rollback"`` goes further: the memories are copied before each step and a
-       step whose reduced gradient is not finite is undone in them at the start of the
-       next one, exactly as the optimizer skipping it (cost: one more copy of the
-       memories, and one copy pass per step). ``"drop"`` (default without a scaler)
-       keeps the finite part of that step's update. With ``grad_scaler`` the memories
-       follow the scaler's scale (rescaled exactly when it changes) and ``on_overflow``
-       defaults to ``"rollback"``; a step the scaler skipped (its scale went down) is
-       undone too. :meth:`skip_step` undoes a step the loop skipped for its own reasons.
+       0). Such a backward also leaves huge *finite* entries beside the Inf (a loss scale
+       that is too large gives both), in every bucket of the step. ``"rollback"``
+       (default) therefore copies the memories before each step and undoes, at the start of
+       the next one, a step in which any reduced bucket was not finite: residuals,
+       velocities, owner residuals, the step counter and the sampled selector's random
+       stream, exactly as the optimizer skipping it, whatever loop or scaler skipped it.
+       Cost: one more copy of the memories in memory and one copy pass over them per step
+       (measured on the default task's step: ``experiments/bench_step_cost.py``).
+       ``"drop"`` opts out (no copy) and keeps the finite part of an overflowing step's
+       update: right only for a loop that never skips a step. With ``grad_scaler`` the
+       memories follow the scaler's scale (rescaled exactly when it changes); a step the
+       scaler skipped (its scale went down) is undone too. :meth:`skip_step` undoes a step
+       the loop skipped for its own reasons.
     9. ``transport``: how the sparse payloads are all-gathered. ``"c10d"`` (default)
        uses the process group (gloo/NCCL), every rank sending a payload of capacity k.
        ``"mpi"`` uses MPI ``Iallgatherv`` (mpi4py; CPU tensors, the default process group,
@@ -151,8 +155,7 @@ class TopKState(PersistentState):
             the first hook call checks that, on every rank, before any collective.
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients the hook
             reduces (see 8. above).
-        on_overflow: ``"drop"`` or ``"rollback"`` (see 8.); None: ``"rollback"`` with a
-            ``grad_scaler``, else ``"drop"``.
+        on_overflow: ``"rollback"`` (default) or ``"drop"`` (see 8.).
     """
 
     __slots__ = (
@@ -183,7 +186,7 @@ class TopKState(PersistentState):
         "_step_open",  # a bucket of the current step arrived and its last one has not
         "_settled",  # the last finished step's overflow, unused parameters, scale are dealt with
         "_agreed",  # the ranks' settings were compared (first hook call)
-        "_journal",  # StepJournal (on_overflow="rollback"), else None
+        "_journal",  # StepJournal (on_overflow="rollback", the default), else None
         "_scale",  # ScaleTracker of the grad_scaler, else None
         "_unused",  # UnusedParameterAccounting of the bound DDP model, else None
         "_fallback_bound",  # largest density that would have gone sparse this step, for the warning
@@ -211,7 +214,7 @@ class TopKState(PersistentState):
         transport: str = "c10d",
         residual_dtype: torch.dtype | None = None,
         grad_scaler=None,
-        on_overflow: str | None = None,
+        on_overflow: str = "rollback",
         chunk_size: int = 4096,
         index_codec: str = "int32",
         value_codec: str | None = None,
@@ -229,7 +232,7 @@ class TopKState(PersistentState):
             selector=selector, value_dtype=value_dtype, residual_dtype=residual_dtype, seed=seed,
             allow_dense_fallback=allow_dense_fallback, verify_conservation=verify_conservation, k_scope=k_scope,
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
-            transport=transport, on_overflow=on_overflow, has_grad_scaler=grad_scaler is not None,
+            transport=transport, on_overflow=on_overflow,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
             link=link,
         )
@@ -403,7 +406,7 @@ class TopKState(PersistentState):
             check_ranks_agree(self, group, device)  # one small all-gather, in the hook body
             self._agreed = True
         if self._journal is not None:
-            self._journal.start_step()
+            self._journal.start_step(self._sample_generator)
         self._fallback_bound = None
         self._step_open = True
         self._settled = False
@@ -447,7 +450,7 @@ class TopKState(PersistentState):
             skipped = self._journal.skip_requested or self._journal.overflowed() or (
                 self._scale is not None and self._scale.decreased())
             if skipped:
-                self._journal.undo()
+                self._sample_generator = self._journal.undo(self._sample_generator)
                 self.step -= 1  # the step never happened, as for the optimizer
                 self._stats.count(skipped_steps=1)
         if self._unused is not None:
@@ -474,8 +477,9 @@ class TopKState(PersistentState):
         """
         if self._journal is None:
             raise ValueError(
-                "skip_step() needs TopKState(on_overflow='rollback') (or a grad_scaler): only then does the "
-                "hook keep copies of its memories from before the step; reset_residuals() restarts them instead"
+                "skip_step() needs TopKState(on_overflow='rollback') (the default; this state has 'drop'): only "
+                "then does the hook keep copies of its memories from before the step; reset_residuals() restarts "
+                "them instead"
             )
         if self._pending:
             raise RuntimeError(f"skip_step() with {self._pending} collective(s) in flight: call it after backward()")
@@ -538,14 +542,13 @@ class TopKState(PersistentState):
 
     def set_grad_scaler(self, grad_scaler) -> None:
         """Attach a ``torch.amp.GradScaler`` after construction (e.g. to an unpickled state);
-        the memories are taken to be unscaled and follow the scaler from the next step."""
+        the memories are taken to be unscaled and follow the scaler from the next step. A
+        state built with ``on_overflow="drop"`` keeps it: steps the scaler skips are then
+        not undone in the memories."""
         if self._pending:
             raise RuntimeError(f"set_grad_scaler() with {self._pending} collective(s) in flight")
         self._scale = ScaleTracker(grad_scaler)
         self._scale.memory_scale = 1.0
-        if self._journal is None:
-            self.config = dataclasses.replace(self.config, on_overflow="rollback")
-            self._journal = StepJournal()
 
     # ----- hot-path helpers ------------------------------------------------------------
 
