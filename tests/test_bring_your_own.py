@@ -79,6 +79,23 @@ def test_user_task_errors_name_the_task(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # refused before anything ran
 
 
+def test_a_task_file_imports_its_neighbours_whatever_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "neighbour_of_task.py").write_text("SAMPLES = 77\n")
+    (tmp_path / "sub" / "task_with_neighbour.py").write_text(textwrap.dedent("""
+        from sparsecomm.lab.tasks import Task
+        import neighbour_of_task
+        class Small(Task):
+            num_train_samples = neighbour_of_task.SAMPLES
+            build_model = train_batch = loss = val_loss = None
+        def make():
+            return Small()
+        """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # restored afterwards
+    assert load_user_task("sub/task_with_neighbour.py:make").num_train_samples == 77
+
+
 @pytest.mark.parametrize("task, source, said", [
     ("sys:exit", None, "task sys:exit: exit() ended the process (SystemExit, code None) instead of returning"),
     ("quits.py:make", "import sys\ndef make():\n    sys.exit(0)\n",

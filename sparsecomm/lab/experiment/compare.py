@@ -66,6 +66,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                                   "a callable returning a sparsecomm.lab.tasks.Task")
     p.add_argument("--script", help="your training script instead of a task (it calls sparsecomm.lab.init()); "
                                     "launched under torchrun once per arm x seed; its own arguments after '--'")
+    p.add_argument("--sources", nargs="+", metavar="PATH",
+                   help="files or directories your task or script depends on that its imports do not show (data "
+                        "files, modules imported by a computed name): their contents are part of the run hash")
     p.add_argument("--metric", help="the metric the verdicts compare (default val_loss; a --script logs it with "
                                     "run.log)")
     p.add_argument("--mode", choices=("min", "max"), help="min: lower metric is better (default); max: higher")
@@ -153,7 +156,8 @@ def with_job_overrides(config: ExperimentConfig, args: argparse.Namespace, *, ar
     """``config`` with the command line's choices: arms, seeds, steps, link, your task or script, metric."""
     overrides = dict(arms=arms, seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps, name=name,
                      link=args.link, metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
-                     world_size=getattr(args, "world_size", None), launcher=getattr(args, "launcher", None))
+                     world_size=getattr(args, "world_size", None), launcher=getattr(args, "launcher", None),
+                     sources=tuple(args.sources) if getattr(args, "sources", None) else None)
     if definitions:
         overrides["arm_definitions"] = {**config.arm_definitions, **definitions}
     if getattr(args, "task", None) is not None or getattr(args, "script", None) is not None:

@@ -8,6 +8,8 @@ import functools
 import hashlib
 import json
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -60,6 +62,27 @@ def task_train_samples(task: str) -> int:
     raise ValueError(f"task must be {TASK_ACCEPTED}, got {task!r}")
 
 
+_PATHS_RELATIVE_TO: ContextVar[Path | None] = ContextVar("paths_relative_to", default=None)
+
+
+def user_path(path: str) -> Path:
+    """A path the config names (script, sources) as the command that started the experiment
+    meant it: relative to the directory it was started in (:func:`paths_relative_to`; by
+    default the current one), whatever directory a script changed to since."""
+    base = _PATHS_RELATIVE_TO.get()
+    return Path(path) if base is None else base / path
+
+
+@contextmanager
+def paths_relative_to(directory):
+    """Inside it, configs resolve their relative paths against ``directory``."""
+    token = _PATHS_RELATIVE_TO.set(Path(directory))
+    try:
+        yield
+    finally:
+        _PATHS_RELATIVE_TO.reset(token)
+
+
 WIRE_DEFAULTS = {"selector": "exact", "chunk_size": 4096, "index_codec": "int32", "value_codec": None,
                  "exchange": "allgather"}
 
@@ -90,6 +113,11 @@ class ExperimentConfig:
     path and contents are part of the run hash."""
     script_args: tuple[str, ...] = ()
     """Arguments passed to the script (the same in every run)."""
+    sources: tuple[str, ...] = ()
+    """Files and directories your task or script depends on that reading its imports cannot
+    find (data files, modules imported by a name computed at run time): their contents are
+    part of the run hash, as the task's or script's own files and the modules they import
+    from your tree are (:mod:`sparsecomm.lab.experiment.run_sources`)."""
     metric: str = "val_loss"
     """The quality the verdicts compare: the built-in tasks' validation loss, or what your
     script logs under this name (``run.log({NAME: value})``)."""
@@ -179,10 +207,15 @@ class ExperimentConfig:
             _check(isinstance(self.task, str) and (self.task in TASK_NAMES or is_user_task(self.task)), "task",
                    TASK_ACCEPTED, self.task)
         else:
-            _check(isinstance(self.script, str) and self.script.endswith(".py") and Path(self.script).is_file(),
+            _check(isinstance(self.script, str) and self.script.endswith(".py") and user_path(self.script).is_file(),
                    "script", "the path of an existing Python file (*.py)", self.script)
         _check(isinstance(self.script_args, tuple) and all(isinstance(a, str) for a in self.script_args),
                "script_args", "a list of strings", self.script_args)
+        _check(isinstance(self.sources, tuple) and all(isinstance(s, str) and s and user_path(s).exists()
+                                                       for s in self.sources), "sources",
+               "a list of paths of existing files or directories", self.sources)
+        _check(not self.sources or self.script is not None or is_user_task(self.task), "sources",
+               "empty with a built-in task (it declares files your own task or script depends on)", self.sources)
         _check(isinstance(self.metric, str) and self.metric.isidentifier(), "metric",
                "a name (letters, digits, underscores), e.g. val_loss or val_accuracy", self.metric)
         _check(self.mode in MODES, "mode", f"one of {MODES} (lower or higher is better)", self.mode)
@@ -281,11 +314,25 @@ class ExperimentConfig:
         """The arm ``name`` resolved against this experiment: every option explicit."""
         return arm_spec.resolve(name, self)
 
+    @functools.cached_property
+    def code(self):
+        """What a run executes of your code (:class:`run_sources.Code`; None for a built-in
+        task), read once per config object: every hash of one experiment is of the code as it
+        was when the experiment started."""
+        from sparsecomm.lab.experiment import run_sources
+
+        base = _PATHS_RELATIVE_TO.get()
+        if self.script is not None:
+            return run_sources.script_code(self.script, self.sources, base)
+        return run_sources.task_code(self.task, self.sources, base) if is_user_task(self.task) else None
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["arms"], d["seeds"], d["script_args"] = list(self.arms), list(self.seeds), list(self.script_args)
-        if not self.arm_definitions:
-            d.pop("arm_definitions")  # configs without defined arms keep their earlier form
+        d["sources"] = list(self.sources)
+        for key in ("arm_definitions", "sources"):
+            if not d[key]:
+                d.pop(key)  # configs without them keep their earlier form
         return d
 
     @classmethod
@@ -303,7 +350,7 @@ class ExperimentConfig:
         if "task" not in raw and "script" not in raw:
             raise ValueError(f"experiment config: task or script is required (accepted keys: {sorted(known)})")
         values = dict(raw)
-        for key in ("arms", "seeds", "script_args"):
+        for key in ("arms", "seeds", "script_args", "sources"):
             if key in values:
                 _check(isinstance(values[key], list), key, "a JSON list", values[key])
                 values[key] = tuple(values[key])
@@ -347,9 +394,15 @@ class ExperimentConfig:
             d.pop(key)
         for key in ("script", "script_args"):
             if not d[key]:
-                d.pop(key)  # built-in and user tasks keep their earlier hash
+                d.pop(key)  # built-in tasks keep their earlier hash
+        code = self.code  # your code's files, by content
         if self.script is not None:
-            d["script_sha256"] = hashlib.sha256(Path(self.script).read_bytes()).hexdigest()
+            d["script_sha256"] = code.files[code.entry]
+            imported = code.digest(without_entry=True)
+            if imported is not None:  # a script that imports nothing of yours keeps its earlier hash
+                d["code_sha256"] = imported
+        elif code is not None:
+            d["code_sha256"] = code.digest()
         spec = self.arm(arm)
         if spec.name not in HOOK_PRESETS:
             # A defined arm carries its resolved options: the experiment's wire and optimizer

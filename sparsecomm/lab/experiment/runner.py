@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
+from sparsecomm.lab.experiment import run_sources
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.files import write_json_atomically
 from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
@@ -457,6 +458,9 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
     signals, state = InterruptSignals(), _State()
     signals.install()
     try:
+        if config.code is not None:  # your code as it is now: every run's hash covers it
+            for line in run_sources.describe(config.code):
+                progress(line)
         hold_experiment(config, root, progress)
         experiment_dir = write_snapshot(config, root)
         os.environ.setdefault("OMP_NUM_THREADS", "1")

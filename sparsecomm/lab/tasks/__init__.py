@@ -2,7 +2,8 @@
 
 A task of your own is a callable that returns a :class:`Task`, named
 ``MODULE:FACTORY`` (an importable module; the current directory is on the path) or
-``path/to/file.py:FACTORY``: ``sparsecomm compare --task my_tasks:make_task``. The runner
+``path/to/file.py:FACTORY`` (its directory is on the path, as for a script):
+``sparsecomm compare --task my_tasks:make_task``. The runner
 calls it once in each rank of each run (after seeding torch with the run's seed), and once
 in the command itself to read ``num_train_samples`` for the config's checks.
 """
@@ -44,6 +45,8 @@ def _import(module: str, task: str):
         if not path.is_file():
             raise ValueError(f"task {module}: no such file (relative paths are relative to the current directory, "
                              f"{Path.cwd()})")
+        if str(path.resolve().parent) not in sys.path:
+            sys.path.insert(0, str(path.resolve().parent))  # as for a script run by path: its neighbours import
         spec = importlib.util.spec_from_file_location(f"sparsecomm_user_task_{path.stem}", path.resolve())
         loaded = importlib.util.module_from_spec(spec)
         _users_code(task, f"importing {module}", lambda: spec.loader.exec_module(loaded))
