@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm import compress, ops
 from sparsecomm.averaging import state_check
-from sparsecomm.averaging.sync_guard import refusal
+from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm.collectives import allgather_future
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.config import TopKConfig
@@ -58,7 +58,8 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
 
 
 class SparseDeltaAverager:
-    """Local steps with a sparse outer sync; call :meth:`step` after every ``optimizer.step()``.
+    """Local steps with a sparse outer sync; call :meth:`step` after every ``optimizer.step()``
+    that happened (not after a step the loop skipped).
 
     Args:
         ddp_model: the DDP model (no comm hook yet: the averager registers its own).
@@ -163,7 +164,7 @@ class SparseDeltaAverager:
         self._decode(gathered, anchor)
         anchor.div_(world_size)  # the mean of what the ranks sent
         torch.sub(self.anchor, anchor, alpha=self.outer_lr, out=anchor)
-        if not bool(torch.isfinite(anchor).all()):  # the same bits, so the same verdict, on every rank
+        if not all_finite(anchor):  # the same bits, so the same verdict, on every rank
             raise refusal(gathered, self._decoded, step)
         self.anchor, self.error = anchor, error
         self._write_weights(self.anchor)

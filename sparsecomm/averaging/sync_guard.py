@@ -5,8 +5,8 @@ NaN above every finite magnitude, so each chunk (or the exact top-k) holding one
 and it decodes as non-finite on every receiver, for every selector and value codec; so an
 Inf or NaN in any rank's delta or error buffer reaches the all-gathered payloads, which
 every rank decodes, bit for bit alike, into the same mean and the same new anchor. One check of the new anchor (``anchor
-- outer_lr * mean`` is finite exactly when the mean is and the step does not overflow)
-therefore gives every rank the same verdict. Only when it fails are the payloads decoded
+- outer_lr * mean`` is finite exactly when the mean is and the step does not overflow),
+:func:`all_finite`, therefore gives every rank the same verdict. Only when it fails are the payloads decoded
 again one rank at a time, to name the ranks that sent a non-finite value.
 """
 from collections.abc import Callable
@@ -27,6 +27,15 @@ class NonFiniteSyncError(SparsecommError):
     def __init__(self, message: str, ranks: list[int], step: int):
         super().__init__(message)
         self.ranks, self.step = ranks, step
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry of ``tensor`` is finite, exactly. A finite sum proves it in one
+    fast pass (an Inf or NaN entry makes the sum Inf or NaN; torch.isfinite(t).all() costs
+    about 25 times more on CPU); only a non-finite sum, finite entries that overflowed
+    included, pays the entry-wise check. The answer is exact either way, so it is the same
+    on every rank whatever order the sum took."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def refusal(gathered: torch.Tensor, decode_one: Callable[[torch.Tensor], torch.Tensor], step: int) -> NonFiniteSyncError:
