@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_models import mlp, rank_data
 from multiprocess import run_on_ranks
 from sparsecomm import SparseDeltaAverager
+from sparsecomm.averaging.sync_guard import all_finite
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,3 +141,10 @@ def test_a_non_finite_sync_is_refused_alike_on_every_rank_and_leaves_no_trace(fa
             assert "every rank's payload is finite" in message and "overflowed" in message, message
     for results in per_rank:  # the clean runs end on a sync: one model on every rank
         assert torch.equal(results[faults[0]][1]["final"]["weights"], per_rank[0][faults[0]][1]["final"]["weights"])
+
+
+@pytest.mark.parametrize("values, finite", [([1.0, -2.0], True), ([HUGE, HUGE, -1.0], True),  # the sum overflows
+                                            ([1.0, float("inf")], False), ([float("nan"), 0.0], False),
+                                            ([HUGE, -float("inf")], False)])
+def test_the_guard_check_is_exact_when_the_sum_overflows(values, finite):
+    assert all_finite(torch.tensor(values, dtype=torch.float32)) is finite
