@@ -5,13 +5,16 @@ The examples in experiments/examples/ are what a user would write; these tests r
 a user would (the command line, 2 ranks, 2 arms x 3 seeds, a small budget).
 """
 import json
+import math
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from deadline import run_with_deadline
 from sparsecomm.lab.results import load_runs, load_steps
@@ -205,19 +208,84 @@ for step in range(1, 4):
 """
 
 
-@pytest.mark.parametrize("tail, message", [
-    ("raise RuntimeError('the user script broke at step 3')", "RuntimeError: the user script broke at step 3"),
-    ("run.finish()", "run.log never recorded the experiment's metric 'val_loss'"),
+def _run_script(tmp_path, monkeypatch, source: str, arms=("dense",)) -> dict:
+    """Run ``train.py`` (given relative, from tmp_path) through the runner: {arm: summary}."""
+    from sparsecomm.lab.experiment import runner
+    from sparsecomm.lab.experiment.config import ExperimentConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(source))
+    config = ExperimentConfig(name="s", script="train.py", arms=arms, seeds=(0,), steps=3)
+    runner.run_experiment(config, tmp_path / "runs", progress=lambda line: None)
+    return {arm: json.loads((runner.run_directory(config, tmp_path / "runs", arm, 0) / "summary.json").read_text())
+            for arm in arms}
+
+
+INIT_ONLY = """
+import sys
+import torch.distributed as dist
+import sparsecomm.lab
+dist.init_process_group("gloo")
+run = sparsecomm.lab.init()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source, status, said", [
+    # The docs: finish() runs at the end when a script forgets it, also after the group is gone.
+    (SCRIPT_HEAD + "run.log({'val_loss': 0.5}, step=3)\ndist.destroy_process_group()\n", "ok", None),
+    # The relative --script path is the command's, not the directory the script moved to.
+    ("import os\nos.chdir('/')\n" + SCRIPT_HEAD + "run.log({'val_loss': 0.5})\nrun.finish()\n", "ok", None),
+    (INIT_ONLY + "sys.exit('no data for this arm')\n", "failed",
+     "SystemExit: the script called sys.exit('no data for this arm') at train.py:8, after "
+     "sparsecomm.lab.init(), before run.apply(...)"),
+    (SCRIPT_HEAD + "raise KeyboardInterrupt\n", "failed",
+     "KeyboardInterrupt: the script raised KeyboardInterrupt at train.py:15, after 3 optimizer step(s)"),
+    (SCRIPT_HEAD + "raise RuntimeError('the user script broke at step 3')\n", "failed",
+     "RuntimeError: the user script broke at step 3"),
+    (SCRIPT_HEAD + "run.finish()\n", "failed", "RuntimeError: run.finish: run.log never recorded the experiment's metric"),
+    (SCRIPT_HEAD, "failed", "RuntimeError: the script returned after sparsecomm.lab.init() and 3 optimizer step(s), "
+                            "but run.log never recorded the experiment's metric 'val_loss'"),
+    ("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.destroy_process_group()\n", "failed",
+     "RuntimeError: the script returned without calling sparsecomm.lab.init(): nothing connected it to the run"),
+], ids=["destroys-group-without-finish", "chdir-before-init", "sys-exit-message-after-init", "keyboard-interrupt",
+        "raises", "finish-without-metric", "returns-without-metric", "never-calls-init"])
+def test_how_a_script_ends_is_what_its_run_records(tmp_path, monkeypatch, source, status, said):
+    summary = _run_script(tmp_path, monkeypatch, "import sys\n" + source)["dense"]
+    assert summary["status"] == status, summary
+    if said is not None:
+        assert said in summary["error"], summary["error"]
+    else:
+        assert summary["evals"] == [[3, summary["evals"][0][1], 0.5]]
+
+
+def test_a_script_logging_a_non_finite_or_tensor_metric_is_measured_not_failed(tmp_path, monkeypatch):
+    from sparsecomm.lab import tolerance
+    from sparsecomm.lab.results import load_runs
+
+    tail = ("value = torch.tensor(0.5) if run.arm == 'dense' else float('nan')\n"
+            "run.log({'val_loss': value, 'train_loss': torch.tensor([2.0])}, step=3)\nrun.finish()\n")
+    summaries = _run_script(tmp_path, monkeypatch, SCRIPT_HEAD + tail, arms=("dense", "dense-bf16"))
+    assert [s["status"] for s in summaries.values()] == ["ok", "ok"], summaries
+    assert summaries["dense"]["evals"][-1][2] == 0.5 and math.isnan(summaries["dense-bf16"]["evals"][-1][2])
+    runs = {r.arm: r for r in load_runs(tmp_path / "runs" / "s")}
+    verdict = tolerance.equivalence({0: runs["dense"].final_val_loss}, {0: runs["dense-bf16"].final_val_loss}, 0.1)
+    assert verdict.verdict == "inconclusive" and "non-finite final loss at seed(s) [0]" in verdict.reason
+
+
+@pytest.mark.parametrize("value, message", [
+    (torch.tensor([1.0, 2.0]), r"run.log: val_loss must be a number or a one-element tensor, got a tensor of shape \(2,\)"),
+    ("0.5", "run.log: val_loss must be a real number or a one-element tensor, got '0.5'"),
+    (True, "run.log: val_loss must be a real number or a one-element tensor, got True"),
 ])
-def test_a_failing_script_is_a_failed_run_with_its_error(tmp_path, tail, message):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT_HEAD) + tail + "\n")
-    result = _sparsecomm("compare", "--script", script, "--arms", "dense", "topk-ef", "--seeds", 0, "--steps", 3,
-                         "--out", tmp_path / "runs", "--plots", tmp_path / "plots", cwd=tmp_path, timeout=200)
-    assert result.returncode == 4, result.stdout[-3000:]  # no dense run finished
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    failed = [r for r in load_runs(run_dir) if r.arm == "dense"]
-    assert failed and failed[0].status == "failed" and message in failed[0].describe_problem(), failed
+def test_a_metric_that_is_not_one_number_is_refused_when_logged(value, message):
+    from sparsecomm.lab.script_run import Run
+
+    run = Run(arm="dense", seed=0)  # standalone: log() checks the same way
+    with pytest.raises(ValueError, match=message):
+        run.log({"val_loss": value})
+    for accepted in (float("inf"), np.float32(0.25), torch.tensor(0.5, dtype=torch.bfloat16), 3):
+        run.log({"val_loss": accepted, "train_loss": accepted})
 
 
 # --- the library without the lab ------------------------------------------------------------

@@ -16,17 +16,17 @@ The run directory then holds what a built-in run holds (``steps.jsonl``, the sum
 every ``optimizer.step()`` (a post-step hook): the step time, the time inside the comm hook,
 the time waiting for the last bucket's collective (from its hook's return to the step) and
 the bytes the hook sent. The script may log ``train_loss`` too; it is put on the next row.
-The run ends with :meth:`Run.finish` (or at exit, if the script forgot it); a script that
-raises records its error for the runner.
+The run ends with :meth:`Run.finish`, or when the script ends if it forgot it. Under the
+runner each rank runs the script through :mod:`sparsecomm.lab.experiment.script_rank`, which
+records how the script ended when that is not a finished run (an exception, ``sys.exit``
+with a message, no ``init()``), in words that say what the script did.
 
 Run outside the runner (plain ``torchrun train.py``), ``init()`` returns a standalone run:
 the dense arm, seed ``SPARSECOMM_SEED`` or 0, nothing registered, nothing written.
 """
-import atexit
 import json
+import numbers
 import os
-import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -65,7 +65,9 @@ class Run:
         self._step = 0
         self._last_step_end = self._step_started = None
         self._writer = None
-        self._finished = self._crashed = False
+        self._rank = self._world_size = None  # of the process group at apply(): finish() needs no group
+        self.finished = False
+        """Whether :meth:`finish` was called."""
 
     # -- connecting the script ---------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class Run:
         if dist.get_world_size() != self.config.world_size:
             raise ValueError(f"run.apply: the process group has {dist.get_world_size()} ranks but the experiment's "
                              f"world_size is {self.config.world_size}")
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         from sparsecomm.lab.experiment.arms import HookMeter, hook_for_spec
 
         arm_hook = hook_for_spec(self.spec, ddp_model, self.seed)
@@ -104,7 +107,7 @@ class Run:
         adapt_optimizer(optimizer, self.spec)
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
-        if dist.get_rank() == 0:
+        if self._rank == 0:
             from sparsecomm.lab.experiment.steps_log import StepLog
 
             self._writer = StepLog(self.run_dir, append=False)
@@ -124,7 +127,9 @@ class Run:
 
         The experiment's metric (``val_loss`` unless ``--metric`` names another) becomes an
         evaluation point of the run; ``train_loss`` goes on the next train row; others are
-        ignored. Call it on every rank with the same values (rank 0 writes).
+        ignored. Call it on every rank with the same values (rank 0 writes). A value is a real
+        number or a one-element tensor (refused here otherwise); NaN and infinities are recorded
+        as they are: a run that diverged is a measured result (its verdict is inconclusive).
         """
         if not isinstance(metrics, dict):
             raise TypeError(f"run.log: metrics must be a dict of name -> number, got {type(metrics).__name__}")
@@ -141,29 +146,46 @@ class Run:
                          "elapsed_seconds": elapsed})
 
     def finish(self) -> dict | None:
-        """End the run: rank 0 writes its summary (for the runner); returns it (None standalone)."""
-        if self._finished:
+        """End the run: rank 0 writes its summary (for the runner); returns it (None standalone).
+        Needs no process group (the script may have destroyed it)."""
+        if self.finished:
             return None
-        self._finished = True
+        self.finished = True
         if not self.in_lab:
             return None
         if self._writer is not None:
             self._writer.close()
-        if self._meter is None:
-            raise RuntimeError("run.finish: run.apply(ddp_model, optimizer) was never called, so the arm's hook was "
-                               "never registered")
-        if not self._rows:
-            raise RuntimeError("run.finish: no optimizer step was taken after run.apply")
-        if not self._evals:
-            raise RuntimeError(f"run.finish: run.log never recorded the experiment's metric {self.metric!r} (log it "
-                               "at least once, at the end)")
+        missing = self.missing()
+        if missing is not None:
+            raise RuntimeError(f"run.finish: {missing}")
         summary = self._summary()
-        if dist.get_rank() == 0:
+        if self._rank == 0:
             from sparsecomm.lab.experiment.files import write_json_atomically
             from sparsecomm.lab.experiment.worker import RESULT_FILE
 
             write_json_atomically(self.run_dir / RESULT_FILE, summary)
         return summary
+
+    def missing(self) -> str | None:
+        """What the script has not done that a finished run needs (None: nothing)."""
+        if not self.applied:
+            return "run.apply(ddp_model, optimizer) was never called, so the arm's hook was never registered"
+        if not self._rows:
+            return "no optimizer step was taken after run.apply"
+        if not self._evals:
+            return (f"run.log never recorded the experiment's metric {self.metric!r} (log it at least once, at the "
+                    "end)")
+        return None
+
+    @property
+    def applied(self) -> bool:
+        """Whether :meth:`apply` registered the arm's hook."""
+        return self._meter is not None
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps since :meth:`apply`."""
+        return self._step
 
     # -- measuring ---------------------------------------------------------------------------
 
@@ -228,7 +250,7 @@ class Run:
             "evals": self._evals,
             "metric": self.metric,
             "hook_stats": self._arm_hook.stats(self._arm_hook.state),
-            "world_size": dist.get_world_size(),
+            "world_size": self._world_size,
             "torch_version": torch.__version__,
             "num_parameters": sum(p.numel() for p in self._ddp.module.parameters()),
             "script": self.config.script,
@@ -267,38 +289,22 @@ def adapt_optimizer(optimizer: torch.optim.Optimizer, spec) -> None:
 
 
 def _number(name: str, value) -> float:
+    """A logged metric as a float: a real number (numpy's included) or a one-element tensor,
+    refused here otherwise, naming the metric. NaN and infinities are kept (a diverged run
+    is a measured result)."""
     if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"run.log: {name} must be a number or a one-element tensor, got a tensor of shape "
+                             f"{tuple(value.shape)} (log one number, e.g. loss.item())")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        raise ValueError(f"run.log: {name} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"run.log: {name} must be a real number or a one-element tensor, got {value!r}")
     return float(value)
 
 
-def _on_exit(run: Run) -> None:
-    # A script that raised has its error recorded already; finishing it would replace that.
-    if not run._finished and run.in_lab and not run._crashed:
-        try:
-            run.finish()
-        except Exception as error:  # noqa: BLE001 - at exit: recorded for the runner, and the exit code says it
-            from sparsecomm.lab.experiment.rank_errors import write_rank_error
-
-            write_rank_error(run.run_dir, error)
-            print(f"sparsecomm.lab: {error}", file=sys.stderr, flush=True)
-            os._exit(1)
-
-
-def _record_errors(run: Run) -> None:
-    """An exception that ends the script is recorded in error-rank<r>.json for the runner."""
-    previous = sys.excepthook
-
-    def hook(kind, error, traceback):
-        from sparsecomm.lab.experiment.rank_errors import write_rank_error
-
-        run._crashed = True
-        write_rank_error(run.run_dir, error)
-        previous(kind, error, traceback)
-
-    sys.excepthook = hook
+def active_run() -> "Run | None":
+    """The run :func:`init` made in this process, or None before it was called."""
+    return _ACTIVE[0] if _ACTIVE else None
 
 
 def init(seed: int | None = None) -> Run:
@@ -317,11 +323,9 @@ def init(seed: int | None = None) -> Run:
         from sparsecomm.lab.experiment.config import ExperimentConfig
 
         raw = json.loads(Path(path).read_text())
-        config = ExperimentConfig.from_dict(raw["config"])
+        config = ExperimentConfig.of_run(raw)  # as the runner read it, whatever directory the script is in now
         launch = os.environ.get(LAUNCH_TIME_ENV)
         run = Run(arm=raw["arm"], seed=raw["seed"], config=config, run_dir=Path(path).parent,
                   config_hash=raw["config_hash"], launch_time=float(launch) if launch else None)
-        _record_errors(run)
-        atexit.register(_on_exit, run)
     _ACTIVE.append(run)
     return run

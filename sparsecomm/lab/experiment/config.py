@@ -367,6 +367,25 @@ class ExperimentConfig:
             values["policy"] = Policy(**policy)
         return cls(**values)
 
+    @classmethod
+    def of_run(cls, run_config: dict) -> "ExperimentConfig":
+        """The config a rank reads from its run's ``run-config.json``: relative paths as the
+        command that started the experiment meant them (``directory``), and your code as the
+        experiment read it at its start; ValueError naming the files of it that changed since
+        (trained under the old hash, their results would pass for the old code's)."""
+        with paths_relative_to(run_config.get("directory") or Path.cwd()):
+            config = cls.from_dict(run_config["config"])
+        if run_config.get("code") is not None:
+            from sparsecomm.lab.experiment.run_sources import Code
+
+            code = Code.from_record(run_config["code"])
+            changed = code.changed()
+            if changed:
+                raise ValueError(f"your code changed since the experiment started ({', '.join(changed)}): this run "
+                                 "would train it under the hash of the code as it was; run the experiment again")
+            config.__dict__["code"] = code  # the cached property `code`: as the experiment read it
+        return config
+
     def with_overrides(self, **overrides) -> "ExperimentConfig":
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -30,10 +30,12 @@ def _this_rank() -> int | None:
         return None
 
 
-def write_rank_error(out_dir: Path | None, error: BaseException, frames: int = 8) -> Path | None:
+def write_rank_error(out_dir: Path | None, error: BaseException, frames: int = 8, *,
+                     message: str | None = None) -> Path | None:
     """``error-rank<r>.json`` in the run directory: this rank's exception (type, message, the
-    last frames of its traceback), when it happened, and the launch it belongs to. Never
-    raises (the original error is what matters)."""
+    last frames of its traceback), when it happened, and the launch it belongs to; ``message``
+    replaces the exception's own (to say what the code did). Never raises (the original
+    error is what matters)."""
     try:
         rank = _this_rank()
         if out_dir is None or rank is None:
@@ -46,7 +48,7 @@ def write_rank_error(out_dir: Path | None, error: BaseException, frames: int = 8
         write_json_atomically(path, {
             "rank": rank,
             "type": name,
-            "message": str(error)[:4000],
+            "message": (str(error) if message is None else message)[:4000],
             "frames": [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in stack],
             "traceback": "".join(traceback.format_exception(error))[-8000:],
             "wall_time": time.time(),

@@ -46,12 +46,40 @@ class Code:
     entry: str | None = None
     """The label of the script or task file (None: a task module that is not in the user's tree)."""
     files: dict[str, str] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
+    """label -> the file's absolute path (where a rank checks that it did not change)."""
     not_covered: list[str] = field(default_factory=list)
+
+    def add(self, label: str, path) -> None:
+        self.files[label] = _sha256(path)
+        self.paths[label] = os.path.abspath(path)
 
     def digest(self, *, without_entry: bool = False) -> str | None:
         """sha256 over (label, contents' sha256) of the covered files; None when there are none."""
         covered = sorted((label, sha) for label, sha in self.files.items() if not (without_entry and label == self.entry))
         return hashlib.sha256(repr(covered).encode()).hexdigest() if covered else None
+
+    def to_record(self) -> dict:
+        """What run-config.json keeps of it: a rank checks the files against it (:meth:`changed`)."""
+        return {"entry": self.entry, "files": self.files, "paths": self.paths, "not_covered": self.not_covered}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Code":
+        return cls(**record)
+
+    def changed(self) -> list[str]:
+        """Labels of the covered files whose contents are not what they were when read (or that are gone)."""
+        def now(path):
+            try:
+                return _sha256(path)
+            except OSError:
+                return None
+
+        return [label for label, sha in self.files.items() if now(self.paths[label]) != sha]
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def installed_roots() -> tuple[str, ...]:
@@ -90,7 +118,7 @@ class _Reader:
         if real in self.seen:
             return
         self.seen.add(real)
-        self.code.files[self.label(path)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        self.code.add(self.label(path), path)
         if path.suffix == ".py":
             self.queue.append(path)
 
@@ -213,10 +241,9 @@ def _declared(reader: _Reader, sources, base: Path) -> None:
                 subdirectories.sort()
                 for name in sorted(names):
                     inside = os.path.relpath(os.path.join(directory, name), path)
-                    reader.code.files[f"declared:{os.path.join(source, inside)}"] = \
-                        hashlib.sha256(Path(directory, name).read_bytes()).hexdigest()
+                    reader.code.add(f"declared:{os.path.join(source, inside)}", os.path.join(directory, name))
         else:
-            reader.code.files[f"declared:{source}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+            reader.code.add(f"declared:{source}", path)
 
 
 def _search_path(entry_dir: Path, base: Path) -> list[str]:

@@ -126,10 +126,11 @@ which another command may rewrite while this one trains)."""
 
 
 def _worker_arguments(config: ExperimentConfig, arm: str, seed: int, out_dir: Path) -> list[str]:
-    """What each rank runs: the user's script (it finds RUN_CONFIG through
-    ``sparsecomm.lab.init()``), or the built-in worker, which reads RUN_CONFIG itself."""
+    """What each rank runs: the user's script, through script_rank (which records how it ended;
+    the script finds RUN_CONFIG through ``sparsecomm.lab.init()``), or the built-in worker,
+    which reads RUN_CONFIG itself."""
     if config.script is not None:
-        return [str(Path(config.script).resolve()), *config.script_args]
+        return ["-m", "sparsecomm.lab.experiment.script_rank", str(Path(config.script).resolve()), *config.script_args]
     return [
         "-m", "sparsecomm.lab.experiment.worker",
         "--experiment-json", str(out_dir / RUN_CONFIG),
@@ -380,8 +381,11 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
     kills the run's processes first and records the run.
     """
     signals = signals if signals is not None else InterruptSignals()
-    write_json_atomically(out_dir / RUN_CONFIG, {"config": config.to_dict(), "arm": arm, "seed": seed,
-                                                 "config_hash": config.run_hash(arm, seed)})
+    write_json_atomically(out_dir / RUN_CONFIG, {
+        "config": config.to_dict(), "arm": arm, "seed": seed, "config_hash": config.run_hash(arm, seed),
+        # What the ranks need to read the config as this command does, whatever their directory,
+        # and to check that your code is still what the hash covers.
+        "directory": str(Path.cwd()), "code": config.code.to_record() if config.code is not None else None})
     launch_id = f"{os.getpid()}-{secrets.token_hex(8)}"
     marks = {LAUNCH_ENV: launch_id, RUN_DIR_ENV: str(out_dir.resolve()),
              # For a script's sparsecomm.lab.init(): which run it is, and when setup began.

@@ -466,12 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     try:
         raw = json.loads(args.experiment_json.read_text())
-        config = ExperimentConfig.from_dict(raw["config"])
+        config = ExperimentConfig.of_run(raw)
         expected = raw.get("config_hash")
         if expected is not None and config.run_hash(args.arm, args.seed) != expected:
-            raise ValueError(f"{args.experiment_json}: the run's config or your code changed since the experiment "
-                             f"started: {args.arm} seed {args.seed} hashes to {config.run_hash(args.arm, args.seed)} "
-                             f"now, not to the run's {expected}; run the experiment again")
+            raise ValueError(f"{args.experiment_json}: its config hashes to {config.run_hash(args.arm, args.seed)} "
+                             f"for {args.arm} seed {args.seed}, not to the run's {expected}")
     except Exception as error:
         write_rank_error(args.out, error)
         raise
