@@ -19,8 +19,9 @@ there is an arm besides dense to compare, the world size against this machine's 
 the link, and that --out and --plots can be written.
 
 Exit codes: 0 the ledger, verdicts and plots were printed (whatever the verdicts; use
-``sparsecomm check`` to gate on them); 2 a bad argument or config, or an unreadable result
-file; 4 no dense run finished, so there is nothing to compare against (the failures are
+``sparsecomm check`` to gate on them); 2 a bad argument or config (a task whose code exits
+included), a run directory refused (a link, or another user's directory, under --out), or
+an unreadable result file; 4 no dense run finished, so there is nothing to compare against (the failures are
 printed); 130 / 143 stopped by Ctrl-C / SIGTERM (what was kept is printed).
 """
 import argparse
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.config import ARM_NAMES, ExperimentConfig
+from sparsecomm.lab.experiment.files import RunDirectoryError
 from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS, bring_your_own
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
@@ -265,9 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         check_launcher_possible(config)
         check_writable_directory(args.out / config.name, "--out")
         check_writable_directory(args.plots / config.name, "--plots")
+        from sparsecomm.lab.experiment.runner import ExperimentInterrupted, check_run_directories, run_experiment
+
+        check_run_directories(config, args.out)
     except (ValueError, TypeError, OSError, RuntimeError) as error:
         parser.error(str(error))
-    from sparsecomm.lab.experiment.runner import ExperimentInterrupted, run_experiment
 
     print(f"experiment {config.name}: {len(config.arms)} arms x {len(config.seeds)} seeds, "
           f"{config.world_size} ranks over {config.link}, {config.steps} steps -> {args.out / config.name}", flush=True)
@@ -275,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_experiment(config, args.out)
     except ExperimentInterrupted as error:
         return stop_on_interrupt(error)
+    except RunDirectoryError as error:  # planted while the experiment ran
+        print(f"sparsecomm compare: error: {error}", file=sys.stderr)
+        return 2
     from sparsecomm.lab.results import ResultFileError, warnings_to_stderr
 
     try:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from sparsecomm.lab.experiment.compare import add_experiment_source, experiment_from_source
 from sparsecomm.lab.experiment.config import ARM_NAMES
+from sparsecomm.lab.experiment.files import RunDirectoryError, private_directory
 from sparsecomm.lab.experiment.named import EXPERIMENTS
 
 
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         if info.rank == 0:
             print(f"{args.arm} seed {args.seed}: finished earlier, skipped ({out_dir})")
         return 0
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        runner.check_run_directories(config, args.out)
+        private_directory(out_dir, args.out)
+    except RunDirectoryError as error:
+        parser.error(str(error))
     lock = runner.RunLock(out_dir)
 
     def claim() -> tuple[int, str] | None:

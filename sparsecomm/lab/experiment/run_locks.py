@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.files import open_no_follow, private_directory
 
 RUN_LOCK = "run.lock"
 """In the run directory: flock'ed by the process that trains the run; holds its pid."""
@@ -29,7 +30,7 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self, blocking: bool = False) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -46,9 +47,11 @@ class RunLock:
     def holder(self) -> str:
         """The pid the holder wrote (best effort: "?" when unknown)."""
         try:
-            return self.path.read_text().strip() or "?"
-        except OSError:
+            fd = open_no_follow(self.path, os.O_RDONLY)
+        except (OSError, ValueError):
             return "?"
+        with os.fdopen(fd) as f:
+            return f.read().strip() or "?"
 
     def release(self) -> None:
         if self.fd is not None:
@@ -58,7 +61,7 @@ class RunLock:
 
 @contextmanager
 def _flocked(path: Path, operation: int):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, operation)
         yield fd
@@ -78,7 +81,7 @@ def _busy_with_other_config(locks: Path, mine: str) -> Path | None:
     for path in sorted(locks.glob("config-*.lock")):
         if path.name == f"config-{mine}.lock":
             continue
-        fd = os.open(path, os.O_RDWR)
+        fd = open_no_follow(path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -96,8 +99,7 @@ def hold_experiment(config: ExperimentConfig, root: Path, progress=print, *, wai
     it for another config, wait (or return False with ``wait=False``). Two configs under one
     name would otherwise rewrite each other's experiment.json, which every report reads."""
     experiment_dir = Path(root) / config.name
-    locks = experiment_dir / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
+    locks = private_directory(experiment_dir / ".locks", root)
     key, mine = str(experiment_dir.resolve()), _config_id(config)
     held = _HELD_EXPERIMENTS.get(key)
     if held is not None and held[0] == mine:
@@ -110,7 +112,7 @@ def hold_experiment(config: ExperimentConfig, root: Path, progress=print, *, wai
         with _flocked(locks / "gate", fcntl.LOCK_EX):
             other = _busy_with_other_config(locks, mine)
             if other is None:
-                fd = os.open(locks / f"config-{mine}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                fd = open_no_follow(locks / f"config-{mine}.lock", os.O_RDWR | os.O_CREAT)
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 _HELD_EXPERIMENTS[key] = (mine, fd)
                 return True

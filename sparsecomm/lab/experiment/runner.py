@@ -39,7 +39,13 @@ from pathlib import Path
 from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
 from sparsecomm.lab.experiment import run_sources
 from sparsecomm.lab.experiment.config import ExperimentConfig
-from sparsecomm.lab.experiment.files import write_json_atomically
+from sparsecomm.lab.experiment.files import (
+    open_no_follow,
+    private_directory,
+    refuse_links_in,
+    write_bytes_atomically,
+    write_json_atomically,
+)
 from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
 from sparsecomm.lab.experiment.progress import RunProgress
 from sparsecomm.lab.experiment.process_tree import (
@@ -103,21 +109,29 @@ def environment() -> dict:
 
 def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
     """Write ``experiment.json``; an earlier snapshot with another config is kept in history/."""
-    experiment_dir = root / config.name
-    experiment_dir.mkdir(parents=True, exist_ok=True)
+    experiment_dir = private_directory(root / config.name, root)
     path = experiment_dir / "experiment.json"
     if path.exists():
         previous = json.loads(path.read_text())
         if previous.get("config") != config.to_dict():
-            history = experiment_dir / "history"
-            history.mkdir(exist_ok=True)
+            history = private_directory(experiment_dir / "history", root)
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-            shutil.copy2(path, history / f"experiment-{stamp}.json")
+            write_bytes_atomically(history / f"experiment-{stamp}.json", path.read_bytes())
     runs = {f"{arm}/{seed}": run_directory(config, root, arm, seed).name for arm in config.arms for seed in config.seeds}
     write_json_atomically(path, {"config": config.to_dict(), "environment": environment(), "runs": runs})
     return experiment_dir
 
 
+def check_run_directories(config: ExperimentConfig, root: Path) -> None:
+    """Before anything runs: each directory of the experiment that exists under ``root`` is a
+    plain directory of this user with no link in it (RunDirectoryError naming what is not;
+    :mod:`sparsecomm.lab.experiment.files`)."""
+    experiment_dir = Path(root) / config.name
+    runs = [run_directory(config, root, arm, seed) for arm in config.arms for seed in config.seeds]
+    for directory in (experiment_dir, experiment_dir / ".locks", experiment_dir / "history", *runs):
+        private_directory(directory, root, create=False)
+        if directory.is_dir() and directory != experiment_dir:
+            refuse_links_in(directory)
 
 
 RUN_CONFIG = "run-config.json"
@@ -301,9 +315,7 @@ def _mend_steps(out_dir: Path) -> None:
         mended = data + b"\n"
     except ValueError:
         mended = data[:cut]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.mend.tmp")
-    tmp.write_bytes(mended)
-    os.replace(tmp, path)
+    write_bytes_atomically(path, mended)
 
 
 def _last_step(out_dir: Path) -> int:
@@ -394,7 +406,7 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
     launched = time.time()
     processes: list[subprocess.Popen] = []
     error, exit_code, stop = None, None, None
-    log = open(out_dir / "launch.log", "w")
+    log = os.fdopen(open_no_follow(out_dir / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
     progress = RunProgress(f"{arm} seed {seed}", steps_path, config.steps)  # quiet unless a terminal
     try:
         try:
@@ -462,6 +474,7 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
     signals, state = InterruptSignals(), _State()
     signals.install()
     try:
+        check_run_directories(config, root)
         if config.code is not None:  # your code as it is now: every run's hash covers it
             for line in run_sources.describe(config.code):
                 progress(line)
@@ -503,7 +516,7 @@ def _run_job(config, root, experiment_dir, number, total, arm, seed, network, pr
         progress(f"{label}: finished earlier, skipped ({out_dir.name})")
         return True
     state.current = (arm, seed, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    private_directory(out_dir, root)
     lock = RunLock(out_dir)
     waited = False
     if not lock.acquire():

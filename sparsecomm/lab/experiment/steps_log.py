@@ -12,6 +12,7 @@ import os
 import warnings
 from pathlib import Path
 
+from sparsecomm.lab.experiment.files import open_no_follow, write_bytes_atomically
 from sparsecomm.lab.results import ResultFileWarning, load_steps
 
 STEPS_FILE = "steps.jsonl"
@@ -30,16 +31,7 @@ def read_steps(out_dir: Path) -> list[dict]:
 
 def write_steps_atomically(out_dir: Path, rows: list[dict]) -> None:
     """Replace ``steps.jsonl`` with ``rows`` (temporary file, fsync, rename)."""
-    path = out_dir / STEPS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_bytes_atomically(out_dir / STEPS_FILE, "".join(json.dumps(r) + "\n" for r in rows).encode(), sync=True)
 
 
 class StepLog:
@@ -50,7 +42,7 @@ class StepLog:
 
     def __init__(self, out_dir: Path, append: bool):
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
-        self.fd = os.open(out_dir / STEPS_FILE, flags, 0o644)
+        self.fd = open_no_follow(out_dir / STEPS_FILE, flags)
 
     def write(self, row: dict) -> None:
         data = (json.dumps(row) + "\n").encode()
