@@ -151,22 +151,22 @@ class SparseDeltaAverager:
         """The outer step into new buffers, assigned only when the new anchor is finite."""
         started = time.perf_counter()
         delta = self.anchor - self._flat_weights()
-        error = self.error * self.ef_decay
-        payload = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=error.device)
-        sent = self._encode(delta, error, payload)  # error <- ef_decay * error + delta - decoded
+        new_error = self.error * self.ef_decay
+        payload = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=new_error.device)
+        sent = self._encode(delta, new_error, payload)  # new_error <- ef_decay * error + delta - decoded
         encoded = time.perf_counter()
         world_size = self.world_size
         gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
         allgather_future(gathered, payload, self.process_group).wait()
         exchanged = time.perf_counter()
         gathered = gathered.view(world_size, -1)
-        anchor = torch.empty_like(self.anchor)
-        self._decode(gathered, anchor)
-        anchor.div_(world_size)  # the mean of what the ranks sent
-        torch.sub(self.anchor, anchor, alpha=self.outer_lr, out=anchor)
-        if not all_finite(anchor):  # the same bits, so the same verdict, on every rank
+        new_anchor = torch.empty_like(self.anchor)
+        self._decode(gathered, new_anchor)
+        new_anchor.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
+        torch.sub(self.anchor, new_anchor, alpha=self.outer_lr, out=new_anchor)
+        if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
             raise refusal(gathered, self._decoded, step)
-        self.anchor, self.error = anchor, error
+        self.anchor, self.error = new_anchor, new_error
         self._write_weights(self.anchor)
         done = time.perf_counter()
         dense = self.anchor.numel() * 4
