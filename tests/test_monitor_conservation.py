@@ -45,7 +45,7 @@ def _train_until_failure(rank, injector, group):
     state = TopKState(group, density=0.05, module=ddp, verify_conservation=True)
     ddp.register_comm_hook(state, topk_hook)
     state.add_observer(injector)
-    vote = GradientAgreementMonitor(ddp)  # on the default group, which stays healthy
+    vote = GradientAgreementMonitor(ddp, every=1)  # a commit vote every step, on the default group (stays healthy)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
     for step in range(FAULT_STEP + 2):

@@ -133,3 +133,14 @@ def test_parameter_injector_flips_the_named_parameter_after_the_step():
     assert model.bias[1].item() == -before[1].item() and model.bias[0].item() == before[0].item()
     with pytest.raises(ValueError, match="target must be one of"):
         BitFlipInjector("optimizer", step=0, rank=0, bit=0)
+
+
+def test_reduced_injector_flips_the_received_bucket_of_one_rank_after_the_collective():
+    injector = BitFlipInjector("reduced", step=5, rank=1, bit=31, index=3, name="b")
+    reduced = torch.full((16,), 0.5)
+    injector(_event("gradient", gradient=reduced))  # the local gradient, before the collective: not this target
+    injector(_event("reduced", rank=0, reduced=reduced))  # another rank's copy
+    assert not injector.fired and torch.all(reduced == 0.5)
+    injector(_event("reduced", reduced=reduced))
+    assert (reduced != 0.5).nonzero().flatten().tolist() == [6 + 3] and reduced[9].item() == -0.5
+    assert injector.injected[0]["parameter"] == "b" and injector.injected[0]["element"] == 3

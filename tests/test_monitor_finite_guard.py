@@ -24,7 +24,15 @@ from multiprocess import run_on_ranks
 from sparsecomm import TopKState, compress, topk_hook
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.hooks.events import HookEvent
-from sparsecomm.monitor import CorruptionDetected, FiniteGuard, GradientAgreementMonitor, NonFiniteError, ValueInjector
+from sparsecomm.monitor import (
+    CorruptionDetected,
+    FiniteGuard,
+    GradientAgreementMonitor,
+    NonFiniteError,
+    StalenessMonitor,
+    UpdateSpikeDetector,
+    ValueInjector,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,6 +89,24 @@ def test_packed_stage_checks_acc_residual_and_payload_values():
     assert caught.value.tensor == "payload" and (caught.value.parameter, caught.value.element) == ("b", selected - 6)
 
 
+def test_packed_stage_of_the_fused_kernel_checks_the_residual_and_the_sent_values():
+    # The fused kernel never writes acc (acc=None): its entries are the sent values and the new residual.
+    values = torch.tensor([2.0, 3.0])
+    residual = torch.zeros(16)
+    event = _event("packed", acc=None, residual=residual, indices=torch.tensor([4, 11]),
+                   payload=torch.zeros(16, dtype=torch.uint8), values=values)
+    FiniteGuard()(event)  # all finite: silent
+    residual[13] = math.inf
+    with pytest.raises(NonFiniteError) as caught:
+        FiniteGuard()(event)
+    assert (caught.value.tensor, caught.value.parameter, caught.value.element) == ("residual", "b", 7)
+    residual[13] = 0.0
+    values[1] = math.nan
+    with pytest.raises(NonFiniteError) as caught:
+        FiniteGuard()(event)
+    assert (caught.value.tensor, caught.value.parameter, caught.value.element) == ("payload", "b", 5)
+
+
 def test_dense_and_random_k_payloads_and_record_mode():
     buffer = torch.ones(16)
     FiniteGuard()(_event("packed", dense=True, acc=buffer, residual=None, indices=None, payload=buffer))
@@ -114,7 +140,7 @@ def _run_case(rank, case, group):
         observers = [guard, injector]
     for observer in observers:
         state.add_observer(observer)
-    vote = GradientAgreementMonitor(ddp)  # default group
+    vote = GradientAgreementMonitor(ddp, every=1)  # a commit vote every step, on the default group
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
     for step in range(6):
@@ -159,12 +185,58 @@ def test_e4_nan_on_rank0_is_stopped_before_the_collective():
     # collectives), so both ranks bring a local error to the vote and both are named.
     assert g0["vote"] == g1["vote"] == ("gradient_agreement", 3, (0, 1))
     assert g0["residual_finite"] and g1["residual_finite"]  # the NaN never entered a residual
-    # Residual NaN: present in memory after step 3, caught in acc at step 4 before sending.
+    # Residual NaN: present in memory after step 3, caught at step 4 before sending. The
+    # fused kernel (kept: no observer reads acc) never writes acc; the NaN entry of acc is
+    # either selected (then it is in the sent values) or kept (in the new residual),
+    # depending on where the kernel ranks a NaN.
     n0, n1 = r0["residual"], r1["residual"]
     assert n0["injected"][0]["step"] == 3 and n1["injected"] == []
-    assert n0["local"] == ("packed", "acc", "2.weight", 5, 1, 4)
+    stage, tensor, *where = n0["local"]
+    assert stage == "packed" and tensor in ("payload", "residual") and where == ["2.weight", 5, 1, 4]
     assert n0["vote"] == n1["vote"] == ("gradient_agreement", 4, (0, 1))
     # Neither NaN reached a weight: identical and finite on both ranks.
     for case in ("gradient", "residual"):
         for p, q in zip(r0[case]["params"], r1[case]["params"]):
             assert torch.isfinite(p).all() and torch.equal(p, q)
+
+
+# ----- the guards watch the fused kernel without changing what it computes -------------------
+
+
+def _observed_run(rank, observers):
+    model = _mlp()
+    ddp = DDP(model)
+    state = TopKState(density=0.05, module=ddp)
+    ddp.register_comm_hook(state, topk_hook)
+    for make in observers:
+        state.add_observer(make(state))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
+    for _ in range(6):
+        optimizer.zero_grad()
+        ddp(torch.randn(8, 32, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    stats = state.stats()
+    return [p.detach().clone() for p in model.parameters()], stats["sparse_calls"], stats["fused_calls"]
+
+
+def _fused_worker(rank, world_size):
+    return {
+        "none": _observed_run(rank, []),
+        "guards": _observed_run(rank, [lambda s: FiniteGuard(state=s), lambda s: UpdateSpikeDetector(),
+                                       lambda s: StalenessMonitor(50),
+                                       lambda s: ValueInjector("residual", step=99, rank=0, value=math.nan)]),
+        "spike on acc": _observed_run(rank, [lambda s: UpdateSpikeDetector(stage="packed")]),
+    }
+
+
+def test_guards_keep_the_hooks_fused_kernel_and_change_nothing():
+    for runs in run_on_ranks(_fused_worker):
+        reference, sparse_calls, fused_calls = runs["none"]
+        assert sparse_calls == fused_calls > 0
+        params, sparse_calls, fused_calls = runs["guards"]
+        assert fused_calls == sparse_calls > 0  # none of them needs acc
+        assert all(torch.equal(p, q) for p, q in zip(params, reference))
+        params, sparse_calls, fused_calls = runs["spike on acc"]
+        assert fused_calls == 0 < sparse_calls  # judging acc needs it written: the compensated path
+        assert all(torch.equal(p, q) for p, q in zip(params, reference))  # same results, bit for bit

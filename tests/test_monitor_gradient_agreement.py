@@ -1,10 +1,11 @@
 """Aggregated-gradient agreement before the optimizer step (reliability.md E3).
 
 Localises: a check that runs after the damage is committed (after optimizer.step), one
-that raises on a single rank (the other would step on and hang later), and a step that
-is skipped on one rank but not the other (replicas would drift). The fault: one rank's
-reduced gradient is corrupted after the collective, by an observer at stage ``reduced``,
-which DDP then copies into that rank's ``.grad``.
+that raises on a single rank (the other would step on and hang later), a step that is
+skipped on one rank but not the other (replicas would drift), and a window vote that
+misses a fault on a step that ends no window (a running digest that drops or cancels a
+step). The fault: one rank's reduced gradient is corrupted after the collective, at hook
+stage ``reduced``, which DDP then copies into that rank's ``.grad``.
 """
 import pytest
 import torch
@@ -12,8 +13,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
+from ddp_models import mlp, params
 from multiprocess import run_on_ranks
-from sparsecomm.monitor import CorruptionDetected, GradientAgreementMonitor, flip_bit
+from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, GradientAgreementMonitor, flip_bit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,9 +39,10 @@ def _e3_worker(rank, world_size):
             corrupted.append(flip_bit(event.tensors["reduced"], 5, 20))
 
     state.add_observer(corrupt_received_gradient)
-    # The same check twice, with both rules for naming suspects (two ranks: no majority).
-    both_named = GradientAgreementMonitor(ddp)
-    rank0_reference = GradientAgreementMonitor(ddp, reference_rank=0)
+    # The same check twice, with both rules for naming suspects (two ranks: no majority);
+    # every step, so the faulty step is stopped before the optimizer applies it.
+    both_named = GradientAgreementMonitor(ddp, every=1)
+    rank0_reference = GradientAgreementMonitor(ddp, every=1, reference_rank=0)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
     detections, committed = [], []
@@ -70,3 +73,60 @@ def test_e3_corrupt_reduced_gradient_stops_the_step_on_all_ranks():
     # The corrupt gradient never reached an optimizer: replicas are still bitwise equal.
     for a, b in zip(params0, params1):
         assert torch.equal(a, b)
+
+
+# ----- the window: a fault on any step is caught at the window's vote, 3 gloo ranks --------
+
+WINDOW = 4  # votes at steps 0, 4, 8
+FAULTS = [(step, bit) for step in (1, 3, 4, 5) for bit in (31, 27, 3)]  # sign, exponent, mantissa bits
+
+
+def _window_worker(rank, world_size):
+    outcomes = []
+    for fault in [None, *FAULTS]:
+        model = mlp()
+        ddp = DDP(model)
+        state = sparsecomm.register_topk_hook(ddp, density=0.05)
+        if fault is not None:
+            step, bit = fault
+            state.add_observer(BitFlipInjector("reduced", step=step, rank=1, bit=bit, index=17, name="2.weight"))
+        vote = GradientAgreementMonitor(ddp, every=WINDOW)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        generator = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
+        outcome = None
+        for step in range(2 * WINDOW + 1):
+            optimizer.zero_grad()
+            ddp(torch.randn(8, 32, generator=generator)).pow(2).mean().backward()
+            try:
+                vote.check(step)
+            except CorruptionDetected as error:
+                outcome = (step, error.check, error.ranks, error.detail, vote.last_agreed_step, params(model))
+                break
+            optimizer.step()
+        outcomes.append((fault, outcome, vote.checks, vote.last_agreed_step))
+    return outcomes
+
+
+@pytest.mark.timeout(180)
+def test_window_vote_catches_a_flip_on_any_step_at_the_windows_last_step_on_every_rank():
+    results = run_on_ranks(_window_worker, world_size=3, timeout=170)
+    for (fault, *outcome0), (_, *outcome1), (_, *outcome2) in zip(*results):
+        found0, found1, found2 = (o[0] for o in (outcome0, outcome1, outcome2))
+        if fault is None:  # clean: three votes (steps 0, 4, 8), all agreed
+            assert outcome0[1:] == outcome1[1:] == outcome2[1:] == [3, 8] and found0 is found1 is found2 is None
+            continue
+        step, _ = fault
+        vote_step = -(-step // WINDOW) * WINDOW  # the first vote at or after the fault
+        previous = vote_step - WINDOW
+        assert found0 is not None, fault
+        # Every rank raises at the same vote, names rank 1 (the majority holds the other
+        # digest) and the window; the previous vote had agreed.
+        assert [f[:5] for f in (found0, found1, found2)] == [(vote_step, "gradient_agreement", (1,),
+                                                            found0[3], previous)] * 3, fault
+        assert f"steps {previous + 1}..{vote_step}" in found0[3], found0[3]
+        if step == vote_step:  # the fault is on the vote's own step: stopped before the optimizer step
+            for mine, theirs in zip(found1[5], found0[5]):
+                assert torch.equal(mine, theirs), fault
+        # The healthy ranks never differ.
+        for mine, theirs in zip(found2[5], found0[5]):
+            assert torch.equal(mine, theirs), fault

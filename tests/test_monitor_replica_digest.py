@@ -7,6 +7,7 @@ check that raises on one rank only (which would leave the other hanging).
 """
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -91,6 +92,50 @@ def test_digest_is_exact_order_dependent_and_bitwise():
     assert single == parameter_digest(model)
     # None (a parameter without .grad) is distinct from a zero tensor.
     assert int(tensors_digest([None])) != int(tensors_digest([torch.zeros(1)]))
+
+
+def _reference_digest(tensors) -> int:
+    """The digest as its docstring defines it, computed with numpy's wrapping uint64 arithmetic:
+    every tensor's words (4-byte and wider elements as int32 words, 2-byte as int16, 1-byte and
+    bool as uint8) sign- or zero-extended into one stream; word j weighs W_(j mod 65536) *
+    C_(j div 65536); plus (its number of words + 2) (or -1 + 2 for None) times T_p for tensor p."""
+    mask = (1 << 64) - 1
+    entry, chunk, tensor = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+    streams, sizes = [], []
+    for t in tensors:
+        if t is None:
+            sizes.append(-1)
+            continue
+        flat = t.detach().reshape(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        word = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
+        streams.append(flat.view(word).numpy().astype(np.int64).astype(np.uint64))  # extends by sign (uint8: zero)
+        sizes.append(streams[-1].size)
+    words = np.concatenate(streams) if streams else np.zeros(0, dtype=np.uint64)
+    j = np.arange(words.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        w = ((j % np.uint64(65536) + np.uint64(1)) * np.uint64(entry)) | np.uint64(1)
+        c = ((j // np.uint64(65536) + np.uint64(1)) * np.uint64(chunk)) | np.uint64(1)
+        total = int((words * w * c).sum(dtype=np.uint64))
+    for p, size in enumerate(sizes):
+        total += ((((p + 1) * tensor) & mask) | 1) * (size + 2)
+    total &= mask
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def test_digest_equals_its_definition_for_every_dtype_across_blocks_and_chunk_tails():
+    generator = torch.Generator().manual_seed(3)
+    cases = [
+        [torch.randn(70_000, generator=generator)],  # one chunk and a tail
+        [torch.randn(33, generator=generator).to(torch.bfloat16), None, torch.tensor([True, False, True]),
+         torch.randn(5, generator=generator, dtype=torch.float64), torch.randn(3, generator=generator).half(),
+         torch.zeros(0), torch.randint(0, 256, (7,), generator=generator, dtype=torch.uint8)],
+        [torch.randn(2**22 - 5, generator=generator), torch.randn(2**16 + 9, generator=generator).half()],  # 2 blocks
+        [],
+    ]
+    for tensors in cases:
+        assert int(tensors_digest(tensors)) == _reference_digest(tensors)
 
 
 def test_suspect_rule():

@@ -3,8 +3,8 @@
 The monitors are only as good as the faults they are shown to catch, so the tests and
 ``experiments/bench_monitors.py`` inject the faults the reliability reference names
 (section 6, rows E1-E5): a bit flip in a parameter after the optimizer step, in the local
-gradient before compression, in the error-feedback residual, or in a value of the
-payload about to be sent. Injectors act at one chosen (step, rank), once, and record what
+gradient before compression, in the error-feedback residual, in a value of the
+payload about to be sent, or in the reduced gradient one rank received. Injectors act at one chosen (step, rank), once, and record what
 they did, so a test can assert the fault really happened and what it changed.
 
 Bit numbering is the IEEE-754 layout of the element: for float32 bit 31 is the sign,
@@ -20,8 +20,8 @@ import torch
 
 from sparsecomm.monitor._layout import locate, offset_of, payload_layout
 
-TARGETS = ("parameter", "gradient", "payload", "residual")
-_STAGE = {"gradient": "gradient", "residual": "packed", "payload": "packed"}
+TARGETS = ("parameter", "gradient", "payload", "residual", "reduced")
+_STAGE = {"gradient": "gradient", "residual": "packed", "payload": "packed", "reduced": "reduced"}
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -54,6 +54,10 @@ def flip_bit(tensor: torch.Tensor, flat_index: int, bit: int) -> tuple[float | i
 
 class _Injector:
     """One fault at one (step, rank), fired once; see the subclasses."""
+
+    # Never reads acc (a payload's layout comes with the event): the hook keeps the fused
+    # kernel it would run without the injector, so a fault is injected into the path measured.
+    needs_acc = False
 
     def __init__(self, target: str, *, step: int, rank: int | None, index: int = 0, name: str | None = None, state=None):
         if target not in TARGETS:
@@ -95,7 +99,7 @@ class _Injector:
         self._log(step, rank, parameter=name, element=self.index, before=before, after=after)
         return True
 
-    # ----- hook observer: gradient, residual, payload ----------------------------------
+    # ----- hook observer: gradient, residual, payload, reduced --------------------------
 
     def __call__(self, event) -> None:
         if self.target == "parameter" or event.stage != _STAGE[self.target] or not self._due(event.step, event.rank):
@@ -168,6 +172,9 @@ class BitFlipInjector(_Injector):
       the ``index``-th value inside the packed bytes (at byte ``4*k + index*value_size``;
       with ``name``, the first selected entry of that parameter), on the random-k path
       the ``index``-th value, on the dense path element ``index`` of the buffer.
+    - ``"reduced"``: hook stage ``reduced``, the averaged bucket this rank received (after
+      the collective, before DDP copies it into ``.grad``); element ``index`` of parameter
+      ``name`` (default: of the bucket).
 
     Args:
         target: one of :data:`TARGETS`.

@@ -6,8 +6,13 @@ become NaN in the same optimizer step. Kept in a residual instead, it poisons ev
 step of that rank. Checking the bucket at the two stages before the collective stops it
 on the rank where it appeared, before anything leaves that rank.
 
-Cost: one ``aminmax`` pass (no temporaries) over the gradient, the compensated bucket and
-the residual; the detailed scan that names the parameter runs only after a hit.
+Cost: one ``aminmax`` pass (no temporaries) over the gradient and one over the new
+residual, plus the k sent values; the detailed scan that names the parameter runs only
+after a hit. The guard does not need the compensated bucket ``acc``, so the hook keeps its
+fused kernel (which never writes acc) while the guard watches: every entry of acc is
+either sent or kept (``sent + residual == acc``, bit for bit), so a non-finite entry of
+acc is in the values or in the residual. When the hook writes acc anyway (momentum, local
+clipping, another observer that reads it) the guard checks it too.
 
 Guards alone are far from sufficient: in fault-injection studies NaN/Inf is about 1% of
 the outcomes of silent data corruption (docs/reliability.md, "Monitors"); most corruptions are
@@ -34,13 +39,14 @@ ACTIONS = ("raise", "record")
 class FiniteGuard:
     """TopKState observer: raise :class:`NonFiniteError` on the first NaN/Inf it sees.
 
-    Stage ``gradient``: the local gradient. Stage ``packed``: the compensated bucket
-    ``acc`` (gradient/ws + old residual: a NaN already in the residual shows up here),
-    the new residual, and the values about to be sent (the dense buffer on the dense path,
-    the values for random-k, the packed values of a top-k payload, decoded with the wire
-    dtype from ``state`` when given). Values narrowed to a smaller wire dtype cannot overflow to
-    Inf (the hook saturates them), and with error feedback any mismatch lands in the
-    residual, which is checked too.
+    Stage ``gradient``: the local gradient. Stage ``packed``: the new residual, the values
+    about to be sent (the dense buffer on the dense path, the values for random-k, the
+    packed values of a top-k payload, decoded with the wire dtype from ``state`` when
+    given) and the compensated bucket ``acc`` (gradient/ws + old residual) when the hook
+    wrote it; a NaN already in the old residual shows up in acc, else in the new residual
+    or the sent values. Values narrowed to a smaller wire dtype cannot overflow to Inf (the
+    hook saturates them), and with error feedback any mismatch lands in the residual,
+    which is checked too.
 
     Usage::
 
@@ -49,13 +55,18 @@ class FiniteGuard:
     Args:
         state: the hook's TopKState; gives the wire dtype (``state.value_dtype``), so the
             guard decodes the packed values themselves. Without it the guard checks
-            ``acc[indices]`` (the values before the cast to the wire dtype) instead.
+            ``acc[indices]`` (the values before the cast to the wire dtype), or the hook's
+            record of the sent values when acc was not written, instead.
         action: ``"raise"`` (default; aborts the bucket before it is sent) or ``"record"``
             (append to :attr:`alarms` and let the hook go on, for measurements).
 
     Attributes:
         alarms: the errors seen in ``"record"`` mode, oldest first.
     """
+
+    # Reads acc only when the hook wrote it: the hook keeps its fused kernel (see
+    # TopKState.add_observer and the module docstring).
+    needs_acc = False
 
     def __init__(self, *, state=None, action: str = "raise"):
         if action not in ACTIONS:
@@ -70,12 +81,14 @@ class FiniteGuard:
             self._check(event, "gradient", tensors["gradient"])
         elif event.stage == "packed":
             acc = tensors["acc"]
-            self._check(event, "acc", acc)
+            if acc is not None:
+                self._check(event, "acc", acc)
             if tensors.get("residual") is not None:
                 self._check(event, "residual", tensors["residual"])
-            self._check_payload(event, acc, tensors.get("payload"), tensors.get("indices"))
+            self._check_payload(event, tensors)
 
-    def _check_payload(self, event, acc, payload, indices) -> None:
+    def _check_payload(self, event, tensors) -> None:
+        acc, payload, indices = tensors["acc"], tensors.get("payload"), tensors.get("indices")
         if payload is None:
             return
         if event.dense:
@@ -86,9 +99,10 @@ class FiniteGuard:
             values = payload
         elif self.state is not None or event.layout is not None:
             values = payload_layout(payload, acc, indices, self.state, event).values_copy(payload)[: indices.numel()]
-        else:
-            values = acc[indices]
-        self._check(event, "payload", values, positions=indices)
+        else:  # the values before any cast to the wire dtype, or the hook's record of them
+            values = acc[indices] if acc is not None else tensors.get("values")
+        if values is not None:
+            self._check(event, "payload", values, positions=indices)
 
     def _check(self, event, tensor_name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         if tensor.numel() == 0:

@@ -87,47 +87,48 @@ def _chunk_multipliers(device: torch.device, first: int, count: int) -> torch.Te
     return cached[first : first + count]
 
 
-def _fold(block: torch.Tensor, first_chunk: int, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_c C_c * sum_i W_i * block[c, i]`` over the chunks of one int64 block."""
-    full, tail = divmod(block.numel(), _CHUNK)
-    cpu = block.device.type == "cpu"
-    total = torch.zeros((), dtype=torch.int64, device=block.device)
-    if full:
-        rows = block[: full * _CHUNK].view(full, _CHUNK)
-        sums = torch.mv(rows, weights) if cpu else (rows * weights).sum(dim=1)  # int64: wraps
-        total = torch.dot(sums, _chunk_multipliers(block.device, first_chunk, full)) if cpu else \
-            (sums * _chunk_multipliers(block.device, first_chunk, full)).sum()
-    if tail:
-        rest, head = block[full * _CHUNK :], weights[:tail]
-        partial = torch.dot(rest, head) if cpu else (rest * head).sum()
-        total = total + partial * _chunk_multipliers(block.device, first_chunk + full, 1)[0]
-    return total
+def _fold(words: list[torch.Tensor], first_chunk: int, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_c C_c * sum_i W_i * word[c, i]`` over the chunks of one block of consecutive words.
+
+    The words are joined in their own width (cat promotes int16 to int32 by sign extension,
+    uint8 by zero extension, as the int64 conversion would) and widened once into a block
+    padded with zeros to whole chunks: one int64 GEMV and one dot, whatever the tail.
+    """
+    joined = words[0] if len(words) == 1 else torch.cat(words)
+    count = joined.numel()
+    rows = -(-count // _CHUNK)
+    block = torch.empty(rows * _CHUNK, dtype=torch.int64, device=joined.device)
+    block[:count].copy_(joined)
+    block[count:].zero_()
+    rows_view = block.view(rows, _CHUNK)
+    multipliers = _chunk_multipliers(block.device, first_chunk, rows)
+    if block.device.type == "cpu":
+        return torch.dot(torch.mv(rows_view, weights), multipliers)  # int64: wraps modulo 2**64
+    return ((rows_view * weights).sum(dim=1) * multipliers).sum()
 
 
 def tensors_digest(tensors) -> torch.Tensor:
     """Exact order-dependent digest of a sequence of tensors (None allowed), as a 0-d int64
     tensor on the tensors' device (no host synchronisation)."""
     words = [None if t is None else _words(t) for t in tensors]
-    present = [w for w in words if w is not None]
+    present = [w for w in words if w is not None and w.numel()]
     device = present[0].device if present else torch.device("cpu")
     weights = _weights(device)
-    total_words = sum(w.numel() for w in present)
-    block = torch.empty(min(_BLOCK, max(total_words, 1)), dtype=torch.int64, device=device)
     total = torch.zeros((), dtype=torch.int64, device=device)
-    # Stream the words through the block: cat() sign-extends them into int64 in one op.
+    # Stream the words through blocks of whole chunks (the last block may end mid-chunk).
     pending, fill, chunks_done = [], 0, 0
     for w in present:
         position = 0
         while position < w.numel():
-            take = min(block.numel() - fill, w.numel() - position)
+            take = min(_BLOCK - fill, w.numel() - position)
             pending.append(w if take == w.numel() else w[position : position + take])
             fill += take
             position += take
-            if fill == block.numel():
-                total = total + _fold(torch.cat(pending, out=block), chunks_done, weights)
-                pending, fill, chunks_done = [], 0, chunks_done + block.numel() // _CHUNK
+            if fill == _BLOCK:
+                total = total + _fold(pending, chunks_done, weights)
+                pending, fill, chunks_done = [], 0, chunks_done + _BLOCK // _CHUNK
     if pending:
-        total = total + _fold(torch.cat(pending, out=block[:fill]), chunks_done, weights)
+        total = total + _fold(pending, chunks_done, weights)
     # Sizes and missing tensors, so that [a, b] and [ab], or [None] and [], differ.
     shape_term = 0
     for position, w in enumerate(words):

@@ -105,6 +105,12 @@ class UpdateSpikeDetector:
         self._flagged = False
         self._rank: int | None = None
 
+    @property
+    def needs_acc(self) -> bool:
+        """Only stage ``packed`` judges acc; at stage ``gradient`` the hook keeps its fused
+        kernel (see TopKState.add_observer)."""
+        return self.stage == "packed"
+
     # ----- observer --------------------------------------------------------------------
 
     def __call__(self, event) -> None:
