@@ -300,6 +300,46 @@ def test_a_stalled_run_is_killed_whole_and_never_turns_ok(sweep, monkeypatch):
     assert not (out_dir / "result.json").exists()
 
 
+# ----- processes that hide: a session of their own, an empty environment, no parent ----------
+
+HIDING_LAUNCHER = """
+import subprocess, sys, time
+# What a script may do: start a process in a session of its own with a cleared environment
+# (no mark of the run), then leave it behind (its parent exits or is killed).
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", {mark!r}], env={{}}, start_new_session=True,
+                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+{then}
+"""
+RUNNER_WITH_COMMAND = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from sparsecomm.lab.experiment import runner
+    from sparsecomm.lab.experiment.config import ExperimentConfig
+    runner._torchrun_command = lambda *args: json.loads(sys.argv[3])
+    config = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
+    runner.run_experiment(config, Path(sys.argv[2]), progress=lambda line: print(line, flush=True))
+""")
+
+
+@pytest.mark.parametrize("how", ["launch-ends", "run-killed-as-stalled", "runner-sigkilled"])
+def test_a_process_that_hid_from_the_run_ends_with_it(sweep, monkeypatch, how):
+    mark = f"{sweep}/hidden-process"  # in its command line: found here (and by the sweep fixture), not by the runner
+    then = "sys.exit(1)" if how == "launch-ends" else "time.sleep(120)"
+    launcher = [sys.executable, "-c", HIDING_LAUNCHER.format(mark=mark, then=then)]
+    config = digits_quick().with_overrides(name="hide", arms=("dense",), seeds=(0,), stall_timeout_s=1.5)
+    if how == "runner-sigkilled":
+        driver = _start([sys.executable, "-c", RUNNER_WITH_COMMAND, json.dumps(config.to_dict()), str(sweep / "out"),
+                         json.dumps(launcher)])
+        _wait_for(lambda: any("-c import time; time.sleep(300)" in line for _, line in processes_mentioning(mark)),
+                  60, "hidden process", driver)  # the hidden process itself, not its launcher
+        os.kill(driver.pid, signal.SIGKILL)
+        _finish(driver, 30)
+    else:
+        monkeypatch.setattr(runner, "_torchrun_command", lambda *args: launcher)
+        runner.run_experiment(config, sweep / "out", progress=lambda line: None)
+    assert survivors_after(mark, 10.0) == []
+
+
 # ----- item 2 and G2: resume after an interruption ------------------------------------------
 
 RESUME = digits_quick().with_overrides(name="resume", arms=("topk-ef", "dense"), seeds=(0,), steps=400,

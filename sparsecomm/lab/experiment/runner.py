@@ -9,7 +9,10 @@ it ends. A run that fails (an exception, a collective timeout) is recorded with 
 dropped. Re-running the same experiment skips runs whose ``summary.json`` exists with
 status "ok" and the run's config hash.
 
-Killing a run: every process of a launch is marked and killed by its mark
+Killing a run: each launch command runs under a subreaper
+(:mod:`sparsecomm.lab.experiment.launch_supervisor`) that kills every process the launch
+started when the command ends or the run is killed, whatever session or environment the
+process gave itself; every process of a launch is also marked and killed by its mark
 (:mod:`sparsecomm.lab.experiment.process_tree`).
 
 Results. A rank writes ``result.json``; the runner promotes it to ``summary.json`` only
@@ -37,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
-from sparsecomm.lab.experiment import run_sources
+from sparsecomm.lab.experiment import launch_supervisor, run_sources
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.files import (
     open_no_follow,
@@ -412,8 +415,9 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
         try:
             for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
                 env = {**(os.environ if env is None else env), **marks}
-                processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True, preexec_fn=death_signal_preexec()))
+                processes.append(subprocess.Popen(launch_supervisor.command(argv), env=env, stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                                  preexec_fn=death_signal_preexec()))
             while True:
                 # Done when one rank failed (the others are killed below) or all succeeded.
                 codes = [proc.poll() for proc in processes]
@@ -435,7 +439,8 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
         while summary is None:  # a signal before deferred() took effect: kill and record again
             try:
                 with signals.deferred():
-                    survivors = kill_marked(LAUNCH_ENV, launch_id, processes)
+                    launch_supervisor.stop(processes, KILL_TIMEOUT_S)  # each kills every process of its launch
+                    survivors = kill_marked(LAUNCH_ENV, launch_id, processes)  # and whatever is left, by mark
                     log.close()
                     summary = _record(config, arm, seed, out_dir, launch_id, exit_code=exit_code, error=error,
                                       stop=stop, survivors=survivors)
