@@ -115,3 +115,25 @@ def test_files_opened_in_a_run_directory_never_follow_a_link_planted_after_the_c
     write_steps_atomically(run_dir, [{"kind": "train", "step": 1}])
     assert not (run_dir / "summary.json").is_symlink() and not (run_dir / STEPS_FILE).is_symlink()
     assert victim.read_text() == PRECIOUS
+
+
+def test_frontier_refuses_a_planted_link_with_exit_2(tmp_path, capsys, fake_launch):
+    """Also where it copies a finished dense run from a sibling frontier experiment (another wire)."""
+    import json
+
+    from sparsecomm.lab.frontier import point_config
+
+    elsewhere = tmp_path / "victim"
+    elsewhere.mkdir()
+    target = point_config(digits_quick().with_overrides(seeds=(0,)), 0.01, ("topk-ef",), None)
+    wanted = runner.run_directory(target, tmp_path / "out", "dense", 0)
+    sibling = tmp_path / "out" / f"{target.name}-chunk-rice" / "runs" / wanted.name  # a finished dense run to reuse
+    sibling.mkdir(parents=True)
+    (sibling / "summary.json").write_text(json.dumps({"status": "ok", "config_hash": target.run_hash("dense", 0)}))
+    wanted.parent.parent.mkdir(parents=True)
+    wanted.parent.symlink_to(elsewhere, target_is_directory=True)
+    code = cli.main(["frontier", "--experiment", "digits-quick", "--densities", "0.01", "--arms", "topk-ef", "--seeds",
+                     "0", "--out", str(tmp_path / "out"), "--plots", str(tmp_path / "plots")])
+    assert code == 2
+    assert f"{wanted.parent} is a symbolic link (to {elsewhere}): refused" in capsys.readouterr().err
+    assert not any(elsewhere.iterdir())  # nothing copied through the link

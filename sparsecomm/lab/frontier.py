@@ -116,6 +116,7 @@ def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) ->
     settings do not enter for dense."""
     import shutil
 
+    from sparsecomm.lab.experiment.files import private_directory
     from sparsecomm.lab.experiment.runner import finished_ok, run_directory
 
     for seed in target.seeds:
@@ -125,7 +126,7 @@ def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) ->
             continue
         for done in sorted(out_root.glob(f"{_density_name(base_name, density)}*/runs/{wanted.name}")):
             if finished_ok(done, expected):
-                wanted.parent.mkdir(parents=True, exist_ok=True)
+                private_directory(wanted.parent, out_root)  # never through a planted link
                 shutil.copytree(done, wanted)
                 break
 
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         check_writable_directory(args.plots / frontier_stem(config, value_codecs), "--plots")
     except (ValueError, TypeError, RuntimeError, OSError) as error:
         parser.error(str(error))
+    from sparsecomm.lab.experiment.files import RunDirectoryError
     from sparsecomm.lab.experiment.runner import ExperimentInterrupted
     from sparsecomm.lab.results import ResultFileError, warnings_to_stderr
 
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             points = run_frontier(config, sorted(args.densities), arms, args.out, value_codecs)
     except ExperimentInterrupted as error:
         return stop_on_interrupt(error)
-    except (ResultFileError, FileNotFoundError) as error:
+    except (ResultFileError, FileNotFoundError, RunDirectoryError) as error:
         print(f"sparsecomm frontier: error: {error}", file=sys.stderr)
         return 2
     print()
