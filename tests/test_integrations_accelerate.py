@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multiprocess import run_on_ranks
-from integration_checks import assert_sparse_then_restored
+from integration_checks import assert_defaults_are_topk_dgc, assert_sparse_then_restored
 
 STEPS, MORE_STEPS = 6, 2
 DENSITY = 0.01
@@ -21,10 +21,10 @@ def accelerate():
     return pytest.importorskip("accelerate")
 
 
-def _prepared(accelerator):
+def _prepared(accelerator, make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1)):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = make_optimizer(model.parameters())
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(256, 16, generator=generator)
     # Same dataset everywhere; the prepared loader hands each process a different shard.
@@ -106,6 +106,63 @@ def test_prepared_model_runs_sparse_and_load_state_restores_each_ranks_residuals
     for rank, saved in enumerate((saved0, saved1)):
         stored = torch.load(tmp_path / f"sparsecomm_topk_0_rank{rank}.pt", weights_only=True)
         assert {k for k in stored if ".residual." in k} == saved.keys()
+
+
+def _defaults_worker(rank, world_size, root):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    import warnings
+
+    from accelerate import Accelerator
+
+    from sparsecomm.integrations import register_topk_hook_accelerate
+    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+
+    def train(make_optimizer, **options):
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, loader, _ = _prepared(accelerator, make_optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                state = register_topk_hook_accelerate(accelerator, model, density=DENSITY, **options)
+            except ValueError as error:
+                return dict(error=str(error), groups=[{k: v for k, v in g.items() if k != "params"}
+                                                      for g in optimizer.param_groups])
+        _train(accelerator, model, optimizer, loader, 4)
+        return dict(params=[p.detach().clone() for p in model.parameters()], momentum=state.config.momentum,
+                    betas=[g["betas"] for g in optimizer.param_groups], sparse_calls=state.stats()["sparse_calls"],
+                    announced=[str(w.message) for w in caught if issubclass(w.category, OptimizerChangedWarning)])
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    no_optimizer = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = no_optimizer.prepare(torch.nn.Linear(16, 4))
+    try:
+        register_topk_hook_accelerate(no_optimizer, model, density=DENSITY)
+        no_optimizer_error = None
+    except ValueError as error:
+        no_optimizer_error = str(error)
+    return dict(
+        defaults=train(adamw),
+        # The topk-dgc setting built by hand: AdamW without a first moment, the hook's momentum 0.9.
+        by_hand=train(lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.0, 0.999)), momentum=0.9),
+        plain_ef=train(adamw, momentum=0),
+        refused=train(lambda params: torch.optim.RMSprop(params, lr=1e-2, momentum=0.9)),
+        no_optimizer=no_optimizer_error,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(accelerate, tmp_path):
+    for rank, runs in enumerate(run_on_ranks(_defaults_worker, str(tmp_path), timeout=80)):
+        assert_defaults_are_topk_dgc(runs, rank, "register_topk_hook_accelerate", sparse_calls=2)
+        # Refused before anything changes: an optimizer whose momentum cannot move, and "auto"
+        # with no prepared optimizer to take it from.
+        refused = runs["refused"]
+        assert "register_topk_hook_accelerate: cannot move the momentum of RMSprop" in refused["error"]
+        assert refused["groups"][0]["momentum"] == 0.9
+        assert "momentum='auto' takes the optimizer's momentum into the hook, but there is no optimizer" in \
+            runs["no_optimizer"]
 
 
 def test_bad_arguments_are_refused(accelerate):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from multiprocess import run_on_ranks
-from integration_checks import assert_sparse_then_restored
+from integration_checks import assert_defaults_are_topk_dgc, assert_sparse_then_restored
 
 STEPS, MORE_STEPS = 6, 2
 DENSITY = 0.01
@@ -132,6 +132,59 @@ def test_fit_runs_sparse_and_resume_restores_each_ranks_residuals(pl, tmp_path):
         assert torch.equal(stored[key], value)
 
 
+def _defaults_worker(rank, world_size, root):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from sparsecomm.integrations import SparseCommCallback
+    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+
+    Regressor, loader = _module_and_data(pl)
+
+    def fit(callback, make_optimizer):
+        made = []
+
+        class WithOptimizer(Regressor):
+            def configure_optimizers(self):
+                made.append(make_optimizer(self.parameters()))
+                return made[-1]
+
+        model = WithOptimizer()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                _trainer(pl, [callback], 4, root).fit(model, loader)
+            except ValueError as error:
+                return dict(error=str(error), momentum=made[0].param_groups[0]["momentum"])
+        return dict(params=[p.detach().clone() for p in model.parameters()], momentum=callback.state.config.momentum,
+                    betas=[g["betas"] for g in made[0].param_groups],
+                    sparse_calls=callback.state.stats()["sparse_calls"],
+                    announced=[str(w.message) for w in caught if issubclass(w.category, OptimizerChangedWarning)])
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    return dict(
+        defaults=fit(SparseCommCallback(density=DENSITY), adamw),
+        # The topk-dgc setting built by hand: AdamW without a first moment, the hook's momentum 0.9.
+        by_hand=fit(SparseCommCallback(density=DENSITY, momentum=0.9),
+                    lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.0, 0.999))),
+        plain_ef=fit(SparseCommCallback(density=DENSITY, momentum=0), adamw),
+        refused=fit(SparseCommCallback(density=DENSITY), lambda params: torch.optim.RMSprop(params, lr=1e-2,
+                                                                                             momentum=0.9)),
+    )
+
+
+@pytest.mark.timeout(120)
+def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(pl, tmp_path):
+    for rank, runs in enumerate(run_on_ranks(_defaults_worker, str(tmp_path), timeout=110)):
+        assert_defaults_are_topk_dgc(runs, rank, "SparseCommCallback", sparse_calls=2)
+        # An optimizer whose momentum cannot move: refused when fit starts, left as it was.
+        refused = runs["refused"]
+        assert "SparseCommCallback: cannot move the momentum of RMSprop" in refused["error"]
+        assert refused["momentum"] == 0.9
+
+
 def test_strategy_without_ddp_is_refused(pl, tmp_path):
     from sparsecomm.integrations import SparseCommCallback
 
@@ -153,6 +206,8 @@ def test_two_callbacks_and_bad_options_are_refused(pl):
         SparseCommCallback(module=torch.nn.Linear(1, 1))
     with pytest.raises(TypeError, match="strict_load must be True or False"):
         SparseCommCallback(strict_load="yes")
+    with pytest.raises(ValueError, match="momentum must be 'auto' .* got 'dgc'"):
+        SparseCommCallback(momentum="dgc")
 
 
 def test_importing_sparsecomm_needs_no_framework_and_names_the_extra():

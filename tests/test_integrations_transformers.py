@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from integration_checks import assert_defaults_are_topk_dgc
 from multiprocess import run_on_ranks
 
 DENSITY = 0.01
@@ -107,8 +108,8 @@ def _sparse_dense_resume_worker(rank, world_size, root):
     trainer = _trainer(root / "sparse", [callback])
     trainer.train()  # saves checkpoint-3 and checkpoint-6
     ddp_hooks = [hook.__qualname__ for hook, _ in trainer.model_wrapped._comm_hooks]
-    uninterrupted = dict(params=_params(trainer.model), memories=_memories(callback.hook_state),
-                         stats=callback.hook_state.stats(), losses=_losses(trainer), ddp_hooks=ddp_hooks)
+    uninterrupted = dict(params=_params(trainer.model), memories=_memories(callback.state),
+                         stats=callback.state.stats(), losses=_losses(trainer), ddp_hooks=ddp_hooks)
 
     dense = _trainer(root / "dense", [], save_steps=0)
     dense.train()
@@ -118,8 +119,9 @@ def _sparse_dense_resume_worker(rank, world_size, root):
     resumed = _trainer(root / "sparse", [resumed_callback])
     resumed.train(resume_from_checkpoint=str(root / "sparse" / f"checkpoint-{SAVE_AT}"))
     return dict(uninterrupted=uninterrupted, dense_params=_params(dense.model), dense_losses=_losses(dense),
-                resumed_params=_params(resumed.model), resumed_memories=_memories(resumed_callback.hook_state),
-                resumed_stats=resumed_callback.hook_state.stats())
+                resumed_params=_params(resumed.model), resumed_memories=_memories(resumed_callback.state),
+                resumed_stats=resumed_callback.state.stats(),
+                momenta=(callback.state.config.momentum, resumed_callback.state.config.momentum))
 
 
 @pytest.mark.timeout(60)
@@ -140,7 +142,9 @@ def test_trainer_runs_sparse_and_a_resume_continues_bit_for_bit(transformers, tm
         assert losses[-1] < losses[0], losses
         assert r["dense_losses"][-1] < r["dense_losses"][0]
         # (3) Resumed at step 3 by a fresh Trainer: parameters and residuals equal the uninterrupted
-        # run's bit for bit, and the hook went on from its saved step (no second warm-up).
+        # run's bit for bit, and the hook went on from its saved step (no second warm-up). The
+        # resumed AdamW comes back with betas[0] = 0, and the hook still takes its 0.9.
+        assert r["momenta"] == (0.9, 0.9)
         _assert_bitwise_equal(r["resumed_params"], full["params"], f"rank {rank} parameters after resume")
         _assert_bitwise_equal(r["resumed_memories"], full["memories"], f"rank {rank} residuals after resume")
         assert all(key.startswith(f"rank{rank}.") for key in r["resumed_memories"])
@@ -162,6 +166,44 @@ def test_trainer_runs_sparse_and_a_resume_continues_bit_for_bit(transformers, tm
                               r["uninterrupted"]["memories"], f"rank {rank} file")
         assert (tmp_path / "sparse" / f"checkpoint-{SAVE_AT}" / f"sparsecomm_rank{rank}.pt").is_file()
     assert not list((tmp_path / "sparse").rglob("*.tmp"))
+
+
+# ----- the defaults: AdamW's first moment moves into the hook (the topk-dgc setting) ---------
+
+
+def _defaults_worker(rank, world_size, root):
+    _join_as_trainer_ranks(rank, world_size)
+    from sparsecomm.integrations import SparseCommTrainerCallback
+    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+
+    runs = {}
+    # (callback options, TrainingArguments): the defaults; the topk-dgc setting built by hand (the
+    # Trainer's AdamW with adam_beta1=0, the hook's momentum 0.9); plain error feedback.
+    for name, options, arguments in [("defaults", {}, {}), ("by_hand", {"momentum": 0.9}, {"adam_beta1": 0.0}),
+                                     ("plain_ef", {"momentum": 0}, {})]:
+        callback = SparseCommTrainerCallback(density=DENSITY, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = _trainer(Path(root) / name, [callback], max_steps=4, save_steps=0, **arguments)
+            trainer.train()
+            alias = callback.hook_state
+        runs[name] = dict(
+            params=list(_params(trainer.model).values()), betas=[g["betas"] for g in trainer.optimizer.param_groups],
+            optimizer=type(trainer.optimizer.optimizer).__name__, momentum=callback.state.config.momentum,
+            sparse_calls=callback.state.stats()["sparse_calls"], alias_is_state=alias is callback.state,
+            announced=[str(w.message) for w in caught if issubclass(w.category, OptimizerChangedWarning)],
+            deprecated=[w for w in caught
+                        if issubclass(w.category, DeprecationWarning) and ".hook_state" in str(w.message)])
+    return runs
+
+
+@pytest.mark.timeout(90)
+def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(transformers, tmp_path):
+    for rank, runs in enumerate(run_on_ranks(_defaults_worker, str(tmp_path), world_size=2, timeout=80)):
+        assert runs["defaults"]["optimizer"] == "AdamW"  # the Trainer's default
+        assert_defaults_are_topk_dgc(runs, rank, "SparseCommTrainerCallback", sparse_calls=2)
+        # .state is the name; .hook_state still answers, with a DeprecationWarning.
+        assert runs["defaults"]["alias_is_state"] and len(runs["defaults"]["deprecated"]) == 1
 
 
 # ----- 4: what is refused in a distributed run -----------------------------------------------
@@ -212,7 +254,7 @@ def _refusals_worker(rank, world_size, root):
     sparse.pop_callback(callback)
     sparse.add_callback(SparseCommTrainerCallback(density=DENSITY))
     errors["second_hook"] = _error(sparse.train)
-    return dict(errors=errors, lenient_warnings=lenient_warnings, lenient_stats=lenient.hook_state.stats(),
+    return dict(errors=errors, lenient_warnings=lenient_warnings, lenient_stats=lenient.state.stats(),
                 rank=rank)
 
 
@@ -266,6 +308,7 @@ class FakeLabRun:
 def _lab_and_momentum_worker(rank, world_size, root):
     _join_as_trainer_ranks(rank, world_size)
     from sparsecomm.integrations import SparseCommTrainerCallback
+    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
 
     run = FakeLabRun()
     callback = SparseCommTrainerCallback.for_lab_run(run)
@@ -288,11 +331,11 @@ def _lab_and_momentum_worker(rank, world_size, root):
     return dict(applied=run.applied, logged=run.logged, evaluations=evaluations, dense_applied=dense_run.applied,
                 dense_logged=[step for step, _ in dense_run.logged], dense_saved=dense_saved,
                 dense_hooks=len(dense.model_wrapped._comm_hooks),
-                hook_state_is_callbacks=callback.hook_state is run.hook_state, saved_step=saved["hook_state"]["step"],
+                hook_state_is_callbacks=callback.state is run.hook_state, saved_step=saved["hook_state"]["step"],
                 stats=run.hook_state.stats(), betas=[g["betas"] for g in dgc.optimizer.param_groups],
-                momentum_warnings=[str(w.message) for w in caught if "momentum correction" in str(w.message)],
-                velocities=[k for k in momentum.hook_state.state_dict() if ".velocity." in k],
-                dgc_stats=momentum.hook_state.stats())
+                momentum_warnings=[str(w.message) for w in caught if issubclass(w.category, OptimizerChangedWarning)],
+                velocities=[k for k in momentum.state.state_dict() if ".velocity." in k],
+                dgc_stats=momentum.state.stats(), rank=rank)
 
 
 @pytest.mark.timeout(60)
@@ -312,7 +355,8 @@ def test_lab_run_applies_once_logs_eval_loss_and_momentum_turns_adam_beta1_off(t
         assert r["dense_logged"] == [2] and r["dense_saved"]["hook_state"] is None
         # momentum=0.9: AdamW's own first moment is off, the hook keeps velocities and ran sparse.
         assert all(betas[0] == 0.0 and betas[1] == 0.999 for betas in r["betas"])
-        assert len(r["momentum_warnings"]) == 1 and "betas[0] 0.9 -> 0" in r["momentum_warnings"][0]
+        assert len(r["momentum_warnings"]) == (1 if r["rank"] == 0 else 0)
+        assert all("AdamW betas (0.9, 0.999) -> (0.0, 0.999)" in w for w in r["momentum_warnings"])
         assert r["velocities"] and r["dgc_stats"]["sparse_calls"] == 1
 
 
@@ -326,7 +370,7 @@ def _three_rank_worker(rank, world_size, root):
     callback = SparseCommTrainerCallback(density=DENSITY)
     trainer = _trainer(Path(root), [callback], max_steps=4, save_steps=4)
     trainer.train()
-    return dict(params=_params(trainer.model), stats=callback.hook_state.stats())
+    return dict(params=_params(trainer.model), stats=callback.state.stats())
 
 
 def _fewer_ranks_resume_worker(rank, world_size, root):
@@ -370,26 +414,29 @@ def test_single_process_warns_once_and_registers_nothing(transformers, tmp_path)
         trainer.train()
     single = [w for w in caught if issubclass(w.category, NotDistributedWarning)]
     assert len(single) == 1 and "world_size=1" in str(single[0].message)
-    assert callback.hook_state is None
+    assert callback.state is None
     assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     assert (tmp_path / "checkpoint-2").is_dir() and not list(tmp_path.rglob("sparsecomm_rank*"))
 
 
-def test_a_training_forward_outside_ddp_is_refused(transformers):
+def _two_process_args():
+    """What on_train_begin reads of TrainingArguments in a 2-process run (no process group needed)."""
     from types import SimpleNamespace
 
     from transformers.training_args import ParallelMode
 
+    return SimpleNamespace(deepspeed=None, fsdp=None, distributed_state=None, parallel_mode=ParallelMode.DISTRIBUTED,
+                           world_size=2, process_index=0, output_dir="unused")
+
+
+def test_a_training_forward_outside_ddp_is_refused(transformers):
     from sparsecomm.integrations import SparseCommTrainerCallback
 
-    # What on_train_begin reads of TrainingArguments, for a 2-process run whose model the
-    # Trainer did not wrap in DDP (e.g. sharded at load time); no process group needed.
-    args = SimpleNamespace(deepspeed=None, fsdp=None, distributed_state=None, parallel_mode=ParallelMode.DISTRIBUTED,
-                           world_size=2, process_index=0, output_dir="unused")
+    # A 2-process run whose model the Trainer did not wrap in DDP (e.g. sharded at load time).
     model, callback = _model(), SparseCommTrainerCallback(density=DENSITY)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    callback.on_train_begin(args, transformers.TrainerState(), transformers.TrainerControl(), model=model,
-                            optimizer=optimizer)
+    callback.on_train_begin(_two_process_args(), transformers.TrainerState(), transformers.TrainerControl(),
+                            model=model, optimizer=optimizer)
     tokens = Patterns()[0]["input_ids"][None]
     model.eval()
     with torch.no_grad():
@@ -398,7 +445,24 @@ def test_a_training_forward_outside_ddp_is_refused(transformers):
     with pytest.raises(TypeError, match="a training forward of GPT2LMHeadModel that .*DistributedDataParallel does "
                                         "not wrap"):
         model(tokens)
-    assert callback.hook_state is None
+    assert callback.state is None
+
+
+def test_an_optimizer_whose_momentum_cannot_move_is_refused_before_training(transformers):
+    from sparsecomm.integrations import SparseCommTrainerCallback
+
+    model, callback = _model(), SparseCommTrainerCallback(density=DENSITY)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9)
+    with pytest.raises(ValueError, match="SparseCommTrainerCallback: cannot move the momentum of RMSprop .* pass "
+                                         "momentum=0 to keep RMSprop as it is"):
+        callback.on_train_begin(_two_process_args(), transformers.TrainerState(), transformers.TrainerControl(),
+                                model=model, optimizer=optimizer)
+    assert optimizer.param_groups[0]["momentum"] == 0.9 and callback.state is None
+    # momentum=0: plain error feedback, any optimizer, left as it is.
+    SparseCommTrainerCallback(density=DENSITY, momentum=0).on_train_begin(
+        _two_process_args(), transformers.TrainerState(), transformers.TrainerControl(), model=model,
+        optimizer=optimizer)
+    assert optimizer.param_groups[0]["momentum"] == 0.9
 
 
 def test_fsdp_is_refused_before_training(transformers, tmp_path):
@@ -429,6 +493,12 @@ def test_bad_options_are_refused(transformers):
         SparseCommTrainerCallback(module=torch.nn.Linear(1, 1))
     with pytest.raises(TypeError, match="strict_load must be True or False"):
         SparseCommTrainerCallback(strict_load="yes")
+    with pytest.raises(ValueError, match="momentum must be 'auto' .* got 'dgc'"):
+        SparseCommTrainerCallback(momentum="dgc")
+    with pytest.raises(ValueError, match=r"momentum must be in \[0.0, 1.0\)"):
+        SparseCommTrainerCallback(momentum=1.0)
+    with pytest.raises(TypeError, match="either hook_factory or TopKState options, not both .*momentum"):
+        SparseCommTrainerCallback(momentum=0.9, hook_factory=lambda ddp, optimizer: None)
 
 
 def test_importing_integrations_does_not_import_transformers_and_names_the_extra():

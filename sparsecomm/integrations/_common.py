@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.hooks.topk import TopKState
+from sparsecomm.integrations.momentum_handover import AUTO, check_momentum_option
 
 # Keys of TopKState.state_dict() that every rank holds with the same value; all other
 # keys are rank-qualified ("rank{r}.residual.<param>", ...).
@@ -26,15 +27,24 @@ def check_state_options(owner: str, options: dict) -> dict:
     """Validate TopKState keyword arguments now, before any process group exists.
 
     ``module`` and ``process_group`` are refused: the integration takes both from the
-    DDP model the framework builds.
+    DDP model the framework builds. ``momentum`` may also be "auto" (the default: the
+    optimizer's own, see :mod:`sparsecomm.integrations.momentum_handover`).
     """
     taken = sorted({"module", "process_group"} & set(options))
     if taken:
         raise TypeError(
             f"{owner}: {', '.join(taken)} cannot be given; they come from the DDP model the framework builds"
         )
-    TopKState(**options)  # raises ValueError/TypeError naming the bad argument
-    return dict(options)
+    options = {"momentum": AUTO, **options}
+    check_momentum_option(owner, options["momentum"])
+    if options["momentum"] == AUTO:
+        # "auto" resolves to 0 or to a momentum in (0, 1) once the optimizer is known: check the
+        # other options against the strictest of those (momentum correction needs error feedback).
+        probe = {**options, "momentum": 0.5 if options.get("error_feedback", True) else 0.0}
+    else:
+        probe = options
+    TopKState(**probe)  # raises ValueError/TypeError naming the bad argument
+    return options
 
 
 def _to_cpu(state_dict: dict) -> dict:

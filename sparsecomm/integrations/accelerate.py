@@ -8,6 +8,11 @@ hook types (fp16, bf16, PowerSGD), so the hook is registered after ``prepare``::
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     state = register_topk_hook_accelerate(accelerator, model, density=0.01)
 
+By default (``momentum="auto"``) the hook takes over the momentum of the optimizers
+``accelerator.prepare`` returned for this model (AdamW ``betas[0]``, SGD ``momentum``):
+momentum correction, the setting that holds quality
+(:mod:`sparsecomm.integrations.momentum_handover`).
+
 Checkpoints: ``accelerator.register_for_checkpointing(obj)`` would call
 ``obj.state_dict()`` on every process but write the result on the main process only
 (``accelerate.utils.save``), so every rank would resume with rank 0's residuals. Instead
@@ -27,7 +32,8 @@ import torch
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.validation import check_bool
 from sparsecomm.hooks.topk import TopKState
-from sparsecomm.integrations._common import import_framework
+from sparsecomm.integrations._common import check_state_options, import_framework
+from sparsecomm.integrations.momentum_handover import AUTO, announce, plan_handover, unwrap
 
 accelerate = import_framework("accelerate", "accelerate", "accelerate")
 accelerate_utils = import_framework("accelerate.utils", "accelerate", "accelerate")
@@ -42,7 +48,8 @@ def hook_state_path(directory, index: int, process_index: int) -> Path:
 
 
 def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = None, *, optimizer=None,
-                                  strict_load: bool = True, **state_kwargs) -> TopKState:
+                                  momentum: float | str = AUTO, strict_load: bool = True,
+                                  **state_kwargs) -> TopKState:
     """Register :func:`~sparsecomm.topk_hook` on a model prepared by ``accelerator``.
 
     Call it after ``accelerator.prepare`` and before ``accelerator.load_state``. Hook
@@ -52,9 +59,18 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
         model: what ``accelerator.prepare`` returned: a DistributedDataParallel (or a
             ``torch.compile`` wrapper of one).
-        state: a ready :class:`~sparsecomm.TopKState`; or pass its keyword arguments
+        state: a ready :class:`~sparsecomm.TopKState` (registered as it is; ``optimizer``
+            then only warns if both apply momentum); or pass its keyword arguments
             (``density=...``) instead.
-        optimizer: warn if momentum correction is on and it applies momentum too.
+        optimizer: the optimizer whose momentum the hook takes over; None: every
+            optimizer ``accelerator.prepare`` returned that holds this model's parameters.
+        momentum: "auto" (default): the hook's momentum correction takes over the
+            optimizer's own momentum (AdamW/Adam ``betas[0]`` -> 0, SGD ``momentum`` -> 0,
+            changed in place and said in an
+            :class:`~sparsecomm.integrations.momentum_handover.OptimizerChangedWarning` on
+            the main process); an optimizer other than torch SGD/Adam/AdamW is refused. A
+            number: that momentum correction, the optimizer's own turned off the same way;
+            0: plain error feedback, the optimizer left as it is.
         strict_load: passed to :meth:`TopKState.load_state_dict` by ``load_state``;
             False resets the residuals with a warning instead of refusing a state saved
             with another world size or configuration.
@@ -66,7 +82,9 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
         TypeError: ``accelerator`` is not an Accelerator, or ``model`` is not a DDP model
             (single process, DeepSpeed, FSDP, XLA, or the unprepared module).
         ValueError: ``DistributedDataParallelKwargs(comm_hook=...)`` is set or the model
-            already has a hook (DDP allows one), or bad TopKState arguments.
+            already has a hook (DDP allows one), bad TopKState arguments, an optimizer
+            whose momentum the hook cannot take over, or ``momentum="auto"`` with no
+            prepared optimizer.
     """
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
@@ -80,7 +98,16 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
             "registered that hook; DDP allows one per model: leave comm_hook at its default "
             "(DDPCommunicationHookType.NO) to use sparsecomm's hook"
         )
-    state = register_topk_hook(ddp_model, state, optimizer=optimizer, **state_kwargs)
+    if state is not None:  # the user's own state: registered as it is (momentum= would be ignored: refused)
+        given = {**state_kwargs, **({"momentum": momentum} if momentum != AUTO else {})}
+        state = register_topk_hook(ddp_model, state, optimizer=optimizer, **given)
+    else:
+        owner = "register_topk_hook_accelerate"
+        options = check_state_options(owner, {"momentum": momentum, **state_kwargs})
+        optimizers = [optimizer] if optimizer is not None else _optimizers_of(accelerator, ddp_model)
+        handover = plan_handover(owner, optimizers, options)  # raises before anything changes
+        state = register_topk_hook(ddp_model, **handover.hook_options(options))
+        announce(owner, handover.apply(), accelerator.process_index)
     checkpoint = _CHECKPOINTS.get(accelerator)
     if checkpoint is None:
         checkpoint = _CHECKPOINTS[accelerator] = _PerRankCheckpoint(accelerator)
@@ -100,6 +127,13 @@ def _prepared_ddp(accelerator, model) -> torch.nn.parallel.DistributedDataParall
         "MULTI_GPU/MULTI_CPU (and other MULTI_*) runs with more than one process (accelerate launch "
         "--num_processes N, or torchrun); DeepSpeed, FSDP and XLA do not use DDP communication hooks"
     )
+
+
+def _optimizers_of(accelerator, ddp_model) -> list:
+    """The optimizers ``accelerator.prepare`` returned that update ``ddp_model``'s parameters."""
+    params = {id(p) for p in ddp_model.parameters()}
+    return [unwrap(o) for o in accelerator._optimizers  # Accelerate's list of prepared optimizers
+            if any(id(p) in params for group in unwrap(o).param_groups for p in group["params"])]
 
 
 class _PerRankCheckpoint:

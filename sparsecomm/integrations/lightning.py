@@ -9,6 +9,10 @@ Lightning checkpoints::
 
     trainer = Trainer(strategy="ddp", callbacks=[SparseCommCallback(density=0.01)])
 
+By default (``momentum="auto"``) the hook takes over the momentum of the LightningModule's
+optimizer (AdamW ``betas[0]``, SGD ``momentum``): momentum correction, the setting that
+holds quality (:mod:`sparsecomm.integrations.momentum_handover`).
+
 When: ``DDPStrategy.setup()`` wraps the LightningModule in DDP, and ``Trainer._run``
 calls the callbacks' ``on_fit_start`` right after it, before the first batch: the only
 hook point that sees the DDP model and precedes any backward pass. ``setup()``, which
@@ -31,6 +35,7 @@ from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.validation import check_bool
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.integrations._common import check_state_options, gather_state_dicts, import_framework
+from sparsecomm.integrations.momentum_handover import AUTO, announce, plan_handover
 
 pl = import_framework("lightning.pytorch", "lightning", "lightning")
 strategies = import_framework("lightning.pytorch.strategies", "lightning", "lightning")
@@ -41,6 +46,13 @@ class SparseCommCallback(pl.Callback):
 
     Args:
         density: fraction of each bucket sent (see :class:`~sparsecomm.TopKState`).
+        momentum: "auto" (default): at ``on_fit_start`` the hook's momentum correction takes
+            over the optimizers' own momentum (AdamW/Adam ``betas[0]`` -> 0, SGD
+            ``momentum`` -> 0, said in an
+            :class:`~sparsecomm.integrations.momentum_handover.OptimizerChangedWarning` on rank 0); an
+            optimizer other than torch SGD/Adam/AdamW is refused (ValueError). A number:
+            that momentum correction (the optimizers' own momentum turned off the same way);
+            0: plain error feedback, optimizers left as they are.
         strict_load: passed to :meth:`TopKState.load_state_dict` on resume. False resets
             the residuals with a warning instead of refusing a checkpoint from another
             world size or hook configuration.
@@ -59,9 +71,11 @@ class SparseCommCallback(pl.Callback):
             has a communication hook (DDP allows one).
     """
 
-    def __init__(self, density: float = 0.01, *, strict_load: bool = True, **state_options):
+    def __init__(self, density: float = 0.01, *, momentum: float | str = AUTO, strict_load: bool = True,
+                 **state_options):
         self.strict_load = check_bool("strict_load", strict_load)
-        self._options = check_state_options("SparseCommCallback", {"density": density, **state_options})
+        self._options = check_state_options("SparseCommCallback",
+                                            {"density": density, "momentum": momentum, **state_options})
         self.state: TopKState | None = None
         # A checkpoint's hook state arrives (load_state_dict) before the strategy builds
         # DDP and on_fit_start creates the state; it waits here until then.
@@ -99,11 +113,11 @@ class SparseCommCallback(pl.Callback):
                 f"SparseCommCallback: the DDP model already has a communication hook ({names}); DDP allows "
                 "one per model: remove the other hook or this callback"
             )
+        handover = plan_handover("SparseCommCallback", trainer.optimizers, self._options)
         if self.state is None:
-            self.state = TopKState(ddp_model.process_group, module=ddp_model, **self._options)
+            self.state = TopKState(ddp_model.process_group, module=ddp_model, **handover.hook_options(self._options))
         register_topk_hook(ddp_model, self.state)
-        for optimizer in trainer.optimizers:
-            self.state.check_optimizer(optimizer)
+        announce("SparseCommCallback", handover.apply(), trainer.global_rank)
         if self._state_to_load is not None:
             self.state.load_state_dict(self._state_to_load, strict=self.strict_load)
             self._state_to_load = None

@@ -13,13 +13,15 @@ When: ``Trainer._inner_training_loop`` wraps the model (``accelerator.prepare``)
 the optimizer and loads a resumed checkpoint's weights, optimizer and scheduler, and only
 then calls ``on_train_begin``. There the callback checks the set-up (DeepSpeed, FSDP,
 XLA, SageMaker and hyperparameter search are refused; a single process warns once and
-registers nothing), turns the optimizer's own momentum off when the hook corrects
-momentum, reads a resumed checkpoint's hook state and puts a forward pre-hook on the
-model. DDP runs the model's forward inside ``DistributedDataParallel._inside_ddp_forward``,
-which publishes the running wrapper as ``DistributedDataParallel._active_ddp_module``; the
-first forward that DDP runs therefore hands the callback exactly the wrapper the Trainer
-trains, which is not otherwise reachable from a callback. The pre-hook registers the
-sparsecomm hook there (before the first backward), restores the resumed state, and removes
+registers nothing), decides which momentum the hook takes over from the optimizer (by
+default the optimizer's own: :mod:`sparsecomm.integrations.momentum_handover`; an optimizer
+it cannot adapt is refused here), reads a resumed checkpoint's hook state and puts a
+forward pre-hook on the model. DDP runs the model's forward inside
+``DistributedDataParallel._inside_ddp_forward``, which publishes the running wrapper as
+``DistributedDataParallel._active_ddp_module``; the first forward that DDP runs therefore
+hands the callback exactly the wrapper the Trainer trains, which is not otherwise reachable
+from a callback. The pre-hook registers the sparsecomm hook there (before the first
+backward), turns the optimizer's own momentum off, restores the resumed state, and removes
 itself. A training forward of the model outside DDP (e.g. a model sharded at load time) is
 refused with a TypeError, before any backward.
 
@@ -55,11 +57,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sparsecomm.hooks.optimizer import own_momentum
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.hooks.validation import check_bool
 from sparsecomm.integrations._common import _to_cpu, check_state_options, import_framework
+from sparsecomm.integrations.momentum_handover import AUTO, announce, plan_handover, unwrap
 
 transformers = import_framework("transformers", "transformers", "transformers")
 trainer_module = import_framework("transformers.trainer", "transformers", "transformers")
@@ -86,6 +88,16 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
     Args:
         density: fraction of each bucket sent (see :class:`~sparsecomm.TopKState`);
             default 0.01.
+        momentum: "auto" (default): the hook's momentum correction takes over the Trainer
+            optimizer's own momentum (AdamW/Adam ``betas[0]``, SGD ``momentum`` and
+            ``nesterov``, Adafactor ``beta1``), which is turned off in place before its
+            first step, said in an
+            :class:`~sparsecomm.integrations.momentum_handover.OptimizerChangedWarning` on
+            rank 0. The Trainer's default AdamW thus runs with ``betas=(0, 0.999)`` and the
+            hook with ``momentum=0.9``: the ``topk-dgc`` setting. An optimizer of another
+            class is refused (ValueError at ``on_train_begin``). A number: that momentum
+            correction, the optimizer's own turned off the same way; 0: plain error
+            feedback, the optimizer left as it is.
         hook_factory: instead of ``density`` and TopKState options: a callable
             ``hook_factory(ddp_model, optimizer) -> hook_state`` that registers a hook of
             its own on the DDP model (called once, at the first forward, with the
@@ -100,34 +112,33 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             world size or (TopKState) another configuration restarts the hook with a
             warning instead of raising.
         **state_options: any other :class:`~sparsecomm.TopKState` keyword argument
-            (``momentum``, ``warmup_steps``, ``selector``, ...), checked here; ``module``
-            and ``process_group`` come from the DDP model. With ``momentum > 0`` the
-            callback turns the Trainer optimizer's own momentum off in place at
-            ``on_train_begin``, before its first step (AdamW/Adam ``betas[0] = 0``, SGD
-            ``momentum = 0`` and ``nesterov = False``, Adafactor ``beta1 = None``), with a
-            warning; an optimizer whose momentum it cannot find is refused (ValueError).
+            (``warmup_steps``, ``selector``, ...), checked here; ``module`` and
+            ``process_group`` come from the DDP model.
 
     Attributes:
-        hook_state: the registered :class:`~sparsecomm.TopKState` (or what
-            ``hook_factory`` returned) once the first training forward ran; None before,
-            and in a single-process run. ``callback.hook_state.stats()`` reports what this
-            rank sent.
+        state: the registered :class:`~sparsecomm.TopKState` (or what ``hook_factory``
+            returned) once the first training forward ran; None before, and in a
+            single-process run. ``callback.state.stats()`` reports what this rank sent.
+            (``hook_state``: its former name, deprecated.)
 
     Raises (at construction): ValueError/TypeError for bad TopKState options (naming the
     option), for both ``hook_factory`` and TopKState options, or for a ``hook_factory`` /
     ``on_metrics`` that is not callable.
 
     Raises (at ``on_train_begin``, before the first step): ValueError for DeepSpeed, FSDP,
-    XLA/TPU, SageMaker or hyperparameter search; FileNotFoundError/ValueError for a resumed
-    checkpoint without this rank's hook state or saved by another world size. At the first
+    XLA/TPU, SageMaker or hyperparameter search, or an optimizer whose momentum the hook
+    cannot take over; FileNotFoundError/ValueError for a resumed checkpoint without this
+    rank's hook state or saved by another world size. At the first
     forward: ValueError if the DDP model already has a communication hook (DDP allows
     one); TypeError if the Trainer trains the model without DDP.
     """
 
-    def __init__(self, density: float | None = None, *, hook_factory=None, on_metrics=None,
-                 strict_load: bool = True, **state_options):
+    def __init__(self, density: float | None = None, *, momentum: float | str = AUTO, hook_factory=None,
+                 on_metrics=None, strict_load: bool = True, **state_options):
         self.strict_load = check_bool("strict_load", strict_load)
         if hook_factory is not None:
+            if momentum != AUTO:
+                state_options = {"momentum": momentum, **state_options}
             if density is not None or state_options:
                 given = (["density"] if density is not None else []) + sorted(state_options)
                 raise TypeError(
@@ -138,18 +149,28 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             self._options = None
         else:
             density = DEFAULT_DENSITY if density is None else density
-            self._options = check_state_options("SparseCommTrainerCallback", {"density": density, **state_options})
+            self._options = check_state_options("SparseCommTrainerCallback",
+                                                {"density": density, "momentum": momentum, **state_options})
         if on_metrics is not None:
             _check_callable("on_metrics", on_metrics)
         self.hook_factory = hook_factory
         self.on_metrics = on_metrics
-        self.hook_state = None
+        self.state = None
         self._ddp = None  # weakref to the DDP model the hook is registered on
-        self._optimizer = None  # the Trainer's torch optimizer, for hook_factory and the momentum check
+        self._optimizer = None  # the Trainer's torch optimizer, for hook_factory
+        self._handover = None  # the momentum the hook takes over from it, decided at on_train_begin
+        self._rank = None  # this process's global rank: it says what changed in the optimizer on rank 0
         self._pre_hook = None  # handle of the forward pre-hook waiting for the first DDP forward
         self._state_to_load = None  # hook state read from a resumed checkpoint, until the hook exists
         self._warned_single_process = False
         self._last_reported = None  # (step, eval items) last handed to on_metrics
+
+    @property
+    def hook_state(self):
+        """Deprecated name of :attr:`state` (the name every integration uses)."""
+        warnings.warn("SparseCommTrainerCallback.hook_state is deprecated: use .state", DeprecationWarning,
+                      stacklevel=2)
+        return self.state
 
     @classmethod
     def for_lab_run(cls, run, metric: str = "eval_loss", as_name: str = "val_loss") -> "SparseCommTrainerCallback":
@@ -191,9 +212,10 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
         if args.world_size <= 1:
             self._warn_single_process(args)
             return
-        self._optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps torch's
-        if self._options is not None and self._options.get("momentum", 0.0) > 0:
-            _switch_off_optimizer_momentum(self._optimizer, self._options["momentum"])
+        self._optimizer = unwrap(optimizer)  # Accelerate's AcceleratedOptimizer wraps torch's
+        self._rank = args.process_index
+        if self._options is not None:  # raises before the first step for an optimizer it cannot adapt
+            self._handover = plan_handover("SparseCommTrainerCallback", [self._optimizer], self._options)
         if state.global_step > 0:  # the Trainer resumed: a fresh TrainerState starts at 0
             self._state_to_load = self._read_resumed_state(args, state)
         if self._pre_hook is None:
@@ -246,10 +268,11 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
                     "DDP allows one per model: remove the other hook or this callback (one callback per Trainer)"
                 )
             if self.hook_factory is not None:
-                self.hook_state = self.hook_factory(ddp, self._optimizer)
+                self.state = self.hook_factory(ddp, self._optimizer)
                 self._check_factory_state()
             else:
-                self.hook_state = register_topk_hook(ddp, optimizer=self._optimizer, **self._options)
+                self.state = register_topk_hook(ddp, **self._handover.hook_options(self._options))
+                announce("SparseCommTrainerCallback", self._handover.apply(), self._rank)
             self._ddp = weakref.ref(ddp)
         if self._state_to_load is not None:
             path, state_dict = self._state_to_load
@@ -257,9 +280,9 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             self._load_hook_state(path, state_dict)
 
     def _check_factory_state(self) -> None:
-        if self.hook_state is not None and not callable(getattr(self.hook_state, "state_dict", None)):
+        if self.state is not None and not callable(getattr(self.state, "state_dict", None)):
             warnings.warn(
-                f"SparseCommTrainerCallback: hook_factory returned a {type(self.hook_state).__name__} without "
+                f"SparseCommTrainerCallback: hook_factory returned a {type(self.state).__name__} without "
                 "state_dict(): checkpoints will not hold the hook's state, and a resume restarts it",
                 stacklevel=3,
             )
@@ -267,19 +290,19 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
     # ----- checkpoint contents -------------------------------------------------------------
 
     def _hook_state_dict(self):
-        if not callable(getattr(self.hook_state, "state_dict", None)):
+        if not callable(getattr(self.state, "state_dict", None)):
             return None
-        state_dict = self.hook_state.state_dict()
-        return _to_cpu(state_dict) if isinstance(self.hook_state, TopKState) else state_dict
+        state_dict = self.state.state_dict()
+        return _to_cpu(state_dict) if isinstance(self.state, TopKState) else state_dict
 
     def _load_hook_state(self, path: Path, state_dict) -> None:
-        if state_dict is None or not callable(getattr(self.hook_state, "load_state_dict", None)):
+        if state_dict is None or not callable(getattr(self.state, "load_state_dict", None)):
             return
         try:
-            if isinstance(self.hook_state, TopKState):
-                self.hook_state.load_state_dict(state_dict, strict=self.strict_load)
+            if isinstance(self.state, TopKState):
+                self.state.load_state_dict(state_dict, strict=self.strict_load)
             else:
-                self.hook_state.load_state_dict(state_dict)
+                self.state.load_state_dict(state_dict)
         except ValueError as error:  # e.g. saved with another density: name the file
             raise ValueError(f"cannot restore the sparsecomm hook state from {path}: {error}") from error
 
@@ -377,36 +400,6 @@ def _distributed_types(args) -> list:
     if is_initialized():
         kinds.append(AcceleratorState().distributed_type)
     return kinds
-
-
-def _switch_off_optimizer_momentum(optimizer, hook_momentum: float) -> None:
-    """The hook applies momentum (DGC momentum correction): the optimizer must not apply it again."""
-    changed = []
-    for index, group in enumerate(optimizer.param_groups):
-        if "betas" in group and group["betas"][0]:
-            changed.append(f"group {index}: betas[0] {group['betas'][0]} -> 0")
-            group["betas"] = (0.0, *tuple(group["betas"])[1:])
-        if group.get("momentum"):
-            changed.append(f"group {index}: momentum {group['momentum']} -> 0")
-            group["momentum"] = 0.0
-            if group.get("nesterov"):
-                group["nesterov"] = False  # torch refuses Nesterov without momentum
-        if group.get("beta1") is not None and "betas" not in group:  # Adafactor: None means no first moment
-            changed.append(f"group {index}: beta1 {group['beta1']} -> None")
-            group["beta1"] = None
-    left = own_momentum(optimizer)
-    if left:
-        raise ValueError(
-            f"SparseCommTrainerCallback(momentum={hook_momentum}) corrects momentum in the hook, and "
-            f"{type(optimizer).__name__} still applies momentum of its own ({left}) that the callback could not turn "
-            "off: use an optimizer without momentum (e.g. sparsecomm.dgc_optimizer via Trainer(optimizers=...))"
-        )
-    if changed:
-        warnings.warn(
-            f"SparseCommTrainerCallback(momentum={hook_momentum}): the hook applies momentum correction, so the "
-            f"Trainer's {type(optimizer).__name__} now runs without momentum of its own ({'; '.join(changed)})",
-            stacklevel=3,
-        )
 
 
 def _resumed_checkpoint_dir(args, state) -> Path:
