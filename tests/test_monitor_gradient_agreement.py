@@ -75,13 +75,13 @@ def test_e3_corrupt_reduced_gradient_stops_the_step_on_all_ranks():
         assert torch.equal(a, b)
 
 
-# ----- the window: a fault on any step is caught at the window's vote, 3 gloo ranks --------
+# ----- a vote every 4 steps: its own step, or the window since the last vote, 3 gloo ranks ----
 
-WINDOW = 4  # votes at steps 0, 4, 8
+EVERY = 4  # votes at steps 0, 4, 8
 FAULTS = [(step, bit) for step in (1, 3, 4, 5) for bit in (31, 27, 3)]  # sign, exponent, mantissa bits
 
 
-def _window_worker(rank, world_size):
+def _vote_worker(rank, world_size, window):
     outcomes = []
     for fault in [None, *FAULTS]:
         model = mlp()
@@ -90,43 +90,48 @@ def _window_worker(rank, world_size):
         if fault is not None:
             step, bit = fault
             state.add_observer(BitFlipInjector("reduced", step=step, rank=1, bit=bit, index=17, name="2.weight"))
-        vote = GradientAgreementMonitor(ddp, every=WINDOW)
+        vote = GradientAgreementMonitor(ddp, every=EVERY, window=window)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         generator = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
-        outcome = None
-        for step in range(2 * WINDOW + 1):
+        found = None
+        for step in range(2 * EVERY + 1):
             optimizer.zero_grad()
             ddp(torch.randn(8, 32, generator=generator)).pow(2).mean().backward()
             try:
                 vote.check(step)
             except CorruptionDetected as error:
-                outcome = (step, error.check, error.ranks, error.detail, vote.last_agreed_step, params(model))
+                found = (step, error.check, error.ranks, error.detail, vote.last_agreed_step, params(model))
                 break
             optimizer.step()
-        outcomes.append((fault, outcome, vote.checks, vote.last_agreed_step))
+        outcomes.append((fault, found, vote.checks, vote.last_agreed_step))
     return outcomes
 
 
+def _assert_caught(fault, found0, found1, found2, vote_step, window):
+    previous = vote_step - EVERY
+    assert found0 is not None, fault
+    # Every rank raises at the same vote and names rank 1 (the majority holds the other
+    # digest); the previous vote had agreed.
+    assert [f[:5] for f in (found0, found1, found2)] == [(vote_step, "gradient_agreement", (1,), found0[3], previous)] * 3
+    assert (f"steps {previous + 1}..{vote_step}" if window else f"step {vote_step}") in found0[3], found0[3]
+    if fault[0] == vote_step:  # the fault is on the vote's own step: stopped before the optimizer step
+        for mine, theirs in zip(found1[5], found0[5]):
+            assert torch.equal(mine, theirs), fault
+    for mine, theirs in zip(found2[5], found0[5]):  # the healthy ranks never differ
+        assert torch.equal(mine, theirs), fault
+
+
 @pytest.mark.timeout(180)
-def test_window_vote_catches_a_flip_on_any_step_at_the_windows_last_step_on_every_rank():
-    results = run_on_ranks(_window_worker, world_size=3, timeout=170)
+@pytest.mark.parametrize("window", [True, False])
+def test_a_flip_in_one_ranks_reduced_gradient_is_caught_at_the_next_vote_with_a_window_else_on_vote_steps_only(window):
+    results = run_on_ranks(_vote_worker, window, world_size=3, timeout=170)
     for (fault, *outcome0), (_, *outcome1), (_, *outcome2) in zip(*results):
         found0, found1, found2 = (o[0] for o in (outcome0, outcome1, outcome2))
         if fault is None:  # clean: three votes (steps 0, 4, 8), all agreed
             assert outcome0[1:] == outcome1[1:] == outcome2[1:] == [3, 8] and found0 is found1 is found2 is None
-            continue
-        step, _ = fault
-        vote_step = -(-step // WINDOW) * WINDOW  # the first vote at or after the fault
-        previous = vote_step - WINDOW
-        assert found0 is not None, fault
-        # Every rank raises at the same vote, names rank 1 (the majority holds the other
-        # digest) and the window; the previous vote had agreed.
-        assert [f[:5] for f in (found0, found1, found2)] == [(vote_step, "gradient_agreement", (1,),
-                                                            found0[3], previous)] * 3, fault
-        assert f"steps {previous + 1}..{vote_step}" in found0[3], found0[3]
-        if step == vote_step:  # the fault is on the vote's own step: stopped before the optimizer step
-            for mine, theirs in zip(found1[5], found0[5]):
-                assert torch.equal(mine, theirs), fault
-        # The healthy ranks never differ.
-        for mine, theirs in zip(found2[5], found0[5]):
-            assert torch.equal(mine, theirs), fault
+        elif window:  # any step: caught at the first vote at or after it
+            _assert_caught(fault, found0, found1, found2, -(-fault[0] // EVERY) * EVERY, window)
+        elif fault[0] % EVERY == 0:  # without a window, a fault on a vote step only
+            _assert_caught(fault, found0, found1, found2, fault[0], window)
+        else:  # ... and the votes after a fault between votes compare clean gradients
+            assert found0 is found1 is found2 is None, fault

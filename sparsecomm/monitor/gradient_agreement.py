@@ -5,28 +5,27 @@ every rank the same averaged bucket). A fault between the collective and the opt
 (a corrupt receive buffer, a faulty decompression on one rank, a bit flip in ``.grad``)
 breaks that silently: the replicas take different optimizer steps and drift apart.
 
-Every step, each rank folds an exact digest of its gradients into a running digest of
-the current window (no collective); every ``every`` steps one all-reduce of three int64
-compares the windows. Every single-bit flip in any rank's gradients of any step of the
-window changes that rank's running digest (see "The window digest" below), so the vote
-catches it at the window's last step, on every rank alike: at most ``every - 1`` steps
-after the fault, ``(every - 1) / 2`` on average for a fault at a random step. With
-``every=1`` each step is its own window and the vote stops the faulty step before
-``optimizer.step()``.
+Every ``every`` steps (a vote step) each rank takes an exact digest of its gradients and
+one all-reduce of three int64 compares them, before ``optimizer.step()``: a fault on a
+vote step is stopped before any rank commits it. Two cadences:
 
-What the default window (``every=10``) gives up against a vote on every step, to cost
-one all-reduce per 10 steps instead of one per step: a fault on one of the 9 steps that
-end no window is found after the optimizer applied it (the weights of the replicas may
-already differ: recover by rolling back to a checkpoint no newer than
-:attr:`GradientAgreementMonitor.last_agreed_step`), and the commit vote (below) happens on
-the last step of a window only. Each step still costs one digest of the gradients (one
-pass over them).
+- ``every=1``: every step is voted on; every fault in the reduced gradients is stopped
+  before the optimizer applies it. Costs a digest (one pass over the gradients) and an
+  all-reduce per step (measured on the default task: docs/reliability.md, "Monitors").
+- the default, ``every=10``: a tenth of that. A fault on one of the 9 steps between votes
+  is not seen by the vote; the optimizer applies it on one rank, and the replica digest
+  (:class:`~sparsecomm.monitor.replica_digest.ReplicaDigestMonitor`, on the same steps by
+  default) finds it at its next check if it changed the weights (the detection benchmark
+  measures how often: docs/reliability.md). ``window=True`` closes that gap for the price
+  of a digest per step: every step's digest is folded into a running digest of the window
+  (no collective), and the vote compares the windows, so a flip on any step is found at
+  the window's vote, at most ``every - 1`` steps later (see "The window digest").
 
 It also serves as the step's commit vote (torchft's ``should_commit``): a rank whose
 backward raised (a guard in the hook, a failed collective) passes the error as
-``local_error``; on the last step of a window the same all-reduce then tells every rank
-that the step must not be committed, so all of them raise instead of one rank stopping
-while the others step on.
+``local_error``; on a vote step the same all-reduce then tells every rank that the step
+must not be committed, so all of them raise instead of one rank stopping while the
+others step on. Between votes the error is raised on its rank only.
 
 Runs in the training loop, never in the hook: it issues a collective, and collectives
 issued from Future callbacks run in arbitrary order across ranks (docs/architecture.md,
@@ -39,15 +38,18 @@ each window, with ``M`` odd and ``digest`` the exact digest of
 :func:`~sparsecomm.monitor.replica_digest.tensors_digest`. A single-bit flip changes one
 step's digest by ``d = odd * 2**b`` with ``b < 64`` (see that module), hence the running
 digest by ``d * M**j``: ``M**j`` is odd, so the change is again ``odd * 2**b``, never 0
-modulo 2**64. With ``every=1`` the running digest is the step's digest itself.
+modulo 2**64. A window of one step is that step's digest itself.
 """
 import torch
 
 from sparsecomm.hooks.validation import check_int
 from sparsecomm.monitor._consensus import compare_across_ranks
+from sparsecomm.monitor import replica_digest
 from sparsecomm.monitor.replica_digest import tensors_digest
 
-DEFAULT_EVERY = 10
+# The replica digest's cadence: both checks fall on the same steps, so a step that passes
+# both is one point a roll-back can return to.
+DEFAULT_EVERY = replica_digest.DEFAULT_EVERY
 _MUL_STEP = 0xD6E8FEB86659FD93 - (1 << 64)  # odd, as a signed int64
 
 
@@ -66,27 +68,31 @@ class GradientAgreementMonitor:
 
     Args:
         module: the DDP model or the module it wraps.
-        every: the window: each step's gradients are folded into a running digest, which
-            all ranks compare when ``step % every == 0`` (same on every rank). ``every=1``
-            compares every step's gradients before that step is committed. A local error on
-            a step that ends no window is re-raised on that rank only: its peers learn of it
-            from their next collective (a timeout or a peer-closed error).
+        every: vote when ``step % every == 0`` (same on every rank). A local error on a
+            step without a vote is re-raised on that rank only: its peers learn of it from
+            their next collective (a timeout or a peer-closed error).
+        window: False (default): a vote compares the gradients of its own step. True: it
+            compares every step since the previous vote (each step's digest folded into a
+            running digest; one digest per step).
         group: process group of the replicas; None means the default group.
         reference_rank: tie-break for naming suspects when no strict majority exists
             (see :class:`~sparsecomm.monitor.replica_digest.ReplicaDigestMonitor`).
 
     Attributes:
-        last_agreed_step: the last vote step at which all ranks agreed (None before): the
-            gradients of every step up to it were identical on all ranks. A fault found at
-            a later vote happened after it.
-        window_start: the first step folded into the current window (None when empty).
+        last_agreed_step: the last vote step at which all ranks agreed (None before).
+            With ``window=True`` the gradients of every step up to it were identical on all
+            ranks, and a fault found at a later vote happened after it.
+        window_start: the first step folded into the coming vote (None when none yet).
         checks: votes taken.
     """
 
-    def __init__(self, module: torch.nn.Module, *, every: int = DEFAULT_EVERY, group=None,
+    def __init__(self, module: torch.nn.Module, *, every: int = DEFAULT_EVERY, window: bool = False, group=None,
                  reference_rank: int | None = None):
+        if not isinstance(window, bool):
+            raise TypeError(f"window must be True or False, got {window!r}")
         self.module = module
         self.every = check_int("every", every, 1)
+        self.window = window
         self.group = group
         self.reference_rank = reference_rank
         self.checks = 0
@@ -95,18 +101,21 @@ class GradientAgreementMonitor:
         self._running: torch.Tensor | None = None
 
     def check(self, step: int, *, local_error: BaseException | None = None) -> int | None:
-        """Fold ``step``'s gradients into the window; on a vote step compare the windows.
+        """Fold ``step``'s gradients into the coming vote (every step with ``window=True``,
+        vote steps only otherwise); on a vote step compare them across ranks.
 
-        Returns the agreed running digest on a vote step, else None.
+        Returns the agreed (running) digest on a vote step, else None.
 
         Raises:
             CorruptionDetected: ``check="gradient_agreement"`` on every rank, on a vote
-                step, when any rank's gradients of any step of the window differ or any
-                rank passed ``local_error``. The window starts afresh after every vote.
+                step, when any rank's gradients of a folded step differ or any rank passed
+                ``local_error``. The next vote starts afresh, whatever the outcome.
         """
         vote = step % self.every == 0
         if local_error is not None and not vote:
             raise local_error
+        if not vote and not self.window:
+            return None
         if local_error is None:
             digest = tensors_digest([p.grad for p in self.module.parameters()])
             self._running = digest if self._running is None else self._running * _MUL_STEP + digest

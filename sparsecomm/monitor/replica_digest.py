@@ -40,6 +40,7 @@ import torch
 from sparsecomm.hooks.validation import check_int
 from sparsecomm.monitor._consensus import compare_across_ranks
 
+DEFAULT_EVERY = 10  # steps between checks
 _CHUNK = 1 << 16  # words per chunk: bounds the cached weight vector to 512 KiB
 _BLOCK = 64 * _CHUNK  # words converted to int64 at a time: bounds temporaries to 32 MiB
 # Odd 64-bit multipliers (golden-ratio and splitmix constants) as signed int64.
@@ -180,7 +181,8 @@ class ReplicaDigestMonitor:
         last_digest: the agreed digest at that step.
     """
 
-    def __init__(self, module: torch.nn.Module, *, every: int = 10, group=None, reference_rank: int | None = None):
+    def __init__(self, module: torch.nn.Module, *, every: int = DEFAULT_EVERY, group=None,
+                 reference_rank: int | None = None):
         self.module = module
         self.every = check_int("every", every, 1)
         self.group = group
