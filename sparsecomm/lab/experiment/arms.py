@@ -57,12 +57,16 @@ class ArmHook:
         return self.averager.consensus_weights() if self.averager is not None else contextlib.nullcontext()
 
 
+NOTHING_AFTER = {"bytes_sent": 0, "compress_seconds": 0.0, "comm_seconds": 0.0}
+"""What :func:`after_optimizer_step` adds when nothing follows the optimizer step."""
+
+
 def after_optimizer_step(arm_hook: ArmHook) -> dict:
     """Run what follows an optimizer step (an averager's step, perhaps a sync); the figures
     it adds to the step: bytes sent, host time encoding/decoding, time in the exchange."""
     averager = arm_hook.averager
     if averager is None:
-        return {"bytes_sent": 0, "compress_seconds": 0.0, "comm_seconds": 0.0}
+        return dict(NOTHING_AFTER)
     before = averager.stats()
     averager.step()
     after = averager.stats()

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparsecomm.lab.experiment.arms import HookMeter, after_optimizer_step, make_arm_hook
+from sparsecomm.averaging import NonFiniteSyncError
+from sparsecomm.lab.experiment.arms import NOTHING_AFTER, HookMeter, after_optimizer_step, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.dist import discover, init_distributed
 from sparsecomm.lab.experiment.config import ExperimentConfig
@@ -224,6 +225,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     writer = open_log()
     # Recovery is measured after a fault (a torchrun restart), not after a re-run.
     step, recovering = start_step, bool(start_step) and not new_launch
+    diverged = None
     try:
         while step < config.steps:
             step += 1
@@ -235,7 +237,13 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             loss.backward()
             backward_done = time.perf_counter()
             optimizer.step()
-            after = after_optimizer_step(arm_hook)  # an averager's outer sync, every period steps
+            try:
+                after = after_optimizer_step(arm_hook)  # an averager's outer sync, every period steps
+            except NonFiniteSyncError as error:
+                # A replica's weights stopped being finite and the averager refused the sync on
+                # every rank alike: the run diverged. That is a measured result (a non-finite
+                # final loss: its verdict is inconclusive), as for the other arms, not a failure.
+                diverged, after = str(error), dict(NOTHING_AFTER)
             finished = time.perf_counter()
             measured = meter.take_step()
             # Outside the timed region: the mean loss over ranks, for the record.
@@ -268,6 +276,11 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                 if fault is not None:  # an injected fault knows when it struck
                     counters.setdefault("recovery_seconds", time.time() - fault["wall_time"])
             recovering = False
+            if diverged is not None:
+                evals.append([step, elapsed(), float("nan")])
+                _write(writer, {"kind": "eval", "step": step, "val_loss": float("nan"),
+                                "elapsed_seconds": evals[-1][1]})
+                break
             if step % config.eval_every == 0 or step == config.steps:
                 with arm_hook.evaluation():  # an averager's consensus weights, the same on every rank
                     val_loss = task.val_loss(model)
@@ -323,6 +336,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "checkpoint_fallbacks": counters.get("checkpoint_fallbacks", []),
         "resumed_from_steps": counters.get("resumed_from", []),
         "last_corruption": counters.get("last_corruption"),
+        "diverged": diverged,
         "staleness": staleness.report() if staleness is not None else None,
         "unverified_reason": staleness.report().get("unverified_reason") if staleness is not None else None,
         "evals": evals,
