@@ -95,15 +95,17 @@ class _Alarm(Exception):
 class Monitors:
     """The monitors named in ``parts`` on one DDP model, with the per-step protocol of the
     package docstring: ``finite`` (FiniteGuard), ``spike`` (UpdateSpikeDetector),
-    ``staleness`` (StalenessMonitor every 10 steps), ``replica`` (ReplicaDigestMonitor),
+    ``staleness`` (StalenessMonitor, every 10 steps unless ``staleness_every`` says otherwise),
+    ``replica`` (ReplicaDigestMonitor),
     ``vote`` (GradientAgreementMonitor); the last two at their default settings unless
     ``vote`` names the vote's (``every``, ``window``).
     """
 
-    def __init__(self, ddp, state, *, record: bool, parts=ALL_PARTS, vote: dict | None = None):
+    def __init__(self, ddp, state, *, record: bool, parts=ALL_PARTS, vote: dict | None = None,
+                 staleness_every: int = STALENESS_EVERY):
         self.finite = FiniteGuard(state=state, action="record" if record else "raise")
         self.spike = UpdateSpikeDetector(action="record" if record else "raise")
-        self.staleness = StalenessMonitor.from_policy(Policy(), every=STALENESS_EVERY)
+        self.staleness = StalenessMonitor.from_policy(Policy(), every=staleness_every)
         self.vote = GradientAgreementMonitor(ddp, **(vote or {})) if "vote" in parts else None
         self.replica = ReplicaDigestMonitor(ddp) if "replica" in parts else None
         for part, observer in (("finite", self.finite), ("spike", self.spike), ("staleness", self.staleness)):
@@ -172,7 +174,8 @@ def _step(task, ddp, optimizer, monitors, generator, rank, step, batch, injector
     return None
 
 
-def _build(task, seed, group, *, conservation, record, parts=ALL_PARTS, vote=None, injector=None):
+def _build(task, seed, group, *, conservation, record, parts=ALL_PARTS, vote=None, staleness_every=STALENESS_EVERY,
+           injector=None):
     torch.manual_seed(seed)
     model = task.build_model()
     ddp = DDP(model, process_group=group)
@@ -184,7 +187,8 @@ def _build(task, seed, group, *, conservation, record, parts=ALL_PARTS, vote=Non
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     else:
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    monitors = Monitors(ddp, state, record=record, parts=parts, vote=vote) if parts else None
+    monitors = Monitors(ddp, state, record=record, parts=parts, vote=vote, staleness_every=staleness_every) \
+        if parts else None
     return ddp, state, optimizer, monitors
 
 
@@ -270,6 +274,7 @@ OVERHEAD_CONFIGS = {  # name -> monitors on (each at its default settings), vote
     "defaults, vote /10 with window": dict(parts=ALL_PARTS, vote={"window": True}),
     "defaults, vote every step": dict(parts=ALL_PARTS, vote={"every": 1}),
     "defaults + conservation audit": dict(parts=ALL_PARTS, conservation=True),
+    "staleness /1 (the lab's)": dict(parts=("staleness",), staleness_every=1),
 }
 DEFAULTS = "defaults (all of the above)"
 
