@@ -34,6 +34,9 @@ TORCH_LIBRARY(sparsecomm, m) {
   // Decode world_size chunked payloads and add them, in rank order, into the dense bucket.
   m.def("chunk_decode_add(Tensor gathered, int chunk_size, int k_full, int k_last, int index_codec, "
         "int value_codec, Tensor(a!) out, bool zero_out) -> ()");
+  // CRC-32C (Castagnoli) of a 1-D uint8 message (0-d int64 result) or of every row of a 2-D
+  // one (int64 [rows]): the checksum sealing every sparse payload on the wire.
+  m.def("crc32c(Tensor data) -> Tensor");
   // The instruction-set level of the CPU kernels in this process: "default", "avx2" or
   // "avx512" (csrc/README.md, "CPU levels"); raises if SPARSECOMM_CPU_CAPABILITY names a
   // level this CPU or build lacks.

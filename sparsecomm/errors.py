@@ -7,3 +7,7 @@ class SparsecommError(Exception):
 
 class ConservationError(SparsecommError):
     """Error feedback lost or invented gradient mass: ``sent + residual != grad/ws + old_residual``."""
+
+
+class WireIntegrityError(SparsecommError):
+    """A payload received on a sparse wire does not match the checksum its sender sealed it with."""

@@ -14,6 +14,7 @@ import sparsecomm
 from ddp_models import fit_doubling, mlp, rank_data
 from multiprocess import run_on_ranks
 from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.compress.payload_seal import TRAILER_BYTES
 
 
 def _train(rank, world_size, index_codec, value_codec, steps=6):
@@ -89,11 +90,12 @@ def test_bytes_sent_follow_the_layout():
     results = run_on_ranks(_train, "rice", "int2", world_size=2, timeout=180)
     stats = results[0][1]
     last = stats["last_step"]
-    # Small buckets (0.01 MB): every bucket's payload is the ChunkLayout of its size, to the byte.
+    # Small buckets (0.01 MB): every bucket's payload is the ChunkLayout of its size, to the byte,
+    # and its 8-byte seal (wire_checksum).
     last_packed = [(layout, payload) for step, _, layout, payload in results[0][0][0]
                    if layout is not None and step == last["step"]]
     assert len(last_packed) == last["sparse_calls"] > 1
-    assert last["bytes_sent"] == sum(ChunkLayout(layout.numel, 512, 0.02, "rice", "int2").nbytes
+    assert last["bytes_sent"] == sum(ChunkLayout(layout.numel, 512, 0.02, "rice", "int2").nbytes + TRAILER_BYTES
                                      for layout, _ in last_packed)
     assert last["bytes_sent"] < last["bytes_dense"] / 20
 

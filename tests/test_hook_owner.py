@@ -22,6 +22,7 @@ from multiprocess import run_on_ranks
 from sparsecomm import ops
 from sparsecomm.checkpoint import rebuild_buckets
 from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.compress.payload_seal import TRAILER_BYTES
 from sparsecomm.compress.owner_layout import OwnerLayout
 from sparsecomm.hooks.pipeline.owner import fold_foreign
 
@@ -202,12 +203,13 @@ def test_bytes_are_the_layout_sizes_and_do_not_grow_with_ranks():
     owner = run_on_ranks(_bytes_per_step, "owner", world_size=world_size, timeout=240)
     gather = run_on_ranks(_bytes_per_step, "allgather", world_size=world_size, timeout=240)
     layout = OwnerLayout(numel, CHUNK, 0.01, "chunk", "int4", world_size)
-    whole = ChunkLayout(numel, CHUNK, 0.01, "chunk", "int4")
+    whole = ChunkLayout(numel, CHUNK, 0.01, "chunk", "int4").nbytes + TRAILER_BYTES  # every payload sealed
     for rank, (sent, received) in enumerate(owner):
-        mine = layout.part_nbytes[rank]
-        assert sent == layout.nbytes - mine + layout.slot_nbytes
-        assert received == (world_size - 1) * (mine + layout.slot_nbytes)
-    assert all(row == ((whole.nbytes, (world_size - 1) * whole.nbytes)) for row in gather)
+        # p - 1 messages out and in, one reply out and p - 1 in, each with its 8-byte seal.
+        mine, slot = layout.part_nbytes[rank] + TRAILER_BYTES, layout.slot_nbytes + TRAILER_BYTES
+        assert sent == layout.nbytes + (world_size - 1) * TRAILER_BYTES - layout.part_nbytes[rank] + slot
+        assert received == (world_size - 1) * (mine + slot)
+    assert all(row == ((whole, (world_size - 1) * whole)) for row in gather)
     # 512 chunks over 8 owners: each receives 2 x 7/8 of a selection, the all-gather 7 (0.25x).
     assert max(received for _, received in owner) <= 0.26 * gather[0][1]
 

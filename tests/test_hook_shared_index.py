@@ -14,6 +14,7 @@ import sparsecomm
 from ddp_models import final_parameters, fit_sine, mlp, rank_data
 from exact_sums import sum_rounding_misses
 from multiprocess import run_on_ranks
+from sparsecomm.compress.payload_seal import TRAILER_BYTES
 
 
 def _train_and_observe(rank, world_size, selector, index_codec, value_dtype, steps=6):
@@ -121,10 +122,13 @@ def test_bytes_are_one_index_set_and_a_ring_of_values():
     world_size, k = 3, 100  # 1% of 10000
     rows = run_on_ranks(_bytes, world_size=world_size)
     leader = (2 + 0) % world_size  # step 2 (the first after warm-up), bucket 0
-    ring = round(2 * (world_size - 1) * 4 * k / world_size)
+    # The index set is sealed (8 bytes); the values allreduce sums one more element, every
+    # rank's verdict on its copy of the index set (wire_checksum, docs/wire.md).
+    values, index_set = 4 * (k + 1), 4 * k + TRAILER_BYTES
+    ring = round(2 * (world_size - 1) * values / world_size)
     for rank, (sent, received) in enumerate(rows):
-        assert sent == 4 * k + (4 * k if rank == leader else 0)
-        assert received == ring + (0 if rank == leader else 4 * k)
+        assert sent == values + (index_set if rank == leader else 0)
+        assert received == ring + (0 if rank == leader else index_set)
 
 
 @pytest.mark.parametrize("settings,message", [

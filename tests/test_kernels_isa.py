@@ -104,6 +104,15 @@ def _unpack(n, k, world_size, out_dtype, value_dtype, zero_out, seed):
     return run
 
 
+def _crc32c(rows, n, seed):
+    data = torch.randint(0, 256, (rows, n + 11), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    data = data[:, 3 : 3 + n]  # strided rows, unaligned: the 8-byte loads' head and tail
+
+    def run(impl):
+        return [impl.crc32c(data), impl.crc32c(data[0])]
+    return run
+
+
 def _chunk_encode(grad, residual, divisor, add_residual, layout):
     def run(impl):
         r = None if residual is None else residual.clone()
@@ -113,14 +122,15 @@ def _chunk_encode(grad, residual, divisor, add_residual, layout):
     return run
 
 
-def _chunk_decode_add(layout, world_size, seed):
+def _chunk_decode_add(layout, world_size, seed, gap=0):
     rows = []
     for rank in range(world_size):
         grad, residual = _inputs(layout.numel, torch.float32, seed=seed + rank)
-        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-        reference.chunk_encode(grad, residual, 2.0, True, layout, payload)
+        payload = torch.empty(layout.nbytes + gap, dtype=torch.uint8)
+        reference.chunk_encode(grad, residual, 2.0, True, layout, payload[: layout.nbytes])
         rows.append(payload)
-    gathered = torch.cat(rows)
+    # gap > 0: payloads farther apart than their size (sealed, each followed by its trailer).
+    gathered = torch.stack(rows)[:, : layout.nbytes] if gap else torch.cat(rows)
 
     def run(impl):
         out = torch.randn(layout.numel + 1)[1:]
@@ -176,6 +186,10 @@ def cases() -> dict[str, Case]:
                     found[f"chunk_encode {what} residual={r is not None}"] = Case(
                         _chunk_encode(grad, r, divisor, add_residual, layout))
                 found[f"chunk_decode_add {what}"] = Case(_chunk_decode_add(layout, 3, seed=n))
+                if n == 10_003:
+                    found[f"chunk_decode_add {what} sealed rows"] = Case(_chunk_decode_add(layout, 2, seed=n, gap=8))
+    for rows, n in ((1, 0), (3, 7), (2, 1537), (4, 3 * 1536 + 13), (2, 100_003)):
+        found[f"crc32c rows={rows} n={n}"] = Case(_crc32c(rows, n, seed=n))
     return found
 
 

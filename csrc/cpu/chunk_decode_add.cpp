@@ -147,8 +147,8 @@ std::vector<uint64_t>& scratch() {
 }
 
 template <typename T>
-int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, const at::Tensor& out, bool zero_out) {
-  const int64_t rows = gathered.numel() / f.nbytes;
+int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, int64_t rows, int64_t row_stride,
+                        const at::Tensor& out, bool zero_out) {
   const uint8_t* base = gathered.const_data_ptr<uint8_t>();
   T* dst = out.mutable_data_ptr<T>();
   const int64_t chunks_per_run = std::max<int64_t>(1, kRunEntries / f.chunk_size);
@@ -164,7 +164,7 @@ int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, const 
       T* sum = zero_out ? reinterpret_cast<T*>(buffer.data()) : dst + lo;
       if (zero_out) std::memset(static_cast<void*>(sum), 0, (hi - lo) * sizeof(T));  // all-zero bits: +0.0
       for (int64_t row = 0; row < rows; ++row) {
-        for (int64_t c = c0; c < c1; ++c) corrupt[run] += add_chunk<T>(f, base + row * f.nbytes, c, sum, lo);
+        for (int64_t c = c0; c < c1; ++c) corrupt[run] += add_chunk<T>(f, base + row * row_stride, c, sum, lo);
       }
       if (zero_out) stream_copy(dst + lo, sum, (hi - lo) * sizeof(T));
     }
@@ -178,9 +178,10 @@ int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, const 
 
 // Arguments checked by the caller (dispatch/cpu_ops.cpp), which also raises for the
 // corrupt entries counted here.
-int64_t chunk_decode_add(const at::Tensor& gathered, const ChunkFormat& f, const at::Tensor& out, bool zero_out) {
+int64_t chunk_decode_add(const at::Tensor& gathered, const ChunkFormat& f, int64_t rows, int64_t row_stride,
+                         const at::Tensor& out, bool zero_out) {
   return SPARSECOMM_DISPATCH_FLOATING(out.scalar_type(), "chunk_decode_add", T, [&] {
-    return decode_add_impl<T>(gathered, f, out, zero_out);
+    return decode_add_impl<T>(gathered, f, rows, row_stride, out, zero_out);
   });
 }
 

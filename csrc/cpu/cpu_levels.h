@@ -26,5 +26,6 @@
 // The extensions each wider level's code may use, as GCC target names. The run-time check
 // (dispatch/cpu_level.cpp) tests these same names, so a level never runs on a CPU that
 // lacks one of them. AVX-512: F, BW, DQ, VL, what every AVX-512 CPU since Skylake-SP has.
-#define SPARSECOMM_CPU_AVX2_TARGET "avx2,fma,bmi,bmi2,popcnt"
+// SSE4.2 (its crc32 instruction: csrc/cpu/crc32c.cpp) comes with every CPU that has AVX2.
+#define SPARSECOMM_CPU_AVX2_TARGET "avx2,fma,bmi,bmi2,popcnt,sse4.2"
 #define SPARSECOMM_CPU_AVX512_TARGET "avx512f,avx512bw,avx512dq,avx512vl," SPARSECOMM_CPU_AVX2_TARGET

@@ -32,9 +32,12 @@ using UnpackAddKernel = int64_t(const at::Tensor& indices, const at::Tensor& val
 using ChunkEncodeKernel = void(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, float divisor,
                                bool add_residual, const ChunkFormat& f, const at::Tensor& payload,
                                const at::Tensor& indices, const at::Tensor& decoded);
-// Returns how many entries were corrupt (skipped: the caller raises).
-using ChunkDecodeAddKernel = int64_t(const at::Tensor& gathered, const ChunkFormat& f, const at::Tensor& out,
-                                     bool zero_out);
+// Decodes `rows` payloads, `row_stride` bytes apart from the start of gathered. Returns how
+// many entries were corrupt (skipped: the caller raises).
+using ChunkDecodeAddKernel = int64_t(const at::Tensor& gathered, const ChunkFormat& f, int64_t rows,
+                                     int64_t row_stride, const at::Tensor& out, bool zero_out);
+// CRC-32C of every row of data (uint8 [rows, n], contiguous rows) into out (int64 [rows]).
+using Crc32cKernel = void(const at::Tensor& data, const at::Tensor& out);
 
 struct CpuKernels {
   EfTopkPackKernel* ef_topk_pack;
@@ -43,6 +46,7 @@ struct CpuKernels {
   UnpackAddKernel* unpack_add;
   ChunkEncodeKernel* chunk_encode;
   ChunkDecodeAddKernel* chunk_decode_add;
+  Crc32cKernel* crc32c;
 };
 
 #define SPARSECOMM_DECLARE_CPU_KERNELS(LEVEL_NAMESPACE) \
@@ -53,8 +57,10 @@ struct CpuKernels {
   UnpackAddKernel unpack_add;                           \
   ChunkEncodeKernel chunk_encode;                       \
   ChunkDecodeAddKernel chunk_decode_add;                \
+  Crc32cKernel crc32c;                                  \
   inline CpuKernels kernels() {                         \
-    return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add, &chunk_encode, &chunk_decode_add}; \
+    return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add, &chunk_encode, &chunk_decode_add, \
+            &crc32c};                                   \
   }                                                     \
   }
 

@@ -52,7 +52,8 @@ __device__ __forceinline__ float value_at(const ChunkFormat& f, const uint8_t* v
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) chunk_decode_add_kernel(const uint8_t* __restrict__ gathered,
-                                                                    int64_t rows, const ChunkFormat f, T* out,
+                                                                    int64_t rows, int64_t row_stride,
+                                                                    const ChunkFormat f, T* out,
                                                                     bool zero_out) {
   __shared__ int32_t batch[kWarps][kBatch];
   const uint32_t lane = lane_id(), warp = warp_id();
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) chunk_decode_add_kernel(const uint8_
     }
     __syncwarp();
     for (int64_t row = 0; row < rows; ++row) {
-      const uint8_t* payload = gathered + row * f.nbytes;
+      const uint8_t* payload = gathered + row * row_stride;
       const uint8_t* index_region = payload + f.index_start;
       const uint8_t* value_region = payload + f.value_start;
       float scale = 0.0f;
@@ -151,7 +152,8 @@ void chunk_decode_add_cuda(const at::Tensor& gathered, int64_t chunk_size, int64
               "chunk_decode_add: dtype must be float32, bfloat16 or float16, got ", out.scalar_type());
 
   const c10::cuda::CUDAGuard device_guard(out.device());
-  const int64_t rows = gathered.numel() / f.nbytes;
+  const PayloadRows payloads = payload_rows(gathered, f);  // no structured binding: the lambda below uses them
+  const int64_t rows = payloads.rows, row_stride = payloads.stride;
   if (rows == 0 && !zero_out) return;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t blocks = ceil_div(f.chunks, kWarps);
@@ -159,7 +161,8 @@ void chunk_decode_add_cuda(const at::Tensor& gathered, int64_t chunk_size, int64
   const uint8_t* base = rows > 0 ? gathered.const_data_ptr<uint8_t>() : nullptr;
   dispatch_float_dtype(out.scalar_type(), "chunk_decode_add", "out", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    chunk_decode_add_kernel<T><<<grid, kThreads, 0, stream>>>(base, rows, f, out.mutable_data_ptr<T>(), zero_out);
+    chunk_decode_add_kernel<T><<<grid, kThreads, 0, stream>>>(base, rows, row_stride, f, out.mutable_data_ptr<T>(),
+                                                                zero_out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -121,9 +121,13 @@ class ChunkLayout:
                 value_codecs.decode(self.value_codec, scales, value_region, self.group_of_entry(payload.device)))
 
     def views(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int32 indices, values), each [rows, capacity], of back-to-back payloads: decoded
-        copies, in the form the scatter-add (``unpack_add``) takes."""
-        rows = [self.decode(row) for row in gathered.view(-1, self.nbytes)]
+        """(int32 indices, values), each [rows, capacity], of the payloads of ``gathered``
+        (:func:`payload_rows`): decoded copies, in the form the scatter-add (``unpack_add``) takes."""
+        payloads = payload_rows(gathered, self)
+        if payloads is None:
+            raise ValueError(f"gathered must be uint8 payloads of {self.nbytes} bytes, back to back or one per row, "
+                             f"got {gathered.dtype} {tuple(gathered.shape)} (strides {gathered.stride()})")
+        rows = [self.decode(row) for row in payloads]
         return torch.stack([r[0] for r in rows]).to(torch.int32), torch.stack([r[1] for r in rows])
 
     def values_copy(self, payload: torch.Tensor) -> torch.Tensor:
@@ -135,3 +139,16 @@ class ChunkLayout:
         if not 0 <= position < self.capacity:
             raise IndexError(f"payload position {position} outside a payload of capacity {self.capacity}")
         return self.scale_bytes + self.index_bytes + position * value_codecs.value_bits(self.value_codec) // 8
+
+
+def payload_rows(gathered: torch.Tensor, layout) -> torch.Tensor | None:
+    """The payloads of ``gathered`` as a [rows, layout.nbytes] view: back to back (1-D), or
+    one per row of a 2-D tensor whose rows may lie farther apart (payloads sealed for the
+    wire, each followed by its checksum: ``compress.payload_seal``); None if it is neither."""
+    nbytes = layout.nbytes
+    if gathered.dim() == 1 and gathered.is_contiguous() and gathered.numel() % nbytes == 0:
+        return gathered.view(-1, nbytes)
+    if (gathered.dim() == 2 and gathered.shape[1] == nbytes and gathered.stride(1) == 1
+            and (gathered.shape[0] <= 1 or gathered.stride(0) >= nbytes)):
+        return gathered
+    return None

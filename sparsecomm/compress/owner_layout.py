@@ -18,7 +18,8 @@ What this rank sends is the concatenation ``[payload for owner 0 | owner 1 | ...
 class reads and writes it with the interface of ``ChunkLayout`` (encode, decode, values,
 byte offsets), so the monitors and the audit read it like any other payload. The owners'
 results, which come back by one all-gather, use the same per-range layouts, each padded
-to the largest (``slot_nbytes``).
+to the largest (``slot_nbytes``). With ``trailer`` > 0 every message, and every slot, is
+followed by that many bytes that seal it (``wire_checksum``: ``compress.payload_seal``).
 """
 import dataclasses
 import functools
@@ -41,6 +42,7 @@ class OwnerLayout:
     index_codec: str
     value_codec: str
     world_size: int
+    trailer: int = 0  # bytes sealing each message and each reply slot (0: not sealed)
 
     # ----- the split -------------------------------------------------------------------
 
@@ -73,21 +75,28 @@ class OwnerLayout:
 
     @functools.cached_property
     def part_nbytes(self) -> tuple[int, ...]:
-        """Bytes of the message for each owner (the ``all_to_all_single`` split sizes)."""
+        """Bytes of the payload of the message for each owner."""
         return tuple(part.nbytes if part is not None else 0 for part in self.parts)
+
+    @functools.cached_property
+    def message_nbytes(self) -> tuple[int, ...]:
+        """Bytes of the message for each owner, its trailer included (the ``all_to_all_single``
+        split sizes); 0 for an owner of nothing."""
+        return tuple(nbytes + self.trailer if nbytes else 0 for nbytes in self.part_nbytes)
 
     @functools.cached_property
     def part_offsets(self) -> tuple[int, ...]:
         offsets, total = [], 0
-        for nbytes in self.part_nbytes:
+        for nbytes in self.message_nbytes:
             offsets.append(total)
             total += nbytes
         return tuple(offsets)
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes of one owner's slot in the all-gather of the results: the largest part."""
-        return max(self.part_nbytes)
+        """Bytes of one owner's slot in the all-gather of the results: the largest part, then
+        the trailer."""
+        return max(self.part_nbytes) + self.trailer
 
     def sections(self):
         """(owner, its ChunkLayout, its slice of the bucket) of every owner holding a range."""
@@ -101,11 +110,16 @@ class OwnerLayout:
         offset = self.part_offsets[owner]
         return payload[offset : offset + self.part_nbytes[owner]]
 
+    def message_of(self, payload: torch.Tensor, owner: int) -> torch.Tensor:
+        """The message for ``owner`` in ``payload``: its part, then its trailer."""
+        offset = self.part_offsets[owner]
+        return payload[offset : offset + self.message_nbytes[owner]]
+
     # ----- the ChunkLayout interface of the whole send buffer ------------------------------
 
     @property
     def nbytes(self) -> int:
-        return sum(self.part_nbytes)
+        return sum(self.message_nbytes)
 
     @property
     def capacity(self) -> int:

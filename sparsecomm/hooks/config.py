@@ -60,6 +60,9 @@ class TopKConfig:
     # How the sparse payloads travel: every rank's to every rank, or through range owners.
     exchange: str = "allgather"
     link: str | None = None  # exchange="auto": the link it models, e.g. "1gbit@50us" (None: 10gbit@50us)
+    # A CRC-32C sealing every payload of the sparse all-gathers, owner messages and index
+    # broadcasts, checked by every receiver before it decodes anything (off: the opt-out).
+    wire_checksum: bool = True
 
     @classmethod
     def build(cls, *, density_schedule=None, **settings) -> "TopKConfig":
@@ -96,6 +99,7 @@ class TopKConfig:
             value_codec=value_codec,
             exchange=check_choice("exchange", s.get("exchange", cls.exchange), EXCHANGE_CHOICES),
             link=_check_link(s.get("link")),
+            wire_checksum=check_bool("wire_checksum", s.get("wire_checksum", cls.wire_checksum)),
         )
         config._check_combinations()
         return config
@@ -169,6 +173,7 @@ class TopKConfig:
                if self.selector == "chunk" or self.compact_wire else {}),
             **({"exchange": self.exchange} if self.exchange != TopKConfig.exchange else {}),
             **({"link": self.link} if self.link is not None else {}),
+            # Not wire_checksum: it changes what travels, not what the memories hold.
         }
 
     def memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:

@@ -61,6 +61,7 @@ def _fields(state) -> list[tuple[str, float]]:
         ("value_codec", choice("value_codec", config.value_codec)),
         ("exchange", choice("exchange", config.exchange)),
         ("link", float(zlib.crc32(repr(config.link).encode()))),
+        ("wire_checksum", float(config.wire_checksum)),
         ("step", float(state.step)),
     ]
 

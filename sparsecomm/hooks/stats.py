@@ -18,6 +18,7 @@ COUNTERS = (
     "bytes_received",  # bytes of other ranks' data this rank took in (see TopKState.stats)
     "seconds_select_pack",  # host time: error feedback + selection + packing
     "seconds_unpack",  # host time: scatter-add of the gathered payloads
+    "seconds_wire_checksum",  # host time checking received payloads (wire_checksum; sealing: in select_pack)
     "seconds_count_exchange",  # host time blocked exchanging payload sizes (transport="mpi", sampled)
     "allgather_calls",  # sparse calls whose payloads were all-gathered (every selector but random-k)
     "owner_calls",  # sparse calls that went through range owners (exchange="owner")

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.conservation import ConservationAudit
-from sparsecomm.hooks.pipeline import acc, decode, dense, exchange, owner, plan, record, select_encode, shared_index
+from sparsecomm.hooks.pipeline import (acc, decode, dense, exchange, integrity, owner, plan, record, select_encode,
+                                      shared_index)
 from sparsecomm.hooks.topk_state import (  # noqa: F401  (TopKState and the constants are re-exported)
     K_SCOPES,
     MAX_BUCKET_NUMEL,
@@ -102,11 +103,11 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     def deliver(done: torch.futures.Future) -> torch.Tensor:
         try:
-            reduced = done.value()  # re-raises a failed collective
+            reduced = done.value()  # re-raises a failed collective, or a refused payload
         finally:
             state._pending -= 1
-        if state._pending == 0 and not state._step_open:
-            state._close_step_view()
+            if state._pending == 0 and not state._step_open:
+                state._close_step_view()  # a failed step's counters are its own too
         state._emit("reduced", bucket, names, numels, is_dense, step=step, reduced=reduced)
         return reduced
 
@@ -139,17 +140,19 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
              else acc.fused(state) and (config.selector == "exact" or variable))
     if not fused:
         acc.compensate(call, velocity, residual)
-    # 3. select + encode.
+    # 3. select + encode, then seal (wire_checksum: the checksum covers what the encoder wrote).
     if config.selector == "random":
-        packed = select_encode.random_values(call, residual)
+        packed = select_encode.random_values(call, residual)  # allreduced: a sum carries no checksum
     else:
-        payload, gathered = state._wire_buffers(call.index, call.layout, call.world_size, call.out.device)
+        buffer, gathered = state._wire_buffers(call.index, call.layout, call.world_size, call.out.device)
+        payload = buffer[: call.layout.nbytes]
         if variable:
             packed = select_encode.variable_payload(call, residual, fused, payload, gathered)
         elif chunked:
             packed = select_encode.chunk_payload(call, residual, fused, payload)
         else:
             packed = select_encode.fixed_payload(call, residual, fused, payload)
+        packed.seal(buffer, integrity.trailer_bytes(config))
     # 4. memories and records.
     record.after_packing(call, packed, velocity, residual, audit)
     record.count_sparse_call(call, packed, 0, started)
@@ -189,14 +192,14 @@ def _reduce_on_shared_indices(call: plan.BucketCall, velocity, residual, audit, 
     """Steps 2-6 with ``exchange="shared-index"`` (:mod:`sparsecomm.hooks.pipeline.shared_index`)."""
     state = call.state
     acc.compensate(call, velocity, residual)
-    indices, index_bytes, led = shared_index.shared_indices(call, state.current_density())
-    packed = select_encode.shared_values(call, residual, indices)
+    indices, index_bytes, led, verdict = shared_index.shared_indices(call, state.current_density())
+    packed = shared_index.with_verdict(select_encode.shared_values(call, residual, indices), verdict)
     record.after_packing(call, packed, velocity, residual, audit)
     record.count_sparse_call(call, packed, 0, started)
     fut, received = exchange.allreduce_values(call, packed)
     state._count(shared_index_calls=1, bytes_received=received + (0 if led else index_bytes),
                  bytes_sent=index_bytes if led else 0)
-    return fut.then(decode.scatter_values(call, packed.indices))
+    return fut.then(shared_index.accumulate(call, packed.indices, verdict is not None))
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future:

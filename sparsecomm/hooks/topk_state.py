@@ -12,6 +12,7 @@ from sparsecomm.hooks.events import HookEvent
 from sparsecomm.hooks.grad_scaler import ScaleTracker
 from sparsecomm.hooks.optimizer import warn_on_double_momentum
 from sparsecomm.hooks.parameter_memory import ParameterMemory
+from sparsecomm.hooks.pipeline.integrity import trailer_bytes
 from sparsecomm.hooks.rank_agreement import check_ranks_agree
 from sparsecomm.hooks.state_persistence import STATE_DICT_FORMAT, PersistentState  # noqa: F401  (re-exported)
 from sparsecomm.hooks.stats import HookStats
@@ -121,6 +122,22 @@ class TopKState(PersistentState):
        allow (and dense), modelled on ``link`` (e.g. ``"1gbit@50us"``; default
        ``"10gbit@50us"``) by the alpha-beta cost model; ``stats()`` counts each
        (``allgather_calls``, ``owner_calls``, ``shared_index_calls``, ``fallback_calls``).
+    12. ``wire_checksum`` (default True): every payload this rank puts on a sparse wire (the
+       all-gather, chunked and compact payloads included; both legs of the owner exchange;
+       the MPI all-gathers; the shared-index leader's index broadcast) is sealed with a
+       CRC-32C right after encoding, and every receiver checks every payload it received,
+       its own copy too, before decoding any of them into the bucket. A payload whose bytes
+       changed on the way or in memory raises :class:`~sparsecomm.WireIntegrityError` (DDP
+       re-raises it from ``backward()`` as a RuntimeError with the same message), naming
+       the step, the bucket and the sender, before the optimizer step: no parameter changes,
+       and with ``on_overflow="rollback"`` the hook's memories go back to before the step.
+       After an all-gather every rank holds the same bytes, so a payload corrupted at its
+       sender makes every rank raise the same error; one corrupted on its way to some
+       receivers only makes those raise (docs/wire.md, "Integrity"). Costs 8 bytes per
+       payload and a CRC pass over the bytes sent and received (the check:
+       ``stats()["seconds_wire_checksum"]``).
+       Allreduced values (random-k, the shared-index exchange's values, dense steps) are
+       sums, which no per-payload checksum survives: they carry none. ``False`` opts out.
 
     At its first call the hook checks, with one small all-gather over the group, that
     every rank runs it with the same settings and at the same step, and raises the same
@@ -220,6 +237,7 @@ class TopKState(PersistentState):
         value_codec: str | None = None,
         exchange: str = "allgather",
         link: str | None = None,
+        wire_checksum: bool = True,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -234,7 +252,7 @@ class TopKState(PersistentState):
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
-            link=link,
+            link=link, wire_checksum=wire_checksum,
         )
         self.process_group = process_group
         self.step = 0
@@ -567,12 +585,15 @@ class TopKState(PersistentState):
         return wide
 
     def _wire_buffers(self, bucket_index: int, layout, world_size: int, device):
-        """Payload and gather buffers for a bucket, allocated once per payload layout."""
+        """(payload, gather buffer) of a bucket, allocated once per payload layout. The payload
+        buffer has room for the layout's bytes and the checksum's trailer after them
+        (``wire_checksum``); the gather buffer for world_size of those."""
         cached = self._buffers.get(bucket_index)
         if cached is not None and cached[0] == layout and cached[1].device == device:
             return cached[1], cached[2]
-        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        gathered = torch.empty(world_size * layout.nbytes, dtype=torch.uint8, device=device)
+        nbytes = layout.nbytes + trailer_bytes(self.config)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        gathered = torch.empty(world_size * nbytes, dtype=torch.uint8, device=device)
         self._buffers[bucket_index] = (layout, payload, gathered)
         return payload, gathered
 

@@ -157,6 +157,15 @@ def chunk_decode_add(gathered: torch.Tensor, layout, out: torch.Tensor, zero_out
     _chunk_implementation("chunk_decode_add", out, layout)(gathered, layout, out, zero_out)
 
 
+def crc32c(data: torch.Tensor) -> torch.Tensor:
+    """Dispatching :func:`sparsecomm.ops.reference.crc32c`: the native kernel on CPU, the
+    pure-torch twin elsewhere (GPUs have no crc32c kernel: the twin is their path, not a
+    fallback, so it runs without a warning)."""
+    if data.device.type != "cpu":
+        return _KERNELS.get(("crc32c", data.device.type), reference.crc32c)(data)
+    return implementation("crc32c", "cpu")(data)
+
+
 def payload_views(payload: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 indices, values) views of one payload, or ``[world_size, k]`` views of a gathered buffer."""
     return PayloadLayout(k, value_dtype).views(payload)

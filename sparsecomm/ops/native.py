@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add", "chunk_encode", "chunk_decode_add")
+OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add", "chunk_encode", "chunk_decode_add",
+       "crc32c")
 KERNELS_ENV = "SPARSECOMM_KERNELS"
 KERNEL_CHOICES = ("auto", "native", "triton", "reference")
 CPU_CAPABILITY_ENV = "SPARSECOMM_CPU_CAPABILITY"
@@ -87,6 +88,10 @@ def _register_fakes() -> None:
     def _(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out, zero_out):
         return None
 
+    @torch.library.register_fake("sparsecomm::crc32c")
+    def _(data):
+        return data.new_empty(data.shape[:-1], dtype=torch.int64)
+
 
 # Codec ids of the chunk ops: positions in INDEX_CODECS and VALUE_CODECS (csrc/README.md).
 _DECODED_DTYPES = {1: torch.bfloat16, 2: torch.float16}  # value codec id -> decoded dtype (else float32)
@@ -141,8 +146,13 @@ def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
 
 
 def chunk_decode_add(gathered, layout, out, zero_out=True) -> None:
-    """Decode the back-to-back payloads of ``gathered`` and add them into ``out`` in row order."""
+    """Decode the payloads of ``gathered`` (back to back, or one per row) and add them into ``out`` in row order."""
     _ops().chunk_decode_add(gathered, *_chunk_geometry(layout), out, zero_out)
+
+
+def crc32c(data):
+    """CRC-32C of a 1-D uint8 message (0-d int64) or of every row of a 2-D one (int64 [rows])."""
+    return _ops().crc32c(data)
 
 
 # The CPU kernels' instruction-set level (csrc/README.md, "CPU levels").

@@ -11,6 +11,7 @@ sees the overflow), and leave +0 in the residual whether they were sent or not: 
 """
 import torch
 
+from sparsecomm.compress.crc32c import crc32c  # noqa: F401  (the twin of the native crc32c)
 from sparsecomm.compress.error_feedback import divide_, to_wire_dtype
 
 _KEY_MASK = 0x7FFFFFFF
@@ -138,7 +139,8 @@ def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
 
 
 def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
-    """Decode every payload of ``gathered`` (rows of ``layout.nbytes``) and add them into
-    ``out`` in row (rank) order."""
+    """Decode every payload of ``gathered`` (back to back, or one per row:
+    :func:`~sparsecomm.compress.chunk_layout.payload_rows`) and add them into ``out`` in row
+    (rank) order."""
     indices, values = layout.views(gathered)
     unpack_add(indices, values, out, zero_out)

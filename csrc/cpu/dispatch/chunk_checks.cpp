@@ -50,11 +50,22 @@ ChunkFormat check_chunk_decode_add(const at::Tensor& gathered, int64_t chunk_siz
   TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "chunk_decode_add: out must be a contiguous 1-D tensor");
   const ChunkFormat f = chunk_format("chunk_decode_add", out.numel(), chunk_size, k_full, k_last, index_codec,
                                      value_codec);
-  TORCH_CHECK(gathered.is_contiguous() && gathered.scalar_type() == at::kByte && gathered.numel() % f.nbytes == 0,
-              "chunk_decode_add: gathered must be contiguous uint8 of world_size x ", f.nbytes, " bytes, got ",
-              gathered.scalar_type(), " ", gathered.sizes());
+  // Back to back (1-D), or one payload per row of a 2-D tensor whose rows may lie farther
+  // apart (sealed payloads: sparsecomm/compress/payload_seal.py).
+  const bool back_to_back = gathered.dim() == 1 && gathered.is_contiguous() && gathered.numel() % f.nbytes == 0;
+  const bool strided_rows = gathered.dim() == 2 && gathered.size(1) == f.nbytes && gathered.stride(1) == 1 &&
+                            (gathered.size(0) <= 1 || gathered.stride(0) >= f.nbytes);
+  TORCH_CHECK(gathered.scalar_type() == at::kByte && (back_to_back || strided_rows),
+              "chunk_decode_add: gathered must be contiguous uint8 of world_size x ", f.nbytes,
+              " bytes, or uint8 [world_size, ", f.nbytes, "] rows, got ", gathered.scalar_type(), " ",
+              gathered.sizes(), " (strides ", gathered.strides(), ")");
   TORCH_CHECK(gathered.device() == out.device(), "chunk_decode_add: gathered and out must be on one device");
   return f;
+}
+
+PayloadRows payload_rows(const at::Tensor& gathered, const ChunkFormat& f) {
+  if (gathered.dim() == 2) return {gathered.size(0), gathered.stride(0)};
+  return {gathered.numel() / f.nbytes, f.nbytes};
 }
 
 at::ScalarType chunk_decoded_dtype(int64_t value_codec) {

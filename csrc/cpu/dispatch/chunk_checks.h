@@ -18,9 +18,16 @@ ChunkFormat check_chunk_encode(const at::Tensor& grad, const std::optional<at::T
                                int64_t index_codec, int64_t value_codec, const at::Tensor& payload);
 
 // chunk_decode_add(gathered, geometry, out): out a contiguous 1-D tensor, gathered whole
-// payloads of the format (uint8) on out's device. Returns the format.
+// payloads of the format (uint8) on out's device: back to back (1-D), or one per row of a
+// 2-D tensor whose rows may lie farther apart (sealed payloads). Returns the format.
 ChunkFormat check_chunk_decode_add(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
                                    int64_t index_codec, int64_t value_codec, const at::Tensor& out);
+
+// The payloads of a checked gathered: how many, and the bytes from one's start to the next's.
+struct PayloadRows {
+  int64_t rows, stride;
+};
+PayloadRows payload_rows(const at::Tensor& gathered, const ChunkFormat& f);
 
 // The dtype of the decoded values chunk_encode returns: the float codec's, float32 otherwise.
 at::ScalarType chunk_decoded_dtype(int64_t value_codec);

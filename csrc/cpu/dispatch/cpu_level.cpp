@@ -24,6 +24,7 @@ bool cpu_has(std::string_view feature) {
   if (feature == "bmi") return __builtin_cpu_supports("bmi");
   if (feature == "bmi2") return __builtin_cpu_supports("bmi2");
   if (feature == "popcnt") return __builtin_cpu_supports("popcnt");
+  if (feature == "sse4.2") return __builtin_cpu_supports("sse4.2");
   if (feature == "avx512f") return __builtin_cpu_supports("avx512f");
   if (feature == "avx512bw") return __builtin_cpu_supports("avx512bw");
   if (feature == "avx512dq") return __builtin_cpu_supports("avx512dq");

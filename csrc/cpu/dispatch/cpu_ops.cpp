@@ -132,9 +132,21 @@ std::tuple<at::Tensor, at::Tensor> chunk_encode_cpu(const at::Tensor& grad, cons
 void chunk_decode_add_cpu(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
                           int64_t index_codec, int64_t value_codec, const at::Tensor& out, bool zero_out) {
   const ChunkFormat f = check_chunk_decode_add(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out);
-  const int64_t corrupt = kernels().chunk_decode_add(gathered, f, out, zero_out);
+  const PayloadRows payloads = payload_rows(gathered, f);
+  const int64_t corrupt = kernels().chunk_decode_add(gathered, f, payloads.rows, payloads.stride, out, zero_out);
   TORCH_CHECK(corrupt == 0, "chunk_decode_add: ", corrupt,
               " entries decode to positions outside their chunk: corrupt payload");
+}
+
+at::Tensor crc32c_cpu(const at::Tensor& data) {
+  TORCH_CHECK(data.scalar_type() == at::kByte && (data.dim() == 1 || data.dim() == 2),
+              "crc32c: data must be a 1-D or 2-D uint8 tensor, got ", data.scalar_type(), " ", data.sizes());
+  const at::Tensor rows = data.dim() == 1 ? data.reshape({1, data.numel()}) : data;
+  TORCH_CHECK(rows.size(1) <= 1 || rows.stride(1) == 1, "crc32c: each row of data must be contiguous");
+  TORCH_CHECK(rows.size(0) <= 1 || rows.stride(0) >= rows.size(1), "crc32c: rows of data may not overlap");
+  at::Tensor out = at::empty({rows.size(0)}, data.options().dtype(at::kLong));
+  kernels().crc32c(rows, out);
+  return data.dim() == 1 ? out.reshape({}) : out;
 }
 
 }  // namespace
@@ -146,6 +158,7 @@ TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
   m.impl("unpack_add", &unpack_add_cpu);
   m.impl("chunk_encode", &chunk_encode_cpu);
   m.impl("chunk_decode_add", &chunk_decode_add_cpu);
+  m.impl("crc32c", &crc32c_cpu);
 }
 
 }  // namespace sparsecomm

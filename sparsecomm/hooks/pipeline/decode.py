@@ -13,15 +13,23 @@ from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.owner_layout import OwnerLayout
+from sparsecomm.hooks.pipeline import integrity
 
 
 def fixed(call, layout: PayloadLayout | ChunkLayout):
-    """The callback of a fixed-size all-gather: scatter-add every payload into the bucket."""
-    state = call.state
+    """The callback of a fixed-size all-gather: check every sealed payload (``wire_checksum``),
+    then scatter-add every payload into the bucket."""
+    state, step, trailer = call.state, call.state.step, integrity.trailer_bytes(call.state.config)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
-        started = time.perf_counter()
         gathered = fut.value()
+        if trailer:  # rows of [payload | trailer]: all checked before any is decoded
+            started = time.perf_counter()
+            rows = gathered.view(call.world_size, layout.nbytes + trailer)
+            integrity.check_received(call, rows, step)
+            gathered = rows[:, : layout.nbytes]
+            state._count(seconds_wire_checksum=time.perf_counter() - started)
+        started = time.perf_counter()
         if isinstance(layout, ChunkLayout):
             ops.dispatch.chunk_decode_add(gathered, layout, call.out, True)
             state._count(seconds_unpack=time.perf_counter() - started)
@@ -39,15 +47,27 @@ def fixed(call, layout: PayloadLayout | ChunkLayout):
 
 
 def variable(call, counts, value_dtype):
-    """The callback of the variable-size MPI all-gather."""
-    state = call.state
+    """The callback of the variable-size MPI all-gather: check every sealed payload
+    (``wire_checksum``), then add them."""
+    state, step, trailer = call.state, call.state.step, integrity.trailer_bytes(call.state.config)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
+        if trailer:
+            started = time.perf_counter()
+            bad, offset = [], 0
+            for rank, m in enumerate(counts):  # payloads of different sizes: one check each
+                sealed = PayloadLayout(m, value_dtype).nbytes + trailer
+                if integrity.bad_rows(fut.value()[offset : offset + sealed].view(1, -1)):
+                    bad.append(rank)
+                offset += sealed
+            if bad:
+                integrity.fail_payloads(call, step, bad)
+            state._count(seconds_wire_checksum=time.perf_counter() - started)
         started = time.perf_counter()
-        out = unpack_variable(fut.value(), counts, call.out, value_dtype)
+        out = unpack_variable(fut.value(), counts, call.out, value_dtype, trailer)
         state._count(seconds_unpack=time.perf_counter() - started)
         if state._journal is not None:
-            _note(state, out, variable_indices(fut.value(), counts, value_dtype))
+            _note(state, out, variable_indices(fut.value(), counts, value_dtype, trailer))
         return out
 
     return accumulate
@@ -58,7 +78,7 @@ def scatter_values(call, indices):
     state = call.state
 
     def scatter(fut: torch.futures.Future) -> torch.Tensor:
-        reduced = fut.value()
+        reduced = fut.value()[: indices.numel()]  # (the shared-index exchange may sum one more element)
         if state._journal is not None:
             state._journal.note_reduced(~torch.isfinite(reduced).all())
         call.out.zero_()
@@ -72,8 +92,10 @@ def _note(state, out: torch.Tensor, index_rows: torch.Tensor) -> None:
     state._journal.note_reduced(~torch.isfinite(out.index_select(0, index_rows.reshape(-1).long())).all())
 
 
-def unpack_variable(gathered: torch.Tensor, counts, out: torch.Tensor, value_dtype) -> torch.Tensor:
-    """Overwrite ``out`` with the sum of back-to-back payloads of ``counts[r]`` entries, in rank order."""
+def unpack_variable(gathered: torch.Tensor, counts, out: torch.Tensor, value_dtype,
+                    trailer: int = 0) -> torch.Tensor:
+    """Overwrite ``out`` with the sum of back-to-back payloads of ``counts[r]`` entries (each
+    followed by ``trailer`` bytes), in rank order."""
     out.zero_()
     offset = 0
     for m in counts:
@@ -81,18 +103,18 @@ def unpack_variable(gathered: torch.Tensor, counts, out: torch.Tensor, value_dty
         if m:  # onto zeros in rank order: the same additions as the fixed-size unpack
             indices, values = layout.views(gathered[offset : offset + layout.nbytes])
             ops.unpack_add(indices, values, out, False)
-        offset += layout.nbytes
+        offset += layout.nbytes + trailer
     return out
 
 
-def variable_indices(gathered: torch.Tensor, counts, value_dtype) -> torch.Tensor:
+def variable_indices(gathered: torch.Tensor, counts, value_dtype, trailer: int = 0) -> torch.Tensor:
     """Every index in back-to-back variable payloads (for the finiteness check)."""
     parts, offset = [torch.zeros(1, dtype=torch.int32, device=gathered.device)], 0
     for m in counts:
         layout = PayloadLayout(m, value_dtype)
         if m:
             parts.append(layout.payload_views(gathered[offset : offset + layout.nbytes])[0])
-        offset += layout.nbytes
+        offset += layout.nbytes + trailer
     return torch.cat(parts)
 
 

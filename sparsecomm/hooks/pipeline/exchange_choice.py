@@ -18,6 +18,7 @@ selection), so compare them on quality with the runner before trusting ``auto``.
 """
 from sparsecomm.comm import link_model
 from sparsecomm.hooks.pipeline import shared_index
+from sparsecomm.hooks.pipeline.integrity import trailer_bytes
 from sparsecomm.hooks.pipeline.layouts import payload_layout
 from sparsecomm.links.spec import parse_link
 
@@ -42,7 +43,7 @@ def modelled_seconds(config, numel: int, density: float, buffer_dtype, value_dty
     costs = {}
     for exchange in candidates(config):
         if exchange == "allgather":
-            payload = payload_layout(config, density, numel, k, value_dtype, p, exchange).nbytes
+            payload = payload_layout(config, density, numel, k, value_dtype, p, exchange).nbytes + trailer_bytes(config)
             costs[exchange] = link_model.ring_allgather_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha)
         elif exchange == "owner":
             layout = payload_layout(config, density, numel, k, value_dtype, p, exchange)

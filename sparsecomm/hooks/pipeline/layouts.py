@@ -11,6 +11,7 @@ from sparsecomm.compress.layout import PayloadLayout
 # in index order): a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
 from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP, OwnerLayout
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
+from sparsecomm.hooks.pipeline.integrity import trailer_bytes
 
 
 def payload_layout(config, density: float, numel: int, k: int, value_dtype: torch.dtype, world_size: int = 1,
@@ -28,7 +29,7 @@ def payload_layout(config, density: float, numel: int, k: int, value_dtype: torc
     value_codec = config.value_codec or codec_of_dtype(value_dtype)
     if exchange == "owner":  # chunk_size 0: exact top-k inside each owner's range
         return OwnerLayout(numel, config.chunk_size if config.selector == "chunk" else 0, density,
-                           config.index_codec, value_codec, world_size)
+                           config.index_codec, value_codec, world_size, trailer_bytes(config))
     if config.selector == "chunk":
         return ChunkLayout(numel, config.chunk_size, density, config.index_codec, value_codec)
     # Exact top-k on the compact wire: the whole bucket is one chunk; scales per EXACT_SCALE_GROUP entries.

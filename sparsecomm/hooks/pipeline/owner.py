@@ -19,6 +19,11 @@ Every rank owns a contiguous range of the bucket's chunks (``compress.owner_layo
    Future's callback every rank decodes every owner's reply into its range of the bucket.
    Every rank decodes the same bytes, so replicas stay bit-identical.
 
+With ``wire_checksum`` every message and every reply is sealed (``integrity``). An owner
+checks the p messages it received before it decodes any; if one fails, it neither sums nor
+touches its owner residual, and says so in its reply's status: every rank reads every
+reply, so every rank raises the same error, naming the owner and the sender.
+
 Per rank and bucket that is about k entries sent and 2 k (p-1)/p received, whatever p is
 (the all-gather receives (p-1) k).
 
@@ -36,7 +41,9 @@ import torch
 
 from sparsecomm import ops
 from sparsecomm.comm.collectives import all_to_all_bytes, allgather_future
+from sparsecomm.compress import payload_seal
 from sparsecomm.hooks.conservation import check_owner_conservation
+from sparsecomm.hooks.pipeline import integrity
 from sparsecomm.hooks.pipeline.select_encode import Packed
 
 
@@ -47,7 +54,7 @@ class OwnerBuffers:
 
     def __init__(self, layout, rank: int, memory_dtype: torch.dtype, device):
         self.layout = layout
-        mine = layout.part_nbytes[rank]
+        mine = layout.message_nbytes[rank]
         self.send = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         self.received = torch.empty(layout.world_size * mine, dtype=torch.uint8, device=device)
         self.total = torch.empty(layout.ranges[rank][1], dtype=memory_dtype, device=device)
@@ -93,12 +100,16 @@ def fold_foreign(memory: torch.Tensor, residual: torch.Tensor, owned: tuple[int,
 
 
 def encode(call, residual, fused: bool, send: torch.Tensor) -> Packed:
-    """Step 1: every owner's range of acc into its message (see ``chunk_payload``)."""
+    """Step 1: every owner's range of acc into its message (see ``chunk_payload``), each
+    message sealed as soon as it is written (``wire_checksum``)."""
     layout = call.layout
     divisor, add_residual = (float(call.world_size), residual is not None) if fused else (1.0, False)
-    parts = [ops.dispatch.chunk_encode(call.grad[section], None if residual is None else residual[section],
-                                       divisor, add_residual, part, layout.part_of(send, owner))
-             for owner, part, section in layout.sections()]
+    parts = []
+    for owner, part, section in layout.sections():
+        parts.append(ops.dispatch.chunk_encode(call.grad[section], None if residual is None else residual[section],
+                                               divisor, add_residual, part, layout.part_of(send, owner)))
+        if layout.trailer:
+            integrity.seal(layout.message_of(send, owner))
     return Packed(send, layout, *layout.joined(parts), fused)
 
 
@@ -107,49 +118,64 @@ def exchange(call, packed: Packed, bufs: OwnerBuffers, owner_memory: torch.Tenso
     received); counts the owner's own select + encode time."""
     state, layout = call.state, call.layout
     rank = state._rank_and_world_size()[0]
-    mine, slot = layout.part_nbytes[rank], layout.slot_nbytes
+    mine, message, slot = layout.part_nbytes[rank], layout.message_nbytes[rank], layout.slot_nbytes
     started = time.perf_counter()
     mpi = state._mpi if state.config.transport == "mpi" else None
     if mpi is not None:  # the same bytes as c10d, so the same result bit for bit
-        mpi.alltoallv(packed.send, bufs.received, layout.part_nbytes, [mine] * layout.world_size)
+        mpi.alltoallv(packed.send, bufs.received, layout.message_nbytes, [message] * layout.world_size)
     else:
-        all_to_all_bytes(bufs.received, packed.send, layout.part_nbytes, [mine] * layout.world_size, call.group)
+        all_to_all_bytes(bufs.received, packed.send, layout.message_nbytes, [message] * layout.world_size,
+                         call.group)
     state._count(seconds_owner_scatter=time.perf_counter() - started)
-    started = time.perf_counter()
+    status = payload_seal.STATUS_OK
     part = layout.parts[rank]
-    if part is None:
-        bufs.reply.zero_()
+    received = bufs.received if part is None else bufs.received.view(layout.world_size, message)[:, :mine]
+    if part is not None and layout.trailer:  # every message checked before any is decoded
+        started = time.perf_counter()
+        bad = integrity.bad_rows(bufs.received.view(layout.world_size, message))
+        status = bad[0] + 1 if bad else status  # 1 + the lowest sender whose message failed
+        state._count(seconds_wire_checksum=time.perf_counter() - started)
+    started = time.perf_counter()
+    if part is None or status != payload_seal.STATUS_OK:
+        bufs.reply.zero_()  # nothing owned, or nothing to trust: no sum, the owner residual untouched
     else:
         start, length = layout.ranges[rank]
-        ops.dispatch.chunk_decode_add(bufs.received, part, bufs.total, True)  # rank order, onto zeros
+        ops.dispatch.chunk_decode_add(received, part, bufs.total, True)  # rank order, onto zeros
         memory = None if owner_memory is None else owner_memory[start : start + length]
         old_memory = memory.clone() if audit else None
         ops.dispatch.chunk_encode(bufs.total, memory, 1.0, memory is not None, part, bufs.reply[:mine])
         bufs.reply[mine:].zero_()
         if audit:
-            check_owner_conservation(part, bufs.received, old_memory, bufs.reply[:mine], memory, call.index,
-                                     state.step)
+            check_owner_conservation(part, received, old_memory, bufs.reply[:mine], memory, call.index, state.step)
+    if layout.trailer:
+        integrity.seal(bufs.reply, status)
     state._count(seconds_owner_reduce=time.perf_counter() - started)
     if mpi is not None:
         fut = mpi.allgatherv(bufs.reply, bufs.replies, [slot] * layout.world_size)
     else:
         fut = allgather_future(bufs.replies, bufs.reply, call.group)
-    received = (layout.world_size - 1) * (mine + slot)
+    received = (layout.world_size - 1) * (message + slot)
     return fut, received
 
 
 def sent_bytes(layout, rank: int) -> int:
     """Bytes this rank puts on the wire: its messages to the other owners, then its reply."""
-    return layout.nbytes - layout.part_nbytes[rank] + layout.slot_nbytes
+    return layout.nbytes - layout.message_nbytes[rank] + layout.slot_nbytes
 
 
 def accumulate(call, layout, bufs: OwnerBuffers):
-    """Step 4's callback: every owner's reply decoded into its range of the bucket."""
-    state = call.state
+    """Step 4's callback: every owner's reply checked (``wire_checksum``: its checksum, and its
+    status, which reports a bad message the owner received), then decoded into its range of
+    the bucket."""
+    state, step = call.state, call.state.step
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
-        started = time.perf_counter()
         replies = fut.value()
+        if layout.trailer:
+            started = time.perf_counter()
+            check_replies(call, replies.view(layout.world_size, layout.slot_nbytes), step)
+            state._count(seconds_wire_checksum=time.perf_counter() - started)
+        started = time.perf_counter()
         for owner, part in enumerate(layout.parts):
             start, length = layout.ranges[owner]
             if part is None:
@@ -164,3 +190,17 @@ def accumulate(call, layout, bufs: OwnerBuffers):
 
     return decode
 
+
+def check_replies(call, slots: torch.Tensor, step: int) -> None:
+    """Raise the integrity error if an owner's reply (a row of ``slots``) fails its checksum or
+    reports, in its status, a message that failed the owner's check."""
+    intact, status = payload_seal.check(slots)
+    broken = (~intact).nonzero().flatten().tolist()
+    if broken:
+        integrity.fail(call, step, "; ".join(f"the reply of owner {owner} does not match its CRC-32C"
+                                             for owner in broken))
+    reported = [(owner, int(s) - 1) for owner, s in enumerate(status.tolist()) if s != payload_seal.STATUS_OK]
+    if reported:
+        what = "; ".join(f"owner {owner} received a message from rank {sender} that does not match its CRC-32C"
+                         for owner, sender in reported)
+        integrity.fail(call, step, what)

@@ -11,6 +11,7 @@ from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.owner_layout import OwnerLayout
 from sparsecomm.hooks.pipeline import exchange_choice, shared_index
+from sparsecomm.hooks.pipeline.integrity import trailer_bytes
 from sparsecomm.hooks.pipeline.layouts import payload_layout
 
 MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one bucket
@@ -116,7 +117,7 @@ def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, wor
         # Received per rank: (p-1) x (own message + reply slot) ~ 2 (p-1) slot, against a
         # ring allreduce's 2 (p-1)/p x dense.
         return world_size * layout.slot_nbytes < dense_bytes
-    nbytes = (layout or PayloadLayout(k, value_dtype)).nbytes
+    nbytes = (layout or PayloadLayout(k, value_dtype)).nbytes + trailer_bytes(config)  # sealed (wire_checksum)
     return world_size * nbytes < dense_bytes
 
 

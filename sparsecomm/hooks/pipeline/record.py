@@ -38,7 +38,7 @@ def count_sparse_call(call, packed, bytes_received: int, started: float) -> None
         elements_sparse=numel,
         elements_sent=packed.count,
         bytes_dense=numel * call.out.element_size(),
-        bytes_sent=packed.send.numel() * packed.send.element_size(),
+        bytes_sent=packed.wire.numel() * packed.wire.element_size(),
         bytes_received=bytes_received,
         seconds_select_pack=time.perf_counter() - started,
     )

@@ -22,25 +22,37 @@ from sparsecomm import compress, ops
 from sparsecomm.compress.error_feedback import divide_
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.sampled_threshold import sample_positions, sample_size, threshold_of_sample
-from sparsecomm.hooks.pipeline import acc
+from sparsecomm.hooks.pipeline import acc, integrity
 
 
 class Packed:
     """What this rank is about to send for one bucket."""
 
-    __slots__ = ("send", "layout", "indices", "values", "fused", "nonfinite")
+    __slots__ = ("send", "layout", "indices", "values", "fused", "nonfinite", "sealed")
 
     def __init__(self, send, layout, indices, values, fused, nonfinite=None):
-        self.send = send  # the tensor that goes on the wire
+        self.send = send  # the payload: what the receivers decode
         self.layout = layout  # PayloadLayout of ``send`` (None: bare values, random-k)
         self.indices = indices  # the selected bucket-relative indices
         self.values = values  # the sent values, in the wire dtype
         self.fused = fused  # acc was formed by the kernel and never written
         self.nonfinite = nonfinite  # random-k: acc held an Inf/NaN (None: not checked here)
+        self.sealed = None  # ``send`` and its checksum's trailer (wire_checksum), set by seal()
 
     @property
     def count(self) -> int:
         return self.indices.numel()
+
+    @property
+    def wire(self) -> torch.Tensor:
+        """What goes on the wire: the sealed payload, or the bare one."""
+        return self.send if self.sealed is None else self.sealed
+
+    def seal(self, buffer: torch.Tensor, trailer: int) -> None:
+        """Seal ``send``, the front of ``buffer``, with the ``trailer`` bytes after it (none: 0)."""
+        if trailer:
+            self.sealed = buffer[: self.send.numel() + trailer]
+            integrity.seal(self.sealed)
 
 
 def fixed_payload(call, residual, fused: bool, payload: torch.Tensor) -> Packed:

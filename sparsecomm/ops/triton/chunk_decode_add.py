@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsecomm.compress.chunk_layout import payload_rows
 from sparsecomm.ops.triton import chunk_codecs, radix
 from sparsecomm.ops.triton.chunk_codecs import block_min, decode_code, load_field
 from sparsecomm.ops.triton.radix import block_sum, from_f32, to_f32
@@ -41,11 +42,11 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _rice_decode_kernel(gathered_ptr, index_ptr, nbytes, index_start, index_bytes, chunk_size, chunks,
+def _rice_decode_kernel(gathered_ptr, index_ptr, row_stride, index_start, index_bytes, chunk_size, chunks,
                         last_length, k_full, k_last, r_full, r_last, bits_full, bits_last, capacity):
     c = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    region = gathered_ptr + row * nbytes + index_start
+    region = gathered_ptr + row * row_stride + index_start
     is_last = c == chunks - 1
     k = tl.where(is_last, k_last, k_full)
     r = tl.where(is_last, r_last, r_full).to(tl.int64)
@@ -127,12 +128,13 @@ def _check(gathered, layout, out):
     why = chunk_codecs.unsupported(layout)
     if why is not None:
         raise ValueError(f"chunk_decode_add: the Triton kernel does not take this layout: {why}")
-    for name, t in (("gathered", gathered), ("out", out)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"chunk_decode_add: {name} must be a contiguous 1-D tensor")
-    if gathered.dtype != torch.uint8 or gathered.numel() % layout.nbytes:
-        raise ValueError(f"chunk_decode_add: gathered must be uint8 rows of {layout.nbytes} bytes, got "
-                         f"{gathered.numel()} x {gathered.dtype}")
+    if not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("chunk_decode_add: out must be a contiguous 1-D tensor")
+    if not isinstance(gathered, torch.Tensor) or gathered.dtype != torch.uint8 or \
+            payload_rows(gathered, layout) is None:
+        raise ValueError(f"chunk_decode_add: gathered must be contiguous uint8 of world_size x {layout.nbytes} bytes, "
+                         f"or uint8 [world_size, {layout.nbytes}] rows, got {getattr(gathered, 'dtype', gathered)} "
+                         f"{tuple(getattr(gathered, 'shape', ()))}")
     if out.dtype not in radix.GRAD_DTYPES:
         raise ValueError(f"chunk_decode_add: out dtype must be one of {radix.GRAD_DTYPES}, got {out.dtype}")
     if out.numel() != layout.numel:
@@ -144,26 +146,27 @@ def _check(gathered, layout, out):
 
 
 def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
-    """Decode every payload of ``gathered`` (rows of ``layout.nbytes``) and add them into
-    ``out`` in row (rank) order."""
+    """Decode every payload of ``gathered`` (back to back, or one per row:
+    :func:`~sparsecomm.compress.chunk_layout.payload_rows`) and add them into ``out`` in row
+    (rank) order."""
     _check(gathered, layout, out)
     f = chunk_codecs.layout_numbers(layout)
-    rows = gathered.numel() // f.nbytes
+    rows = payload_rows(gathered, layout)
     if zero_out:
         out.zero_()
-    if rows == 0:
+    if rows.shape[0] == 0:
         return
     if f.index_codec == 2:
-        index = torch.empty(rows * f.capacity, dtype=torch.int32, device=out.device)
-        _rice_decode_kernel[(f.chunks, rows)](gathered, index, f.nbytes, f.index_start, f.value_start - f.index_start,
-                                              f.chunk_size, f.chunks, f.last_length, f.k_full, f.k_last,
-                                              f.rice_r_full, f.rice_r_last, f.rice_bits_full, f.rice_bits_last,
-                                              f.capacity, num_warps=1, enable_fp_fusion=False)
+        index = torch.empty(rows.shape[0] * f.capacity, dtype=torch.int32, device=out.device)
+        _rice_decode_kernel[(f.chunks, rows.shape[0])](rows, index, rows.stride(0), f.index_start,
+                                                       f.value_start - f.index_start, f.chunk_size, f.chunks,
+                                                       f.last_length, f.k_full, f.k_last, f.rice_r_full,
+                                                       f.rice_r_last, f.rice_bits_full, f.rice_bits_last, f.capacity,
+                                                       num_warps=1, enable_fp_fusion=False)
     else:
         index = None
     grid = (triton.cdiv(f.capacity, _BLOCK),)
-    for row in range(rows):
-        payload = gathered[row * f.nbytes : (row + 1) * f.nbytes]
+    for row, payload in enumerate(rows):
         row_index = payload if index is None else index[row * f.capacity : (row + 1) * f.capacity]
         _add_row_kernel[grid](payload, row_index, out, f.chunk_size, f.chunks, f.last_length, f.k_full, f.capacity,
                               f.index_start, f.value_start, f.value_end, INDEX_CODEC=f.index_codec,

@@ -1,0 +1,125 @@
+"""The CRC-32C that seals payloads on the wire: the pure-torch twin and the native kernel
+against published check values and against a CRC computed here bit by bit; the seal and
+its check; chunk_decode_add on sealed rows (payloads farther apart than their size)."""
+import random
+
+import pytest
+import torch
+
+from sparsecomm.compress import payload_seal
+from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.ops import native, reference
+
+LOADED, WHY_NOT = native.load()
+needs_native = pytest.mark.skipif(not LOADED, reason=f"native extension not built: {WHY_NOT}")
+pytestmark = pytest.mark.timeout(120)
+
+# RFC 3720 (iSCSI), appendix B.4, and the CRC catalogue's check value of CRC-32/ISCSI.
+PUBLISHED = [
+    (b"123456789", 0xE3069283),
+    (bytes(32), 0x8A9136AA),
+    (b"\xff" * 32, 0x62A8AB43),
+    (bytes(range(32)), 0x46DD794E),
+    (bytes(range(31, -1, -1)), 0x113FDB5C),
+]
+
+
+def bitwise_crc32c(data: bytes) -> int:
+    """CRC-32C straight from its definition: LSB-first, polynomial 0x82F63B78, no tables."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def _implementations():
+    return [reference] + ([native] if LOADED else [])
+
+
+def test_the_oracle_gives_the_published_check_values():
+    for data, crc in PUBLISHED:
+        assert bitwise_crc32c(data) == crc
+
+
+@pytest.mark.parametrize("impl", _implementations(), ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_published_check_values(impl):
+    for data, crc in PUBLISHED:
+        got = impl.crc32c(_bytes(data))
+        assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == crc, data
+
+
+@pytest.mark.parametrize("impl", _implementations(), ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_length_and_strided_rows_match_the_bitwise_crc(impl):
+    rng = random.Random(7)
+    # Lengths around the word, the 8-byte step and the native kernel's 3 x 512-byte blocks.
+    for n in [*range(0, 20), 511, 512, 1535, 1536, 1537, 3 * 1536 + 13]:
+        data = bytes(rng.randrange(256) for _ in range(n))
+        assert int(impl.crc32c(_bytes(data))) == bitwise_crc32c(data), n
+    # Rows of a larger buffer (a gathered buffer's payloads without their trailers), odd start.
+    buffer = torch.randint(0, 256, (5, 1700), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    rows = buffer[:, 3:1603]
+    got = impl.crc32c(rows)
+    assert got.shape == (5,) and got.tolist() == [bitwise_crc32c(bytes(row.tolist())) for row in rows]
+    assert impl.crc32c(buffer[:0, :10]).shape == (0,)
+
+
+@needs_native
+def test_native_matches_the_twin_on_long_rows():
+    data = torch.randint(0, 256, (3, 200_003), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(native.crc32c(data), reference.crc32c(data))
+    assert torch.equal(native.crc32c(data[1]), reference.crc32c(data[1]))
+
+
+@needs_native
+def test_native_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="1-D or 2-D uint8"):
+        native.crc32c(torch.zeros(8))
+    with pytest.raises(RuntimeError, match="1-D or 2-D uint8"):
+        native.crc32c(torch.zeros(2, 2, 2, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="each row of data must be contiguous"):
+        native.crc32c(torch.zeros(4, 4, dtype=torch.uint8).t())
+    torch.library.opcheck(torch.ops.sparsecomm.crc32c.default, (torch.zeros(3, 17, dtype=torch.uint8),))
+
+
+def test_seal_then_check_and_every_single_bit_flip_is_caught():
+    payload = torch.randint(0, 256, (40,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    sealed = torch.empty(payload_seal.sealed_nbytes(40), dtype=torch.uint8)
+    sealed[:40] = payload
+    payload_seal.seal(sealed, status=5)
+    # The trailer, written by hand: status 5 and the CRC of payload + status, little-endian.
+    status = (5).to_bytes(4, "little")
+    crc = bitwise_crc32c(bytes(payload.tolist()) + status).to_bytes(4, "little")
+    assert bytes(sealed[40:].tolist()) == status + crc
+    intact, statuses = payload_seal.check(sealed.view(1, -1))
+    assert intact.tolist() == [True] and statuses.tolist() == [5]
+    flipped = sealed.repeat(sealed.numel() * 8, 1)  # one row per bit of the sealed payload
+    for bit in range(sealed.numel() * 8):
+        flipped[bit, bit // 8] ^= 1 << (bit % 8)
+    intact, _ = payload_seal.check(flipped)
+    assert not intact.any()
+
+
+@pytest.mark.parametrize("decode", [reference.chunk_decode_add] + ([native.chunk_decode_add] if LOADED else []),
+                         ids=lambda f: f.__module__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("codecs", [("int32", "fp32"), ("rice", "int4"), ("chunk", "sign")])
+def test_chunk_decode_add_reads_sealed_rows_as_back_to_back_ones(decode, codecs):
+    layout = ChunkLayout(5003, 1024, 0.02, *codecs)
+    generator = torch.Generator().manual_seed(11)
+    rows = []
+    for _ in range(3):
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.encode(torch.randn(5003, generator=generator), None, payload)
+        rows.append(payload)
+    back_to_back = torch.cat(rows)
+    sealed = torch.full((3, payload_seal.sealed_nbytes(layout.nbytes)), 0xEE, dtype=torch.uint8)
+    sealed[:, : layout.nbytes] = back_to_back.view(3, -1)
+    want, got = torch.zeros(5003), torch.full((5003,), 7.0)
+    reference.chunk_decode_add(back_to_back, layout, want, True)
+    decode(sealed[:, : layout.nbytes], layout, got, True)
+    assert torch.equal(want, got)
