@@ -164,6 +164,21 @@ def test_decode_add_into_16_bit_buckets_from_float32_payloads(backend, out_dtype
         _check_decode_add(ops, device, layout, torch.cat(rows), out_dtype)
 
 
+def test_decode_add_reads_sealed_rows(backend):
+    """Payloads farther apart than their size (each followed by its 8-byte seal on the wire):
+    a [rows, nbytes] view with a longer row stride decodes as back-to-back ones do."""
+    ops, device = backend
+    for index_codec in ("int32", "rice"):
+        layout = ChunkLayout(1003, 64, 0.1, index_codec, "int4")
+        sealed = torch.full((3, layout.nbytes + 8), 0xEE, dtype=torch.uint8)
+        for seed in range(3):
+            reference.chunk_encode(_data(1003, seed, False), None, 1.0, False, layout, sealed[seed, : layout.nbytes])
+        want, got = torch.zeros(1003), torch.full((1003,), 5.0, device=device)
+        reference.chunk_decode_add(sealed[:, : layout.nbytes].reshape(-1), layout, want, True)
+        ops.chunk_decode_add(sealed.to(device)[:, : layout.nbytes], layout, got, True)
+        _assert_same(got, want, f"decode_add of sealed rows ({index_codec})")
+
+
 def test_ties_take_the_lowest_indices(backend):
     ops, device = backend
     layout = ChunkLayout(3 * 256, 256, 0.05, "chunk", "fp32")
@@ -294,7 +309,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
          dict(KBLOCK=64), 4),
         (encode["_pack_kernel"], pack, dict(INDEX_CODEC=2, INDEX_BITS=1, VALUE_BITS=4, BLOCK=1024), 4),
         (encode["_pack_kernel"], pack, dict(INDEX_CODEC=1, INDEX_BITS=12, VALUE_BITS=1, BLOCK=1024), 4),
-        (decode["_rice_decode_kernel"], dict(gathered_ptr="*u8", index_ptr="*i32", nbytes=i32, index_start=i32,
+        (decode["_rice_decode_kernel"], dict(gathered_ptr="*u8", index_ptr="*i32", row_stride=i32, index_start=i32,
                                              index_bytes=i32, chunk_size=i32, chunks=i32, last_length=i32,
                                              k_full=i32, k_last=i32, r_full=i32, r_last=i32, bits_full=i32,
                                              bits_last=i32, capacity=i32), {}, 1),

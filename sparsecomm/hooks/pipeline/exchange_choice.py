@@ -53,8 +53,9 @@ def modelled_seconds(config, numel: int, density: float, buffer_dtype, value_dty
             selected = shared_index.geometry(config, numel, density).selected
             index_bytes = shared_index.index_nbytes(config, numel, density)
             costs[exchange] = (link_model.broadcast_seconds(index_bytes, p, rate_bytes_per_s=rate, alpha_s=alpha)
-                               + link_model.ring_allreduce_seconds(selected * value_dtype.itemsize, p,
-                                                                  rate_bytes_per_s=rate, alpha_s=alpha))
+                               + link_model.ring_allreduce_seconds(
+                                   shared_index.allreduced_values(config, selected) * value_dtype.itemsize, p,
+                                   rate_bytes_per_s=rate, alpha_s=alpha))
     if config.allow_dense_fallback:
         costs["dense"] = link_model.ring_allreduce_seconds(numel * buffer_dtype.itemsize, p, rate_bytes_per_s=rate,
                                                           alpha_s=alpha)

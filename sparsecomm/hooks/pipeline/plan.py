@@ -112,7 +112,8 @@ def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, wor
     if config.selector == "random":
         return k * value_dtype.itemsize < dense_bytes
     if exchange == "shared-index":  # an allreduce of k values, plus the leader's indices once
-        return k * value_dtype.itemsize + shared_index.index_nbytes(config, numel, density) < dense_bytes
+        values = shared_index.allreduced_values(config, k) * value_dtype.itemsize
+        return values + shared_index.index_nbytes(config, numel, density) < dense_bytes
     if isinstance(layout, OwnerLayout):
         # Received per rank: (p-1) x (own message + reply slot) ~ 2 (p-1) slot, against a
         # ring allreduce's 2 (p-1)/p x dense.

@@ -38,6 +38,12 @@ def index_nbytes(config, numel: int, density: float) -> int:
             + integrity.trailer_bytes(config))
 
 
+def allreduced_values(config, selected: int) -> int:
+    """Elements of the values allreduce: the selected values, and the ranks' verdicts on the
+    index broadcast (``wire_checksum``)."""
+    return selected + int(config.wire_checksum)
+
+
 def leader(step: int, bucket_index: int, world_size: int) -> int:
     return (step + bucket_index) % world_size
 
