@@ -22,7 +22,10 @@ GradientAgreementMonitor (each every 10 steps: their defaults).
    step (one step each per round, the order rotating), so a burst of load hits all of
    them alike. Reported per configuration: the median over blocks of 10 steps of the
    slower rank's mean step (a block holds one check of every every-10 monitor), its
-   ratio to no monitors, and the median of the same ratio block by block (paired).
+   ratio to no monitors, the median of the same ratio block by block (paired), the
+   step thread's CPU time, and the CPU time of the monitors' own calls per step as a
+   share of a step's CPU time without monitors (less sensitive to other jobs on the
+   machine than wall time; it leaves out what they cost the hook indirectly).
 
 Every rank runs the loop of ``sparsecomm.monitor``'s docstring: backward in a try, the
 gradient vote (on its vote steps it also carries local failures and record-mode alarms),
@@ -92,6 +95,23 @@ class _Alarm(Exception):
         super().__init__(f"{monitor}: {detail}")
 
 
+class _Timed:
+    """Calls ``function`` and adds the calling thread's CPU time to ``seconds[0]``: what a
+    monitor itself costs, measured on the thread that runs it (the step's own thread), so
+    that other jobs on the machine slow it less than they slow the step's wall time."""
+
+    def __init__(self, function, seconds: list[float]):
+        self.function, self.seconds = function, seconds
+        self.needs_acc = getattr(function, "needs_acc", True)  # an observer keeps its effect on the hook
+
+    def __call__(self, *args, **kwargs):
+        started = time.thread_time()
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            self.seconds[0] += time.thread_time() - started
+
+
 class Monitors:
     """The monitors named in ``parts`` on one DDP model, with the per-step protocol of the
     package docstring: ``finite`` (FiniteGuard), ``spike`` (UpdateSpikeDetector),
@@ -103,6 +123,7 @@ class Monitors:
 
     def __init__(self, ddp, state, *, record: bool, parts=ALL_PARTS, vote: dict | None = None,
                  staleness_every: int = STALENESS_EVERY):
+        self.cpu_seconds = [0.0]  # the monitors' own CPU time so far (see _Timed)
         self.finite = FiniteGuard(state=state, action="record" if record else "raise")
         self.spike = UpdateSpikeDetector(action="record" if record else "raise")
         self.staleness = StalenessMonitor.from_policy(Policy(), every=staleness_every)
@@ -110,7 +131,7 @@ class Monitors:
         self.replica = ReplicaDigestMonitor(ddp) if "replica" in parts else None
         for part, observer in (("finite", self.finite), ("spike", self.spike), ("staleness", self.staleness)):
             if part in parts:
-                state.add_observer(observer)
+                state.add_observer(_Timed(observer, self.cpu_seconds))
         self._seen = (0, 0)
 
     def new_alarm(self) -> _Alarm | None:
@@ -154,7 +175,7 @@ def _step(task, ddp, optimizer, monitors, generator, rank, step, batch, injector
     local = local or monitors.new_alarm()
     if monitors.vote is not None:
         try:
-            monitors.vote.check(step, local_error=local)
+            _Timed(monitors.vote.check, monitors.cpu_seconds)(step, local_error=local)
         except Exception as error:
             if error is local:  # a step that ends no window: this rank stops alone
                 return _local_monitor(local)
@@ -168,7 +189,7 @@ def _step(task, ddp, optimizer, monitors, generator, rank, step, batch, injector
         injector.maybe_inject_parameters(ddp.module, step, rank)
     if monitors.replica is not None:
         try:
-            monitors.replica.check(step)
+            _Timed(monitors.replica.check, monitors.cpu_seconds)(step)
         except CorruptionDetected:
             return "replica_digest"
     return None
@@ -284,8 +305,9 @@ def _overhead(task, rank, args):
 
     Each configuration trains its own model (same seed, same data); a round runs one step
     of each, in an order that rotates every round, so a burst of load on the machine hits
-    every configuration alike. Returns, per configuration, the slower rank's wall time of
-    each timed step and both ranks' CPU time.
+    every configuration alike. Returns, per configuration and timed step: the slower rank's
+    wall time, and the mean over the ranks of the step thread's CPU time and of the part
+    of it the monitors' own calls took.
     """
     runs = {}
     for name, config in OVERHEAD_CONFIGS.items():
@@ -293,25 +315,27 @@ def _overhead(task, rank, args):
                                              **{"conservation": False} | config)
         runs[name] = (ddp, optimizer, monitors, torch.Generator().manual_seed(args.seed + 1 + rank))
     names = list(runs)
-    wall, cpu = ({name: [] for name in names} for _ in range(2))
+    times = {name: [] for name in names}  # (wall, step CPU, monitors' CPU) per step
     for step in range(args.warm_steps + args.timed_steps):
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
             ddp, optimizer, monitors, generator = runs[name]
+            monitor_cpu = monitors.cpu_seconds[0] if monitors is not None else 0.0
             dist.barrier()  # start every step together: time the step, not the skew
-            started, started_cpu = time.perf_counter(), time.process_time()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             fired = _step(task, ddp, optimizer, monitors, generator, rank, step, args.batch)
-            wall[name].append(time.perf_counter() - started)
-            cpu[name].append(time.process_time() - started_cpu)
+            wall, cpu = time.perf_counter() - started, time.thread_time() - started_cpu
+            times[name].append((wall, cpu, (monitors.cpu_seconds[0] if monitors is not None else 0.0) - monitor_cpu))
             assert fired is None, f"alarm in the overhead run: {fired}"
-    # A step ends when both ranks are done: the slower rank's wall time; CPU time: both ranks'.
+    # A step ends when both ranks are done: the slower rank's wall time; CPU times: the ranks' mean.
     result = {}
     for name in names:
-        timed = torch.tensor([wall[name], cpu[name]], dtype=torch.float64)[:, args.warm_steps:]
-        slowest, total = timed.clone(), timed.clone()
+        timed = torch.tensor(times[name][args.warm_steps:], dtype=torch.float64).t().contiguous()
+        slowest, mean = timed.clone(), timed.clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        result[name] = {"wall": slowest[0].tolist(), "cpu": total[1].tolist()}
+        dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+        mean /= WORLD_SIZE
+        result[name] = {"wall": slowest[0].tolist(), "cpu": mean[1].tolist(), "monitor_cpu": mean[2].tolist()}
     return result
 
 
@@ -368,7 +392,9 @@ def _blocks(times: list[float]) -> list[float]:
 
 def overhead_summary(overhead: dict) -> dict:
     """Per configuration: median block, its ratio to ``off``, the median of the block-by-block
-    (paired) ratios, the plain median step and the median CPU time of a step (both ranks)."""
+    (paired) ratios, the plain median step, the median CPU time of a step's thread and the
+    monitors' own CPU time per step (mean: it counts the every-N checks) as a share of the
+    CPU time of a step without monitors."""
     off_blocks = _blocks(overhead["off"]["wall"])
     off_block = statistics.median(off_blocks)
     off_cpu = statistics.median(overhead["off"]["cpu"])
@@ -382,6 +408,8 @@ def overhead_summary(overhead: dict) -> dict:
             "step_median_s": statistics.median(times["wall"]),
             "cpu_median_s": statistics.median(times["cpu"]),
             "cpu_ratio": statistics.median(times["cpu"]) / off_cpu,
+            "monitor_cpu_s": statistics.fmean(times["monitor_cpu"]),
+            "monitor_share": statistics.fmean(times["monitor_cpu"]) / off_cpu,
         }
     return rows
 
@@ -443,14 +471,16 @@ def _print_overhead(rows: dict, args) -> None:
     print(f"overhead: {args.timed_steps} timed steps per configuration after {args.warm_steps} warm-up steps, "
           f"configurations taking turns step by step; time of a step = the slower rank's")
     print(f"  {'configuration':<32} {'median 10-step block':>20} {'ratio':>6} {'paired':>7}   {'median step':>11}"
-          f"   {'CPU per step (both ranks)':>25} {'ratio':>6}")
+          f"   {'step CPU':>9} {'ratio':>6}   {'monitors CPU':>12} {'share':>6}")
     for name, row in rows.items():
         print(f"  {name:<32} {row['block_median_s'] * 1e3:>17.2f} ms {row['ratio']:>6.3f} {row['paired_ratio']:>7.3f}"
-              f"   {row['step_median_s'] * 1e3:>8.2f} ms   {row['cpu_median_s'] * 1e3:>22.2f} ms {row['cpu_ratio']:>6.3f}")
+              f"   {row['step_median_s'] * 1e3:>8.2f} ms   {row['cpu_median_s'] * 1e3:>6.2f} ms {row['cpu_ratio']:>6.3f}"
+              f"   {row['monitor_cpu_s'] * 1e3:>9.3f} ms {row['monitor_share']:>6.1%}")
     defaults = rows[DEFAULTS]
     print(f"THE DEFAULTS COST {defaults['ratio']:.3f}x THE STEP WITHOUT MONITORS (median 10-step blocks "
           f"{defaults['block_median_s'] * 1e3:.2f} / {rows['off']['block_median_s'] * 1e3:.2f} ms; paired "
-          f"{defaults['paired_ratio']:.3f}x; budget 1.05x) on {describe_cpu()}")
+          f"{defaults['paired_ratio']:.3f}x; the monitors' own CPU {defaults['monitor_share']:.1%} of a step's; "
+          f"budget 1.05x) on {describe_cpu()}")
 
 
 def main(argv=None) -> int:
