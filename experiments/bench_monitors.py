@@ -474,7 +474,8 @@ def _print_overhead(rows: dict, args) -> None:
           f"   {'step CPU':>9} {'ratio':>6}   {'monitors CPU':>12} {'share':>6}")
     for name, row in rows.items():
         print(f"  {name:<32} {row['block_median_s'] * 1e3:>17.2f} ms {row['ratio']:>6.3f} {row['paired_ratio']:>7.3f}"
-              f"   {row['step_median_s'] * 1e3:>8.2f} ms   {row['cpu_median_s'] * 1e3:>6.2f} ms {row['cpu_ratio']:>6.3f}"
+              f"   {row['step_median_s'] * 1e3:>8.2f} ms"
+              f"   {row['cpu_median_s'] * 1e3:>6.2f} ms {row['cpu_ratio']:>6.3f}"
               f"   {row['monitor_cpu_s'] * 1e3:>9.3f} ms {row['monitor_share']:>6.1%}")
     defaults = rows[DEFAULTS]
     print(f"THE DEFAULTS COST {defaults['ratio']:.3f}x THE STEP WITHOUT MONITORS (median 10-step blocks "
@@ -490,7 +491,8 @@ def main(argv=None) -> int:
     parser.add_argument("--detect-window", type=int, default=max(REPLICA_EVERY, VOTE_EVERY),
                         help="steps after the fault a detection may take (a check every N steps needs up to N - 1)")
     parser.add_argument("--clean-steps", type=int, default=200, help="steps of the false-alarm run")
-    parser.add_argument("--warm-steps", type=int, default=5, help="untimed steps per configuration before the timed ones")
+    parser.add_argument("--warm-steps", type=int, default=5,
+                        help="untimed steps per configuration before the timed ones")
     parser.add_argument("--timed-steps", type=int, default=200,
                         help=f"timed steps per configuration (blocks of {BLOCK_STEPS})")
     parser.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="digits-mlp",

@@ -3,9 +3,10 @@
 The monitors are only as good as the faults they are shown to catch, so the tests and
 ``experiments/bench_monitors.py`` inject the faults the reliability reference names
 (section 6, rows E1-E5): a bit flip in a parameter after the optimizer step, in the local
-gradient before compression, in the error-feedback residual, in a value of the
-payload about to be sent, or in the reduced gradient one rank received. Injectors act at one chosen (step, rank), once, and record what
-they did, so a test can assert the fault really happened and what it changed.
+gradient before compression, in the error-feedback residual, in a value of the payload
+about to be sent, or in the reduced gradient one rank received. Injectors act at one
+chosen (step, rank), once, and record what they did, so a test can assert the fault
+really happened and what it changed.
 
 Bit numbering is the IEEE-754 layout of the element: for float32 bit 31 is the sign,
 bits 30-23 the exponent (bit 30 its top bit: flipping it multiplies a value of magnitude
