@@ -135,3 +135,10 @@ def test_a_flip_in_one_ranks_reduced_gradient_is_caught_at_the_next_vote_with_a_
             _assert_caught(fault, found0, found1, found2, fault[0], window)
         else:  # ... and the votes after a fault between votes compare clean gradients
             assert found0 is found1 is found2 is None, fault
+
+
+def test_bad_settings_are_refused_naming_the_argument():
+    with pytest.raises(TypeError, match="window must be True or False"):
+        GradientAgreementMonitor(nn.Linear(2, 2), window="yes")
+    with pytest.raises(ValueError, match="every"):
+        GradientAgreementMonitor(nn.Linear(2, 2), every=0)
