@@ -87,22 +87,33 @@ def test_native_refuses_what_it_cannot_read():
     torch.library.opcheck(torch.ops.sparsecomm.crc32c.default, (torch.zeros(3, 17, dtype=torch.uint8),))
 
 
-def test_seal_then_check_and_every_single_bit_flip_is_caught():
-    payload = torch.randint(0, 256, (40,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    sealed = torch.empty(payload_seal.sealed_nbytes(40), dtype=torch.uint8)
-    sealed[:40] = payload
-    payload_seal.seal(sealed, status=5)
+# The host path (CPU tensors, through numpy) and the device path (tensor operations: what GPUs
+# run), both exercised here on CPU tensors.
+SEALS = [(payload_seal.seal_on_host, payload_seal.check_on_host),
+         (payload_seal.seal_on_device, payload_seal.check_on_device)]
+
+
+@pytest.mark.parametrize("seal,check", SEALS, ids=["host", "device"])
+def test_seal_then_check_and_every_single_bit_flip_is_caught(seal, check):
+    payload = torch.randint(0, 256, (41,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    sealed = torch.empty(payload_seal.sealed_nbytes(41), dtype=torch.uint8)  # odd: no alignment assumed
+    sealed[:41] = payload
+    seal(sealed, 5)
     # The trailer, written by hand: status 5 and the CRC of payload + status, little-endian.
     status = (5).to_bytes(4, "little")
     crc = bitwise_crc32c(bytes(payload.tolist()) + status).to_bytes(4, "little")
-    assert bytes(sealed[40:].tolist()) == status + crc
-    intact, statuses = payload_seal.check(sealed.view(1, -1))
-    assert intact.tolist() == [True] and statuses.tolist() == [5]
+    assert bytes(sealed[41:].tolist()) == status + crc
+    intact, statuses = check(sealed.view(1, -1))
+    assert intact == [True] and statuses == [5]
     flipped = sealed.repeat(sealed.numel() * 8, 1)  # one row per bit of the sealed payload
     for bit in range(sealed.numel() * 8):
         flipped[bit, bit // 8] ^= 1 << (bit % 8)
-    intact, _ = payload_seal.check(flipped)
-    assert not intact.any()
+    intact, _ = check(flipped)
+    assert not any(intact)
+    # Rows of a gathered buffer: strided views, each checked on its own.
+    both = torch.stack([sealed, flipped[3]])
+    assert check(torch.cat([both, torch.zeros(2, 3, dtype=torch.uint8)], dim=1)[:, : sealed.numel()])[0] == [True,
+                                                                                                           False]
 
 
 @pytest.mark.parametrize("decode", [reference.chunk_decode_add] + ([native.chunk_decode_add] if LOADED else []),

@@ -43,7 +43,7 @@ def seal(sealed: torch.Tensor | None, status: int = payload_seal.STATUS_OK) -> N
 def bad_rows(rows: torch.Tensor) -> list[int]:
     """The rows (sealed payloads, uint8 [rows, sealed bytes]) whose CRC-32C does not match."""
     intact, _ = payload_seal.check(rows)
-    return (~intact).nonzero().flatten().tolist()
+    return [row for row, ok in enumerate(intact) if not ok]
 
 
 def check_received(call, rows: torch.Tensor, step: int) -> None:

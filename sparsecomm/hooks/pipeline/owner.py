@@ -195,11 +195,11 @@ def check_replies(call, slots: torch.Tensor, step: int) -> None:
     """Raise the integrity error if an owner's reply (a row of ``slots``) fails its checksum or
     reports, in its status, a message that failed the owner's check."""
     intact, status = payload_seal.check(slots)
-    broken = (~intact).nonzero().flatten().tolist()
+    broken = [owner for owner, ok in enumerate(intact) if not ok]
     if broken:
         integrity.fail(call, step, "; ".join(f"the reply of owner {owner} does not match its CRC-32C"
                                              for owner in broken))
-    reported = [(owner, int(s) - 1) for owner, s in enumerate(status.tolist()) if s != payload_seal.STATUS_OK]
+    reported = [(owner, s - 1) for owner, s in enumerate(status) if s != payload_seal.STATUS_OK]
     if reported:
         what = "; ".join(f"owner {owner} received a message from rank {sender} that does not match its CRC-32C"
                          for owner, sender in reported)
