@@ -23,6 +23,7 @@ from sparsecomm import TopKState
 from ddp_models import mlp, rank_data
 from density_one import assert_density_one_is_allreduce, compare_with_allreduce
 from multiprocess import run_on_ranks
+from sparsecomm.compress.payload_seal import TRAILER_BYTES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,11 +104,11 @@ def test_core_invariants(world_size):
         assert diverged_at == []
         assert stats["sparse_calls"] > 0 and stats["steps"] == 6
         # Bytes by hand, for the last step: each bucket of n elements sends
-        # k = ceil(0.01 n) int32 + fp32 pairs (8 bytes each, a multiple of 8 already) and
-        # receives the other p - 1 ranks' payloads of the same size.
+        # k = ceil(0.01 n) int32 + fp32 pairs (8 bytes each, a multiple of 8 already) and its
+        # 8-byte seal (wire_checksum), and receives the other p - 1 ranks' payloads of that size.
         last = stats["last_step"]
         assert last["step"] == 5 and last["sparse_calls"] == last["fused_calls"] == len(layout) > 1
-        assert last["bytes_sent"] == sum(8 * math.ceil(0.01 * n) for n in layout)
+        assert last["bytes_sent"] == sum(8 * math.ceil(0.01 * n) + TRAILER_BYTES for n in layout)
         assert last["bytes_received"] == (world_size - 1) * last["bytes_sent"]
         assert last["bytes_dense"] == 4 * sum(layout) == 4 * 4 * (128 * 128 + 128)
         assert same
