@@ -8,13 +8,14 @@ Two parts:
   sender's seal (one payload) and a receiver's check (``--rows`` payloads at once), in GB/s,
   and the ratio checksum / memcpy; also the pure-torch twin (the path GPUs take), on one
   payload.
-* ``agreement``: what agreeing on a fault that only some receivers saw would cost: the
-  default task's step (``pydoc-gpt``, 2 gloo ranks, the hook's defaults, AdamW) with and
-  without one more blocking 8-byte allreduce after backward (the smallest collective such
-  an agreement needs), interleaved step by step; the median step and the ratio.
+* ``agreement``: the step's agreement alone (every rank raises alike, also for a fault
+  only some receivers saw: one blocking 8-byte allreduce after the last bucket): the
+  default task's step (``pydoc-gpt``, 2 gloo ranks, AdamW) with the checksum off, with and
+  without one more 8-byte allreduce after backward, interleaved step by step; the median
+  step and the ratio.
 
-The step cost of the option itself: ``python bench_step_cost.py --option wire_checksum
---values false true``.
+The step cost of the whole option (seal, check, agreement):
+``python bench_step_cost.py --option wire_checksum --values false true``.
 
     cd experiments && python bench_wire_checksum.py kernel
     cd experiments && python bench_wire_checksum.py agreement --timed-steps 150
@@ -115,10 +116,10 @@ def _agreement_rank(rank, args, workdir):
     torch.set_num_threads(1)
     task = get_task("pydoc-gpt")
     runs = {}
-    for name in ("hook defaults", "+ agreement allreduce"):
+    for name in ("checksum off", "+ agreement allreduce"):
         torch.manual_seed(args.seed)
         ddp = DDP(task.build_model())
-        sparsecomm.register_topk_hook(ddp)
+        sparsecomm.register_topk_hook(ddp, wire_checksum=False)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
         runs[name] = (ddp, optimizer, torch.Generator().manual_seed(args.seed + 1 + rank))
     verdict = torch.zeros(2, dtype=torch.int32)  # 8 bytes: the smallest verdict worth agreeing on
@@ -132,7 +133,7 @@ def _agreement_rank(rank, args, workdir):
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             task.loss(ddp, *task.train_batch(ids)).backward()
-            if name != "hook defaults":
+            if name != "checksum off":
                 dist.all_reduce(verdict)
             optimizer.step()
             times[name].append(time.perf_counter() - started)

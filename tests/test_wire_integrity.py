@@ -10,8 +10,8 @@ bit) was applied silently. Now every rank checks every payload it received befor
   (rice + int4) and owner exchange, at 2 and 3 ranks. With the opt-out the corrupted
   payload is applied: the parameters leave the clean run's.
 - a fault on the way to one receiver of three: with the opt-out the replicas diverge;
-  with the checksum that receiver refuses the payload and the others, whose bytes were
-  intact, apply exactly the clean update (docs/wire.md, "Integrity").
+  with the checksum every rank raises the same error (the step's agreement), no parameter
+  changes anywhere, and going on equals the run without that batch on every rank.
 - the shared-index exchange's index broadcast: a fault at the leader or at one receiver
   makes every rank raise alike (the verdict rides the values allreduce).
 - transport="mpi": the fixed and the variable Iallgatherv and the owner exchange's
@@ -222,10 +222,13 @@ def _arrives_corrupted(original, rank, watch, trailer):
     """``exchange.allgather_future`` that flips, on RECEIVER at FAULT_STEP, one value bit of
     SENDER's payload after it arrived: a fault in transit only that receiver sees."""
 
+    done = []
+
     def allgather(out, payload, group):
         fut = original(out, payload, group)
-        if rank != RECEIVER or watch.step != FAULT_STEP:
+        if rank != RECEIVER or watch.step != FAULT_STEP or done:
             return fut
+        done.append(True)  # once: the rolled-back step runs again with the next batch
         row = payload.numel()  # the default wire: [k int32 | k float32 | trailer]
         k = (row - trailer) // 8
 
@@ -242,34 +245,36 @@ def _arrives_corrupted(original, rank, watch, trailer):
 
 def _transit_worker(rank, world_size):
     original = exchange.allgather_future
-    out = {"clean": _train(rank, {}, steps=FAULT_STEP + 1)}
+    out = {"clean": _train(rank, {}), "skipped": _train(rank, {}, skip=FAULT_STEP)}
     for checksum in (True, False):
         watch = _StepWatch()
         exchange.allgather_future = _arrives_corrupted(original, rank, watch, trailer=8 if checksum else 0)
         try:
-            out[checksum] = _train(rank, {}, checksum=checksum, observers=[watch], steps=FAULT_STEP + 1)
+            out[checksum] = _train(rank, {}, checksum=checksum, observers=[watch])
         finally:
             exchange.allgather_future = original
     return out
 
 
-def test_a_payload_corrupted_on_its_way_to_one_receiver_is_applied_by_nobody():
+def test_a_payload_corrupted_on_its_way_to_one_receiver_stops_every_rank_alike():
     ranks = run_on_ranks(_transit_worker, world_size=3, timeout=200)
-    clean = [r["clean"]["trace"][FAULT_STEP] for r in ranks]
     # The opt-out (the defect): the receiver applies the corrupted value, the replicas diverge.
     off = [r[False] for r in ranks]
     assert all(e is None for r in off for e in r["errors"])
-    assert _same(off[0]["trace"][FAULT_STEP], clean[0]) and _same(off[SENDER]["trace"][FAULT_STEP], clean[SENDER])
-    assert not _same(off[RECEIVER]["trace"][FAULT_STEP], off[0]["trace"][FAULT_STEP])
-    # The checksum: the receiver refuses it before decoding (its parameters stay as they were);
-    # the others received intact bytes and apply exactly the clean update.
-    on = [r[True] for r in ranks]
-    message = _integrity_error(on[RECEIVER]["errors"][FAULT_STEP] or "")
-    assert message is not None and f"the payload from rank {SENDER} does not match its CRC-32C" in message
-    assert _same(on[RECEIVER]["trace"][FAULT_STEP], on[RECEIVER]["trace"][FAULT_STEP - 1])
     for rank in (0, SENDER):
-        assert on[rank]["errors"][FAULT_STEP] is None
-        assert _same(on[rank]["trace"][FAULT_STEP], clean[rank])
+        assert _same(off[rank]["trace"][FAULT_STEP], ranks[rank]["clean"]["trace"][FAULT_STEP])
+    assert not _same(off[RECEIVER]["trace"][FAULT_STEP], off[0]["trace"][FAULT_STEP])
+    # The checksum: only the receiver's check fails, the step's agreement makes every rank
+    # raise the same error before the optimizer step, and going on equals the run without
+    # that batch, on every rank: the replicas stay together.
+    on = [r[True] for r in ranks]
+    messages = {_integrity_error(r["errors"][FAULT_STEP] or "") for r in on}
+    assert len(messages) == 1 and None not in messages, [r["errors"] for r in on]
+    assert f"step {FAULT_STEP}, bucket 0: the payload from rank {SENDER} does not match its CRC-32C" in messages.pop()
+    for r, skipped in zip(on, (r["skipped"] for r in ranks)):
+        assert [e is not None for e in r["errors"]] == [s == FAULT_STEP for s in range(STEPS)]
+        for step in range(STEPS):
+            assert _same(r["trace"][step], skipped["trace"][step]), step
 
 
 # ----- the shared-index exchange: the leader's index broadcast --------------------------------

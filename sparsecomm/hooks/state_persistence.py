@@ -181,6 +181,7 @@ class PersistentState:
         state["_buffers"] = {}
         state["_owner_buffers"] = {}
         state["_index_buffers"] = {}
+        state["_seals"] = None  # futures of this process; the next step starts a new one
         state["_scratch"] = None
         state["_journal"] = None if self._journal is None else StepJournal()
         return state
@@ -217,7 +218,7 @@ _PICKLE_DEFAULTS = {
     "_mpi": None, "_journal": None,
     "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
     "_unused": None, "_fallback_bound": None, "_warned_all_dense": False, "_owner_ranges": {},
-    "_owner_buffers": {}, "_index_buffers": {}, "_exchange_choices": {},
+    "_owner_buffers": {}, "_index_buffers": {}, "_exchange_choices": {}, "_seals": None,
 }
 
 

@@ -113,6 +113,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     if bucket.is_last():
         state._end_step()
+        # wire_checksum: every rank raises alike if any found a corrupt payload (one small allreduce).
+        fut = integrity.agree(state, group, step, buffer.device, fut)
     return fut.then(deliver)
 
 
@@ -167,7 +169,10 @@ def _reduce(call: plan.BucketCall) -> tuple[torch.futures.Future, bool]:
         fut, received = exchange.allgather_fixed(call, packed, gathered)
         accumulate = decode.fixed(call, call.layout)
     state._count(bytes_received=received, allgather_calls=int(config.selector != "random"))
-    return fut.then(accumulate), False
+    fut = fut.then(accumulate)
+    if packed.sealed is not None:
+        state._seals.futures.append(fut)  # checked when it arrives; agreed on at the step's last bucket
+    return fut, False
 
 
 def _reduce_through_owners(call: plan.BucketCall, velocity, residual, owner_memory, audit,
@@ -185,7 +190,10 @@ def _reduce_through_owners(call: plan.BucketCall, velocity, residual, owner_memo
     rank = state._rank_and_world_size()[0]
     state._count(owner_calls=1, bytes_received=received,
                  bytes_sent=owner.sent_bytes(call.layout, rank) - packed.send.numel())
-    return fut.then(owner.accumulate(call, call.layout, bufs))
+    fut = fut.then(owner.accumulate(call, call.layout, bufs))
+    if call.layout.trailer:
+        state._seals.futures.append(fut)
+    return fut
 
 
 def _reduce_on_shared_indices(call: plan.BucketCall, velocity, residual, audit, started) -> torch.futures.Future:

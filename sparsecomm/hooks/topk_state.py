@@ -12,7 +12,7 @@ from sparsecomm.hooks.events import HookEvent
 from sparsecomm.hooks.grad_scaler import ScaleTracker
 from sparsecomm.hooks.optimizer import warn_on_double_momentum
 from sparsecomm.hooks.parameter_memory import ParameterMemory
-from sparsecomm.hooks.pipeline.integrity import trailer_bytes
+from sparsecomm.hooks.pipeline.integrity import StepSeals, trailer_bytes
 from sparsecomm.hooks.rank_agreement import check_ranks_agree
 from sparsecomm.hooks.state_persistence import STATE_DICT_FORMAT, PersistentState  # noqa: F401  (re-exported)
 from sparsecomm.hooks.stats import HookStats
@@ -131,11 +131,11 @@ class TopKState(PersistentState):
        re-raises it from ``backward()`` as a RuntimeError with the same message), naming
        the step, the bucket and the sender, before the optimizer step: no parameter changes,
        and with ``on_overflow="rollback"`` the hook's memories go back to before the step.
-       After an all-gather every rank holds the same bytes, so a payload corrupted at its
-       sender makes every rank raise the same error; one corrupted on its way to some
-       receivers only makes those raise (docs/wire.md, "Integrity"). Costs 8 bytes per
-       payload and a CRC pass over the bytes sent and received (the check:
-       ``stats()["seconds_wire_checksum"]``).
+       Every rank raises the same error in the same step, also when only some receivers
+       saw the fault (on the way to them): the checks record what they find and the step's
+       last bucket agrees with one 8-byte allreduce (docs/wire.md, "Integrity"). Costs 8
+       bytes per payload, a CRC pass over the bytes sent and received (the check:
+       ``stats()["seconds_wire_checksum"]``) and that allreduce.
        Allreduced values (random-k, the shared-index exchange's values, dense steps) are
        sums, which no per-payload checksum survives: they carry none. ``False`` opts out.
 
@@ -190,6 +190,7 @@ class TopKState(PersistentState):
         "_owner_ranges",  # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
         "_owner_buffers",  # bucket index -> OwnerBuffers (exchange="owner")
         "_index_buffers",  # bucket index -> the leader's index broadcast buffer (exchange="shared-index")
+        "_seals",  # StepSeals of the current step (wire_checksum): its sealed buckets and the faults found
         "_exchange_choices",  # (numel, density, dtypes, world size) -> the exchange "auto" picked
         "_buffers",  # bucket index -> (payload layout, payload, gathered): reused every step
         "_scratch",  # float32 scratch of the largest 16-bit bucket (wide memories), or None
@@ -266,6 +267,7 @@ class TopKState(PersistentState):
         self._owner_ranges: dict[int, tuple] = {}
         self._owner_buffers: dict[int, object] = {}
         self._index_buffers: dict[int, torch.Tensor] = {}
+        self._seals = StepSeals()
         self._exchange_choices: dict[tuple, str] = {}
         self._buffers: dict[int, tuple] = {}
         self._scratch = None
@@ -425,6 +427,7 @@ class TopKState(PersistentState):
             self._agreed = True
         if self._journal is not None:
             self._journal.start_step(self._sample_generator)
+        self._seals = StepSeals()
         self._fallback_bound = None
         self._step_open = True
         self._settled = False

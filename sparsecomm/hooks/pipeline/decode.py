@@ -17,18 +17,21 @@ from sparsecomm.hooks.pipeline import integrity
 
 
 def fixed(call, layout: PayloadLayout | ChunkLayout):
-    """The callback of a fixed-size all-gather: check every sealed payload (``wire_checksum``),
-    then scatter-add every payload into the bucket."""
-    state, step, trailer = call.state, call.state.step, integrity.trailer_bytes(call.state.config)
+    """The callback of a fixed-size all-gather: check every sealed payload (``wire_checksum``:
+    a bucket with a failed one is not decoded, and the step's agreement raises), then
+    scatter-add every payload into the bucket."""
+    state, trailer, seals = call.state, integrity.trailer_bytes(call.state.config), call.state._seals
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         gathered = fut.value()
         if trailer:  # rows of [payload | trailer]: all checked before any is decoded
             started = time.perf_counter()
             rows = gathered.view(call.world_size, layout.nbytes + trailer)
-            integrity.check_received(call, rows, step)
-            gathered = rows[:, : layout.nbytes]
+            faulty = integrity.payload_faults(seals, call.index, rows)
             state._count(seconds_wire_checksum=time.perf_counter() - started)
+            if faulty:
+                return call.out
+            gathered = rows[:, : layout.nbytes]
         started = time.perf_counter()
         if isinstance(layout, ChunkLayout):
             ops.dispatch.chunk_decode_add(gathered, layout, call.out, True)
@@ -48,21 +51,22 @@ def fixed(call, layout: PayloadLayout | ChunkLayout):
 
 def variable(call, counts, value_dtype):
     """The callback of the variable-size MPI all-gather: check every sealed payload
-    (``wire_checksum``), then add them."""
-    state, step, trailer = call.state, call.state.step, integrity.trailer_bytes(call.state.config)
+    (``wire_checksum``, as :func:`fixed`), then add them."""
+    state, trailer, seals = call.state, integrity.trailer_bytes(call.state.config), call.state._seals
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         if trailer:
             started = time.perf_counter()
-            bad, offset = [], 0
+            faulty, offset = False, 0
             for rank, m in enumerate(counts):  # payloads of different sizes: one check each
                 sealed = PayloadLayout(m, value_dtype).nbytes + trailer
                 if integrity.bad_rows(fut.value()[offset : offset + sealed].view(1, -1)):
-                    bad.append(rank)
+                    seals.found(call.index, integrity.PAYLOAD, rank)
+                    faulty = True
                 offset += sealed
-            if bad:
-                integrity.fail_payloads(call, step, bad)
             state._count(seconds_wire_checksum=time.perf_counter() - started)
+            if faulty:
+                return call.out
         started = time.perf_counter()
         out = unpack_variable(fut.value(), counts, call.out, value_dtype, trailer)
         state._count(seconds_unpack=time.perf_counter() - started)

@@ -1,32 +1,40 @@
-"""Integrity on the wire (``wire_checksum``): seal what this rank sends, check what it receives.
+"""Integrity on the wire (``wire_checksum``): seal what this rank sends, check what it receives,
+and raise on every rank alike.
 
 Every payload a rank puts on a sparse wire is sealed right after encoding (a status word and
 a CRC-32C: ``compress.payload_seal``), so the checksum covers what the encoder wrote. Every
 receiver checks every payload it received, its own copy included, before it decodes any of
-them into the bucket; a mismatch raises :class:`~sparsecomm.errors.WireIntegrityError`
-naming the step, the bucket and the sender, before DDP hands the gradient to the optimizer.
+them into the bucket; a bucket with a payload that fails is not decoded at all.
 
-Who raises. After an all-gather (or the leader's broadcast) every rank holds the same bytes,
-so a payload that changed at its sender, after encoding, fails on every rank, and every
-rank raises the same error from the data it has, with no extra collective. The owner
+Every rank alike. After an all-gather every rank holds the same bytes, but a fault on the way
+to some receivers only is seen by those only; a rank that raised alone and went on would fall
+a step behind the others. So the checks of a step's sealed buckets only record what they
+found (:class:`StepSeals`), and the hook body of the step's last bucket, once every sealed
+bucket has arrived and been checked, agrees with one small allreduce: if any rank found a
+fault, every rank raises the same :class:`~sparsecomm.errors.WireIntegrityError`, naming the
+step, the bucket and the sender, from that bucket's future, before DDP hands the gradient to
+the optimizer, and the step is rolled back in the hook's memories on every rank. The owner
 exchange's first leg is an all-to-all (each message has one receiver): an owner that
-receives a bad message does not raise alone, it reports it in the status of its reply, which
-every rank receives in the second leg's all-gather. The shared-index exchange reports a bad
-index broadcast in one extra element of its values allreduce, so every rank learns how many
-ranks saw it. A corruption that only some receivers of an all-gather see (on the way to
-them) makes those ranks raise; the others received intact bytes and go on to their next
-collective, which fails once the raising ranks stop (docs/wire.md, "Integrity").
+receives a bad message reports it in the status of its reply, which every rank receives.
 
 Sums cannot be sealed: where the wire is an allreduce (random-k's values, the shared-index
 values, dense steps) the receivers get a sum no sender wrote, so no per-payload checksum
-survives it; those wires carry none.
+survives it; those wires carry none. The shared-index exchange's index broadcast is sealed,
+and every rank's verdict on it rides its values allreduce (``shared_index``).
 """
 import torch
+import torch.distributed as dist
 
 from sparsecomm.compress import payload_seal
 from sparsecomm.errors import WireIntegrityError
 
 TRAILER_BYTES = payload_seal.TRAILER_BYTES
+
+# What a check found: a payload that failed (its sender), an owner's reply that failed (the
+# owner), or an owner's report of a message that failed (the owner, and the sender).
+PAYLOAD, REPLY, REPORTED = range(3)
+_KINDS = 3
+_MAX_BUCKETS = 1 << 16
 
 
 def trailer_bytes(config) -> int:
@@ -46,37 +54,87 @@ def bad_rows(rows: torch.Tensor) -> list[int]:
     return [row for row, ok in enumerate(intact) if not ok]
 
 
-def check_received(call, rows: torch.Tensor, step: int) -> None:
-    """Raise WireIntegrityError if a sealed payload of ``rows`` (one per sender, in rank order)
-    does not match its checksum."""
+class StepSeals:
+    """One step's sealed buckets: the futures of their checks and decodes, and the faults the
+    checks found on this rank, as (bucket, kind, rank, sender) tuples."""
+
+    __slots__ = ("futures", "faults")
+
+    def __init__(self):
+        self.futures: list[torch.futures.Future] = []
+        self.faults: list[tuple[int, int, int, int]] = []
+
+    def found(self, bucket: int, kind: int, rank: int, sender: int = 0) -> None:
+        self.faults.append((bucket, kind, rank, sender))  # from a callback thread: list.append is atomic
+
+
+def payload_faults(seals: StepSeals, bucket: int, rows: torch.Tensor) -> bool:
+    """Check one sealed payload per sender (rows in rank order); record the failures. True if any."""
     bad = bad_rows(rows)
-    if bad:
-        fail_payloads(call, step, bad)
+    for sender in bad:
+        seals.found(bucket, PAYLOAD, sender)
+    return bool(bad)
 
 
-def fail_payloads(call, step: int, senders: list[int]) -> None:
-    """Raise the integrity error for the payloads of ``senders`` (ranks) that failed their check."""
-    several = len(senders) > 1
-    fail(call, step, f"the payload{'s' * several} from {ranks(senders)} {'do' if several else 'does'} not match "
-                     f"{'their' if several else 'its'} CRC-32C")
+def agree(state, group, step: int, device: torch.device, fut: torch.futures.Future) -> torch.futures.Future:
+    """In the hook body of the step's last bucket: wait until every sealed bucket of the step has
+    been checked, then agree on the verdict with one allreduce (MAX of one int64: the first
+    fault this rank found, encoded, or 0). Returns ``fut``, or, when some rank found a fault, a
+    future holding the same WireIntegrityError on every rank (the step is then rolled back)."""
+    seals = state._seals
+    if not seals.futures:
+        return fut  # nothing sealed this step (the same on every rank: the plans are the same)
+    for sealed in seals.futures:
+        try:
+            sealed.wait()
+        except Exception:  # noqa: BLE001  (a failed collective: DDP re-raises it from that bucket's future)
+            pass
+    world_size = dist.get_world_size(group)
+    verdict = torch.tensor([max((_key(fault, world_size) for fault in seals.faults), default=0)],
+                           dtype=torch.int64, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    key = int(verdict.item())
+    if key == 0:
+        return fut
+    if state._journal is not None:
+        state._journal.skip_requested = True  # undone at the next step's start, as TopKState.skip_step()
+    failed = torch.futures.Future()
+    failed.set_exception(error(state, step, *_fault(key, world_size)))
+    return failed
 
 
-def fail(call, step: int, what: str) -> None:
-    """Raise the integrity error of ``call``'s bucket at ``step``; the hook's memories of the
-    step are put back at the next step (when the state keeps copies), as for a skipped step."""
-    state = call.state
-    journal = state._journal
-    if journal is not None:
-        journal.skip_requested = True  # undone at the next step's start, as TopKState.skip_step()
-    undo = ("its memories go back to before this step if training goes on" if journal is not None else
+def _key(fault, world_size: int) -> int:
+    """A positive int64 for a fault; the largest names the lowest bucket (then kind, ranks)."""
+    bucket, kind, rank, sender = fault
+    return 1 + (((_MAX_BUCKETS - 1 - bucket) * _KINDS + kind) * world_size + rank) * world_size + sender
+
+
+def _fault(key: int, world_size: int) -> tuple[int, str]:
+    rest, sender = divmod(key - 1, world_size)
+    rest, rank = divmod(rest, world_size)
+    inverted, kind = divmod(rest, _KINDS)
+    what = {PAYLOAD: f"the payload from rank {rank} does not match its CRC-32C",
+            REPLY: f"the reply of owner {rank} does not match its CRC-32C",
+            REPORTED: f"owner {rank} received a message from rank {sender} that does not match its CRC-32C"}[kind]
+    return _MAX_BUCKETS - 1 - inverted, what
+
+
+def error(state, step: int, bucket: int, what: str) -> WireIntegrityError:
+    """The integrity error of ``bucket`` at ``step``, the same text on every rank."""
+    undo = ("its memories go back to before this step if training goes on" if state._journal is not None else
             "its memories keep this step's changes (on_overflow='drop'): restart from a checkpoint")
-    raise WireIntegrityError(
-        f"topk_hook: wire integrity, step {step}, bucket {call.index}: {what} (wire_checksum=True). The bytes "
-        f"changed after their sender encoded them (in memory or on the way); nothing of this bucket was applied, so no "
-        f"parameter changes, and the hook raises this on every rank that received them; {undo}"
+    return WireIntegrityError(
+        f"topk_hook: wire integrity, step {step}, bucket {bucket}: {what} (wire_checksum=True). The bytes changed "
+        f"after their sender encoded them (in memory or on the way); nothing of that bucket was applied and no "
+        f"parameter changes: every rank raises this error before the optimizer step, and the hook says so for the "
+        f"first fault (by bucket) any rank found; {undo}"
     )
 
 
-def ranks(numbers) -> str:
-    """"rank 1", "ranks 0, 2"."""
-    return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(str(r) for r in numbers)
+def fail(call, step: int, what: str) -> None:
+    """Raise the integrity error of ``call``'s bucket at ``step`` now (a verdict every rank
+    already shares: the shared-index exchange's), rolling the step back as :func:`agree` does."""
+    if call.state._journal is not None:
+        call.state._journal.skip_requested = True
+    raise error(call.state, step, call.index, what)
+

@@ -167,14 +167,16 @@ def accumulate(call, layout, bufs: OwnerBuffers):
     """Step 4's callback: every owner's reply checked (``wire_checksum``: its checksum, and its
     status, which reports a bad message the owner received), then decoded into its range of
     the bucket."""
-    state, step = call.state, call.state.step
+    state, seals = call.state, call.state._seals
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         replies = fut.value()
         if layout.trailer:
             started = time.perf_counter()
-            check_replies(call, replies.view(layout.world_size, layout.slot_nbytes), step)
+            faulty = check_replies(seals, call.index, replies.view(layout.world_size, layout.slot_nbytes))
             state._count(seconds_wire_checksum=time.perf_counter() - started)
+            if faulty:
+                return call.out  # not decoded: the step's agreement raises
         started = time.perf_counter()
         for owner, part in enumerate(layout.parts):
             start, length = layout.ranges[owner]
@@ -191,16 +193,15 @@ def accumulate(call, layout, bufs: OwnerBuffers):
     return decode
 
 
-def check_replies(call, slots: torch.Tensor, step: int) -> None:
-    """Raise the integrity error if an owner's reply (a row of ``slots``) fails its checksum or
-    reports, in its status, a message that failed the owner's check."""
+def check_replies(seals, bucket: int, slots: torch.Tensor) -> bool:
+    """Record the owners' replies (rows of ``slots``) that fail their checksum, and the intact
+    ones whose status reports a message that failed the owner's check. True if any."""
     intact, status = payload_seal.check(slots)
-    broken = [owner for owner, ok in enumerate(intact) if not ok]
-    if broken:
-        integrity.fail(call, step, "; ".join(f"the reply of owner {owner} does not match its CRC-32C"
-                                             for owner in broken))
-    reported = [(owner, s - 1) for owner, s in enumerate(status) if s != payload_seal.STATUS_OK]
-    if reported:
-        what = "; ".join(f"owner {owner} received a message from rank {sender} that does not match its CRC-32C"
-                         for owner, sender in reported)
-        integrity.fail(call, step, what)
+    faulty = False
+    for owner, (ok, reported) in enumerate(zip(intact, status)):
+        if not ok:
+            seals.found(bucket, integrity.REPLY, owner)
+        elif reported != payload_seal.STATUS_OK:
+            seals.found(bucket, integrity.REPORTED, owner, reported - 1)
+        faulty = faulty or not ok or reported != payload_seal.STATUS_OK
+    return faulty
