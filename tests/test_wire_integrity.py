@@ -9,9 +9,10 @@ bit) was applied silently. Now every rank checks every payload it received befor
   never saw the batch (the hook's memories were rolled back). Default wire, compact wire
   (rice + int4) and owner exchange, at 2 and 3 ranks. With the opt-out the corrupted
   payload is applied: the parameters leave the clean run's.
-- a fault on the way to one receiver of three: with the opt-out the replicas diverge;
-  with the checksum every rank raises the same error (the step's agreement), no parameter
-  changes anywhere, and going on equals the run without that batch on every rank.
+- a fault on the way to one receiver of three: with the opt-out the replicas diverge; with
+  the checksum that receiver refuses the payload and the others, whose bytes were intact,
+  apply exactly the clean update; with ``wire_agreement`` every rank raises the same error
+  in that step, and going on equals the run without that batch on every rank.
 - the shared-index exchange's index broadcast: a fault at the leader or at one receiver
   makes every rank raise alike (the verdict rides the values allreduce).
 - transport="mpi": the fixed and the variable Iallgatherv and the owner exchange's
@@ -98,6 +99,16 @@ def _index_region(layout):
             lambda p: part.decode(layout.part_of(p, 0))[0])
 
 
+def test_the_options_are_checked_when_the_state_is_built():
+    with pytest.raises(ValueError, match="wire_agreement=True agrees on what the checksum finds: it needs "
+                                         "wire_checksum=True"):
+        sparsecomm.TopKState(wire_checksum=False, wire_agreement=True)
+    for name in ("wire_checksum", "wire_agreement"):
+        with pytest.raises(TypeError, match=name):
+            sparsecomm.TopKState(**{name: "yes"})
+    assert sparsecomm.TopKState().config.wire_checksum and not sparsecomm.TopKState().config.wire_agreement
+
+
 def _integrity_error(message: str) -> str | None:
     """The hook's own message inside DDP's wrapper (which adds a traceback that differs by rank)."""
     found = INTEGRITY.search(message)
@@ -138,6 +149,10 @@ def _sender_faults_worker(rank, world_size):
             index_fault = IndexBitFlip(FAULT_STEP, SENDER)
             out[wire, "index", checksum] = _train(rank, options, checksum=checksum, observers=[index_fault])
             out[wire, "index", checksum]["fired"] = index_fault.flipped is not None
+    # The owner's report of a bad message, through the step's agreement (wire_agreement).
+    options, value_bit = WIRES["owner"]
+    value_fault = BitFlipInjector("payload", step=FAULT_STEP, rank=SENDER, bit=value_bit, index=0)
+    out["owner", "value", "agreed"] = _train(rank, {**options, "wire_agreement": True}, observers=[value_fault])
     return out
 
 
@@ -170,6 +185,12 @@ def test_a_payload_corrupted_at_its_sender_stops_every_rank_before_the_optimizer
             for r, skipped in zip(on, (r[wire, "skipped"] for r in ranks)):
                 for step in range(STEPS):
                     assert _same(r["trace"][step], skipped["trace"][step]), (wire, fault, step)
+            # With the step's agreement: the same error, the same outcome.
+            if (wire, fault) == ("owner", "value"):
+                agreed = [r[wire, fault, "agreed"] for r in ranks]
+                assert {_integrity_error(r["errors"][FAULT_STEP] or "") for r in agreed} == {messages[0]}
+                for r, skipped in zip(agreed, (r[wire, "skipped"] for r in ranks)):
+                    assert all(_same(a, b) for a, b in zip(r["trace"], skipped["trace"]))
             # The opt-out: the corrupted payload is applied silently.
             off = [r[wire, fault, False] for r in ranks]
             assert all(e is None for r in off for e in r["errors"]), (wire, fault)
@@ -246,32 +267,42 @@ def _arrives_corrupted(original, rank, watch, trailer):
 def _transit_worker(rank, world_size):
     original = exchange.allgather_future
     out = {"clean": _train(rank, {}), "skipped": _train(rank, {}, skip=FAULT_STEP)}
-    for checksum in (True, False):
+    # (name, checksum, options, steps): without the agreement the receiver stops at the fault.
+    for name, checksum, options, steps in (("off", False, {}, STEPS), ("checksum", True, {}, FAULT_STEP + 1),
+                                           ("agreed", True, {"wire_agreement": True}, STEPS)):
         watch = _StepWatch()
         exchange.allgather_future = _arrives_corrupted(original, rank, watch, trailer=8 if checksum else 0)
         try:
-            out[checksum] = _train(rank, {}, checksum=checksum, observers=[watch])
+            out[name] = _train(rank, options, checksum=checksum, observers=[watch], steps=steps)
         finally:
             exchange.allgather_future = original
     return out
 
 
-def test_a_payload_corrupted_on_its_way_to_one_receiver_stops_every_rank_alike():
+def test_a_payload_corrupted_on_its_way_to_one_receiver_is_applied_by_nobody():
     ranks = run_on_ranks(_transit_worker, world_size=3, timeout=200)
+    clean = [r["clean"]["trace"][FAULT_STEP] for r in ranks]
     # The opt-out (the defect): the receiver applies the corrupted value, the replicas diverge.
-    off = [r[False] for r in ranks]
+    off = [r["off"] for r in ranks]
     assert all(e is None for r in off for e in r["errors"])
-    for rank in (0, SENDER):
-        assert _same(off[rank]["trace"][FAULT_STEP], ranks[rank]["clean"]["trace"][FAULT_STEP])
+    assert _same(off[0]["trace"][FAULT_STEP], clean[0]) and _same(off[SENDER]["trace"][FAULT_STEP], clean[SENDER])
     assert not _same(off[RECEIVER]["trace"][FAULT_STEP], off[0]["trace"][FAULT_STEP])
-    # The checksum: only the receiver's check fails, the step's agreement makes every rank
+    # The checksum: the receiver refuses it before decoding (its parameters stay as they were);
+    # the others received intact bytes and apply exactly the clean update.
+    on = [r["checksum"] for r in ranks]
+    message = _integrity_error(on[RECEIVER]["errors"][FAULT_STEP] or "")
+    assert message is not None and f"the payload from rank {SENDER} does not match its CRC-32C" in message
+    assert _same(on[RECEIVER]["trace"][FAULT_STEP], on[RECEIVER]["trace"][FAULT_STEP - 1])
+    for rank in (0, SENDER):
+        assert on[rank]["errors"][FAULT_STEP] is None and _same(on[rank]["trace"][FAULT_STEP], clean[rank])
+    # wire_agreement: only the receiver's check fails, the step's agreement makes every rank
     # raise the same error before the optimizer step, and going on equals the run without
     # that batch, on every rank: the replicas stay together.
-    on = [r[True] for r in ranks]
-    messages = {_integrity_error(r["errors"][FAULT_STEP] or "") for r in on}
+    agreed = [r["agreed"] for r in ranks]
+    messages = {_integrity_error(r["errors"][FAULT_STEP] or "") for r in agreed}
     assert len(messages) == 1 and None not in messages, [r["errors"] for r in on]
     assert f"step {FAULT_STEP}, bucket 0: the payload from rank {SENDER} does not match its CRC-32C" in messages.pop()
-    for r, skipped in zip(on, (r["skipped"] for r in ranks)):
+    for r, skipped in zip(agreed, (r["skipped"] for r in ranks)):
         assert [e is not None for e in r["errors"]] == [s == FAULT_STEP for s in range(STEPS)]
         for step in range(STEPS):
             assert _same(r["trace"][step], skipped["trace"][step]), step

@@ -63,6 +63,9 @@ class TopKConfig:
     # A CRC-32C sealing every payload of the sparse all-gathers, owner messages and index
     # broadcasts, checked by every receiver before it decodes anything (off: the opt-out).
     wire_checksum: bool = True
+    # With the checksum: one allreduce per step so that a fault only some receivers saw makes
+    # every rank raise in the same step (off: those raise, the others apply the intact bytes).
+    wire_agreement: bool = False
 
     @classmethod
     def build(cls, *, density_schedule=None, **settings) -> "TopKConfig":
@@ -100,6 +103,7 @@ class TopKConfig:
             exchange=check_choice("exchange", s.get("exchange", cls.exchange), EXCHANGE_CHOICES),
             link=_check_link(s.get("link")),
             wire_checksum=check_bool("wire_checksum", s.get("wire_checksum", cls.wire_checksum)),
+            wire_agreement=check_bool("wire_agreement", s.get("wire_agreement", cls.wire_agreement)),
         )
         config._check_combinations()
         return config
@@ -151,6 +155,8 @@ class TopKConfig:
             )
         if self.momentum > 0 and not self.error_feedback:
             raise ValueError(f"momentum={self.momentum} (momentum correction) requires error_feedback=True")
+        if self.wire_agreement and not self.wire_checksum:
+            raise ValueError("wire_agreement=True agrees on what the checksum finds: it needs wire_checksum=True")
         if self.verify_conservation and not self.error_feedback:
             raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
 
@@ -173,7 +179,7 @@ class TopKConfig:
                if self.selector == "chunk" or self.compact_wire else {}),
             **({"exchange": self.exchange} if self.exchange != TopKConfig.exchange else {}),
             **({"link": self.link} if self.link is not None else {}),
-            # Not wire_checksum: it changes what travels, not what the memories hold.
+            # Not wire_checksum, wire_agreement: they change what travels, not what the memories hold.
         }
 
     def memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:

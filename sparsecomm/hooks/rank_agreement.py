@@ -62,6 +62,7 @@ def _fields(state) -> list[tuple[str, float]]:
         ("exchange", choice("exchange", config.exchange)),
         ("link", float(zlib.crc32(repr(config.link).encode()))),
         ("wire_checksum", float(config.wire_checksum)),
+        ("wire_agreement", float(config.wire_agreement)),
         ("step", float(state.step)),
     ]
 

@@ -131,11 +131,14 @@ class TopKState(PersistentState):
        re-raises it from ``backward()`` as a RuntimeError with the same message), naming
        the step, the bucket and the sender, before the optimizer step: no parameter changes,
        and with ``on_overflow="rollback"`` the hook's memories go back to before the step.
-       Every rank raises the same error in the same step, also when only some receivers
-       saw the fault (on the way to them): the checks record what they find and the step's
-       last bucket agrees with one 8-byte allreduce (docs/wire.md, "Integrity"). Costs 8
-       bytes per payload, a CRC pass over the bytes sent and received (the check:
-       ``stats()["seconds_wire_checksum"]``) and that allreduce.
+       After an all-gather every rank holds the same bytes, so a payload corrupted at its
+       sender makes every rank raise the same error; one corrupted on its way to some
+       receivers only makes those raise, while the others apply the intact bytes
+       (docs/wire.md, "Integrity"). ``wire_agreement=True`` makes every rank raise in the
+       same step then too: the checks record what they find and the step's last bucket
+       agrees with one 8-byte allreduce (a step's worth of latency more; off by default).
+       Costs 8 bytes per payload and a CRC pass over the bytes sent and received (the
+       check: ``stats()["seconds_wire_checksum"]``).
        Allreduced values (random-k, the shared-index exchange's values, dense steps) are
        sums, which no per-payload checksum survives: they carry none. ``False`` opts out.
 
@@ -239,6 +242,7 @@ class TopKState(PersistentState):
         exchange: str = "allgather",
         link: str | None = None,
         wire_checksum: bool = True,
+        wire_agreement: bool = False,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -253,7 +257,7 @@ class TopKState(PersistentState):
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
-            link=link, wire_checksum=wire_checksum,
+            link=link, wire_checksum=wire_checksum, wire_agreement=wire_agreement,
         )
         self.process_group = process_group
         self.step = 0
@@ -427,7 +431,7 @@ class TopKState(PersistentState):
             self._agreed = True
         if self._journal is not None:
             self._journal.start_step(self._sample_generator)
-        self._seals = StepSeals()
+        self._seals = StepSeals(self.config.wire_agreement)
         self._fallback_bound = None
         self._step_open = True
         self._settled = False

@@ -13,6 +13,7 @@ Kernels registered with :func:`register_kernel` win over all of these (tests use
 inject faults). When the extension is missing, the first lookup warns once, naming why.
 The reference stays the oracle in tests.
 """
+import functools
 from typing import Callable
 
 import torch
@@ -160,10 +161,20 @@ def chunk_decode_add(gathered: torch.Tensor, layout, out: torch.Tensor, zero_out
 def crc32c(data: torch.Tensor) -> torch.Tensor:
     """Dispatching :func:`sparsecomm.ops.reference.crc32c`: the native kernel on CPU, the
     pure-torch twin elsewhere (GPUs have no crc32c kernel: the twin is their path, not a
-    fallback, so it runs without a warning)."""
+    fallback, so it runs without a warning). Called twice per sealed bucket and step on a
+    payload of a few KB, where the general lookup would cost more than the CRC: the common
+    case (CPU, native, nothing registered or forced) takes a cached answer."""
     if data.device.type != "cpu":
         return _KERNELS.get(("crc32c", data.device.type), reference.crc32c)(data)
+    if not _KERNELS and _native_crc32c() and native.requested_kernels() != "reference":
+        return native.crc32c(data)
     return implementation("crc32c", "cpu")(data)
+
+
+@functools.cache
+def _native_crc32c() -> bool:
+    """Whether the extension is loaded with a CPU crc32c (fixed for the process)."""
+    return native.load()[0] and native.has_kernel("crc32c", "CPU")
 
 
 def payload_views(payload: torch.Tensor, k: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

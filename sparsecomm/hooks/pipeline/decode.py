@@ -18,19 +18,20 @@ from sparsecomm.hooks.pipeline import integrity
 
 def fixed(call, layout: PayloadLayout | ChunkLayout):
     """The callback of a fixed-size all-gather: check every sealed payload (``wire_checksum``:
-    a bucket with a failed one is not decoded, and the step's agreement raises), then
-    scatter-add every payload into the bucket."""
-    state, trailer, seals = call.state, integrity.trailer_bytes(call.state.config), call.state._seals
+    a bucket with a failed one is not decoded: ``integrity.refused``), then scatter-add every
+    payload into the bucket."""
+    state, step, seals = call.state, call.state.step, call.state._seals
+    trailer = integrity.trailer_bytes(state.config)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         gathered = fut.value()
         if trailer:  # rows of [payload | trailer]: all checked before any is decoded
             started = time.perf_counter()
             rows = gathered.view(call.world_size, layout.nbytes + trailer)
-            faulty = integrity.payload_faults(seals, call.index, rows)
+            bad = integrity.bad_rows(rows)
             state._count(seconds_wire_checksum=time.perf_counter() - started)
-            if faulty:
-                return call.out
+            if bad:
+                return integrity.refused(call, step, seals, [(integrity.PAYLOAD, sender, 0) for sender in bad])
             gathered = rows[:, : layout.nbytes]
         started = time.perf_counter()
         if isinstance(layout, ChunkLayout):
@@ -52,21 +53,21 @@ def fixed(call, layout: PayloadLayout | ChunkLayout):
 def variable(call, counts, value_dtype):
     """The callback of the variable-size MPI all-gather: check every sealed payload
     (``wire_checksum``, as :func:`fixed`), then add them."""
-    state, trailer, seals = call.state, integrity.trailer_bytes(call.state.config), call.state._seals
+    state, step, seals = call.state, call.state.step, call.state._seals
+    trailer = integrity.trailer_bytes(state.config)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         if trailer:
             started = time.perf_counter()
-            faulty, offset = False, 0
+            bad, offset = [], 0
             for rank, m in enumerate(counts):  # payloads of different sizes: one check each
                 sealed = PayloadLayout(m, value_dtype).nbytes + trailer
                 if integrity.bad_rows(fut.value()[offset : offset + sealed].view(1, -1)):
-                    seals.found(call.index, integrity.PAYLOAD, rank)
-                    faulty = True
+                    bad.append(rank)
                 offset += sealed
             state._count(seconds_wire_checksum=time.perf_counter() - started)
-            if faulty:
-                return call.out
+            if bad:
+                return integrity.refused(call, step, seals, [(integrity.PAYLOAD, sender, 0) for sender in bad])
         started = time.perf_counter()
         out = unpack_variable(fut.value(), counts, call.out, value_dtype, trailer)
         state._count(seconds_unpack=time.perf_counter() - started)

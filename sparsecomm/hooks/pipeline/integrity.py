@@ -1,21 +1,23 @@
-"""Integrity on the wire (``wire_checksum``): seal what this rank sends, check what it receives,
-and raise on every rank alike.
+"""Integrity on the wire (``wire_checksum``, ``wire_agreement``): seal what this rank sends,
+check what it receives, raise before the optimizer step.
 
 Every payload a rank puts on a sparse wire is sealed right after encoding (a status word and
 a CRC-32C: ``compress.payload_seal``), so the checksum covers what the encoder wrote. Every
 receiver checks every payload it received, its own copy included, before it decodes any of
-them into the bucket; a bucket with a payload that fails is not decoded at all.
+them into the bucket; a bucket with a payload that fails is not decoded at all, and the
+rank raises :class:`~sparsecomm.errors.WireIntegrityError` naming the step, the bucket and
+the sender, from that bucket's future, before DDP hands the gradient to the optimizer; the
+step is rolled back in the hook's memories.
 
-Every rank alike. After an all-gather every rank holds the same bytes, but a fault on the way
-to some receivers only is seen by those only; a rank that raised alone and went on would fall
-a step behind the others. So the checks of a step's sealed buckets only record what they
-found (:class:`StepSeals`), and the hook body of the step's last bucket, once every sealed
-bucket has arrived and been checked, agrees with one small allreduce: if any rank found a
-fault, every rank raises the same :class:`~sparsecomm.errors.WireIntegrityError`, naming the
-step, the bucket and the sender, from that bucket's future, before DDP hands the gradient to
-the optimizer, and the step is rolled back in the hook's memories on every rank. The owner
-exchange's first leg is an all-to-all (each message has one receiver): an owner that
-receives a bad message reports it in the status of its reply, which every rank receives.
+Who raises. After an all-gather every rank holds the same bytes, so a payload that changed at
+its sender fails on every rank and every rank raises the same error. The owner exchange's
+first leg is an all-to-all (each message has one receiver): an owner that receives a bad
+message reports it in the status of its reply, which every rank receives. A fault on the
+way to some receivers only is seen by those only; the others apply the intact bytes, and a
+rank that raised alone would be a step behind them. With ``wire_agreement`` the checks only
+record what they found (:class:`StepSeals`), and the hook body of the step's last bucket,
+once every sealed bucket has arrived and been checked, agrees with one small allreduce: if
+any rank found a fault, every rank raises the same error, in the same step.
 
 Sums cannot be sealed: where the wire is an allreduce (random-k's values, the shared-index
 values, dense steps) the receivers get a sum no sender wrote, so no per-payload checksum
@@ -55,35 +57,36 @@ def bad_rows(rows: torch.Tensor) -> list[int]:
 
 
 class StepSeals:
-    """One step's sealed buckets: the futures of their checks and decodes, and the faults the
-    checks found on this rank, as (bucket, kind, rank, sender) tuples."""
+    """One step's sealed buckets (``agree``: ``wire_agreement``): the futures of their checks
+    and decodes, and the faults the checks found on this rank, as (bucket, kind, rank, sender)."""
 
-    __slots__ = ("futures", "faults")
+    __slots__ = ("agree", "futures", "faults")
 
-    def __init__(self):
+    def __init__(self, agree: bool = False):
+        self.agree = agree
         self.futures: list[torch.futures.Future] = []
         self.faults: list[tuple[int, int, int, int]] = []
 
-    def found(self, bucket: int, kind: int, rank: int, sender: int = 0) -> None:
-        self.faults.append((bucket, kind, rank, sender))  # from a callback thread: list.append is atomic
 
-
-def payload_faults(seals: StepSeals, bucket: int, rows: torch.Tensor) -> bool:
-    """Check one sealed payload per sender (rows in rank order); record the failures. True if any."""
-    bad = bad_rows(rows)
-    for sender in bad:
-        seals.found(bucket, PAYLOAD, sender)
-    return bool(bad)
+def refused(call, step: int, seals: StepSeals, faults) -> torch.Tensor:
+    """What a check's callback returns for a bucket in which it found ``faults`` ((kind, rank,
+    sender) each): the bucket, not decoded, when the step's agreement will raise on every rank
+    (``wire_agreement``); else this rank raises now, naming the first fault."""
+    seals.faults.extend((call.index, *fault) for fault in faults)  # from a callback thread: atomic
+    if seals.agree:
+        return call.out
+    fail(call, step, describe(*min(faults)))
 
 
 def agree(state, group, step: int, device: torch.device, fut: torch.futures.Future) -> torch.futures.Future:
-    """In the hook body of the step's last bucket: wait until every sealed bucket of the step has
-    been checked, then agree on the verdict with one allreduce (MAX of one int64: the first
-    fault this rank found, encoded, or 0). Returns ``fut``, or, when some rank found a fault, a
-    future holding the same WireIntegrityError on every rank (the step is then rolled back)."""
+    """With ``wire_agreement``, in the hook body of the step's last bucket: wait until every
+    sealed bucket of the step has been checked, then agree on the verdict with one allreduce
+    (MAX of one int64: the first fault this rank found, encoded, or 0). Returns ``fut``, or,
+    when some rank found a fault, a future holding the same WireIntegrityError on every rank
+    (the step is then rolled back)."""
     seals = state._seals
-    if not seals.futures:
-        return fut  # nothing sealed this step (the same on every rank: the plans are the same)
+    if not seals.agree or not seals.futures:
+        return fut  # nothing to agree on (the same on every rank: the plans are the same)
     for sealed in seals.futures:
         try:
             sealed.wait()
@@ -113,27 +116,29 @@ def _fault(key: int, world_size: int) -> tuple[int, str]:
     rest, sender = divmod(key - 1, world_size)
     rest, rank = divmod(rest, world_size)
     inverted, kind = divmod(rest, _KINDS)
-    what = {PAYLOAD: f"the payload from rank {rank} does not match its CRC-32C",
+    return _MAX_BUCKETS - 1 - inverted, describe(kind, rank, sender)
+
+
+def describe(kind: int, rank: int, sender: int) -> str:
+    return {PAYLOAD: f"the payload from rank {rank} does not match its CRC-32C",
             REPLY: f"the reply of owner {rank} does not match its CRC-32C",
             REPORTED: f"owner {rank} received a message from rank {sender} that does not match its CRC-32C"}[kind]
-    return _MAX_BUCKETS - 1 - inverted, what
 
 
 def error(state, step: int, bucket: int, what: str) -> WireIntegrityError:
-    """The integrity error of ``bucket`` at ``step``, the same text on every rank."""
+    """The integrity error of ``bucket`` at ``step`` (the first fault found, by bucket)."""
     undo = ("its memories go back to before this step if training goes on" if state._journal is not None else
             "its memories keep this step's changes (on_overflow='drop'): restart from a checkpoint")
     return WireIntegrityError(
         f"topk_hook: wire integrity, step {step}, bucket {bucket}: {what} (wire_checksum=True). The bytes changed "
-        f"after their sender encoded them (in memory or on the way); nothing of that bucket was applied and no "
-        f"parameter changes: every rank raises this error before the optimizer step, and the hook says so for the "
-        f"first fault (by bucket) any rank found; {undo}"
+        f"after their sender encoded them (in memory or on the way); nothing of that bucket was applied: do not "
+        f"take the optimizer step; {undo}"
     )
 
 
 def fail(call, step: int, what: str) -> None:
-    """Raise the integrity error of ``call``'s bucket at ``step`` now (a verdict every rank
-    already shares: the shared-index exchange's), rolling the step back as :func:`agree` does."""
+    """Raise the integrity error of ``call``'s bucket at ``step`` now, from this rank's own
+    verdict, and roll the step back as :func:`agree` does."""
     if call.state._journal is not None:
         call.state._journal.skip_requested = True
     raise error(call.state, step, call.index, what)

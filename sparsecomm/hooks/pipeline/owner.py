@@ -167,16 +167,16 @@ def accumulate(call, layout, bufs: OwnerBuffers):
     """Step 4's callback: every owner's reply checked (``wire_checksum``: its checksum, and its
     status, which reports a bad message the owner received), then decoded into its range of
     the bucket."""
-    state, seals = call.state, call.state._seals
+    state, step, seals = call.state, call.state.step, call.state._seals
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         replies = fut.value()
         if layout.trailer:
             started = time.perf_counter()
-            faulty = check_replies(seals, call.index, replies.view(layout.world_size, layout.slot_nbytes))
+            faults = check_replies(replies.view(layout.world_size, layout.slot_nbytes))
             state._count(seconds_wire_checksum=time.perf_counter() - started)
-            if faulty:
-                return call.out  # not decoded: the step's agreement raises
+            if faults:
+                return integrity.refused(call, step, seals, faults)
         started = time.perf_counter()
         for owner, part in enumerate(layout.parts):
             start, length = layout.ranges[owner]
@@ -193,15 +193,10 @@ def accumulate(call, layout, bufs: OwnerBuffers):
     return decode
 
 
-def check_replies(seals, bucket: int, slots: torch.Tensor) -> bool:
-    """Record the owners' replies (rows of ``slots``) that fail their checksum, and the intact
-    ones whose status reports a message that failed the owner's check. True if any."""
+def check_replies(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The faults the owners' replies (rows of ``slots``) show, as (kind, owner, sender): a reply
+    that fails its checksum, or an intact one whose status reports a message that failed the
+    owner's check."""
     intact, status = payload_seal.check(slots)
-    faulty = False
-    for owner, (ok, reported) in enumerate(zip(intact, status)):
-        if not ok:
-            seals.found(bucket, integrity.REPLY, owner)
-        elif reported != payload_seal.STATUS_OK:
-            seals.found(bucket, integrity.REPORTED, owner, reported - 1)
-        faulty = faulty or not ok or reported != payload_seal.STATUS_OK
-    return faulty
+    return [(integrity.REPLY, owner, 0) if not ok else (integrity.REPORTED, owner, reported - 1)
+            for owner, (ok, reported) in enumerate(zip(intact, status)) if not ok or reported != payload_seal.STATUS_OK]

@@ -58,7 +58,8 @@ PRESETS = (*HOOK_PRESETS, *FIXED_PRESETS)
 REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk", "sparse-delta", "local")
 TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "selector", "value_dtype", "allow_dense_fallback",
                 "verify_conservation", "k_scope", "density_schedule", "nesterov", "local_clip_norm", "transport",
-                "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link", "wire_checksum")
+                "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link", "wire_checksum",
+                "wire_agreement")
 """TopKState keywords an arm may set. Not here: process_group and module (the run's),
 seed (the run's seed), grad_scaler and on_overflow (the task has no scaler)."""
 POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
