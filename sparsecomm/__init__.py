@@ -5,7 +5,7 @@ Two lines in an existing DDP job::
     import sparsecomm
     sparsecomm.register_topk_hook(ddp_model, density=0.01)
 """
-from sparsecomm.errors import ConservationError, SparsecommError, WireIntegrityError
+from sparsecomm.errors import ConservationError, NonFiniteSyncError, SparsecommError, WireIntegrityError
 
 __version__ = "0.1.0"
 
@@ -27,5 +27,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'sparsecomm' has no attribute {name!r}")
 
 
-__all__ = ["ConservationError", "SparseDeltaAverager", "SparsecommError", "WireIntegrityError", *_HOOK_NAMES,
+__all__ = ["ConservationError", "NonFiniteSyncError", "SparseDeltaAverager", "SparsecommError", "WireIntegrityError", *_HOOK_NAMES,
            "__version__"]

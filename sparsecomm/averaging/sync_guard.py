@@ -13,20 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from sparsecomm.errors import SparsecommError
-
-
-class NonFiniteSyncError(SparsecommError):
-    """An outer sync would have put Inf or NaN into the weights; refused on every rank alike.
-
-    Nothing changed: the weights, the anchor, the error buffer and the step count are those
-    of before the ``step()`` call that raised. ``ranks``: the ranks whose payload held a
-    non-finite value (empty when every payload was finite and their mean, or the outer step,
-    overflowed float32); ``step``: the optimizer step of the sync."""
-
-    def __init__(self, message: str, ranks: list[int], step: int):
-        super().__init__(message)
-        self.ranks, self.step = ranks, step
+from sparsecomm.errors import NonFiniteSyncError
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -61,7 +61,8 @@ TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "select
                 "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link", "wire_checksum",
                 "wire_agreement")
 """TopKState keywords an arm may set. Not here: process_group and module (the run's),
-seed (the run's seed), grad_scaler and on_overflow (the task has no scaler)."""
+seed (the run's seed), grad_scaler and on_overflow (tasks run without a loss scaler, under the
+default on_overflow="rollback")."""
 POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
 SPARSE_DELTA_OPTIONS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr",
                         "ef_decay")
