@@ -1,6 +1,8 @@
-"""Run a function on several gloo ranks in spawned processes, with a hard timeout.
+"""Run a function on several gloo ranks in separate processes, with a hard timeout.
 
-Each rank runs ``fn(rank, world_size, *args)`` after joining a gloo group through a
+Ranks are forked from a server process that has imported torch once (the ``forkserver``
+start method), so a test pays milliseconds per rank instead of a fresh interpreter's import
+of torch; each rank gets the parent's environment as it is at the call. Each rank runs ``fn(rank, world_size, *args)`` after joining a gloo group through a
 FileStore; return values come back through files. A rank that raises fails the test with
 its traceback; ranks still running at the deadline are killed, so a hang never blocks CI.
 """
@@ -19,8 +21,23 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = timedelta(seconds=45)
 
 
-def _rank_main(rank, world_size, workdir, fn, args):
+# Imported once by the fork server, before it forks any rank: the costly imports every rank
+# shares. Nothing here may read the environment a test sets (that arrives with each call).
+_PRELOAD = ["torch", "torch.distributed", "numpy", "pytest"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_main(rank, world_size, workdir, environment, fn, args):
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
+    # The fork server's environment is the parent's when the server started; a test may have
+    # set variables since (monkeypatch.setenv), so take the parent's at this call.
+    os.environ.clear()
+    os.environ.update(environment)
     try:
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
@@ -41,8 +58,10 @@ def _spawn(fn, args, world_size: int, timeout: float):
     """Run ``fn`` on every rank; (exit codes, outcomes by rank: ("ok"|"error", value) or None
     for a rank that left no result, ranks still running at the deadline, killed)."""
     with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, fn, args)) for r in range(world_size)]
+        ctx = _context()
+        environment = dict(os.environ)
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, environment, fn, args))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

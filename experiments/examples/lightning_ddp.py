@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from plain_ddp import student, teacher_dataset
+from sparsecomm.dist import shutdown
 from sparsecomm.integrations import SparseCommCallback  # sparsecomm (1/2)
 
 LR = 3e-3
@@ -93,3 +94,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    # After main() returned (its trainer and DDP model are unreachable): tear the process
+    # group down now, not at interpreter exit where gloo can abort the process.
+    shutdown()
