@@ -19,11 +19,14 @@ import torch.multiprocessing as mp
 # A collective that does not complete within this time raises inside the rank instead of
 # hanging; shorter than the process deadline so the rank's own error is reported.
 COLLECTIVE_TIMEOUT = timedelta(seconds=45)
+STORE_HOST = "127.0.0.1"
 
 
 # Imported once by the fork server, before it forks any rank: the costly imports every rank
-# shares. Nothing here may read the environment a test sets (that arrives with each call).
-_PRELOAD = ["torch", "torch.distributed", "numpy", "pytest"]
+# shares (DDP's constructor imports torch._dynamo: seconds per rank). Nothing here may read
+# the environment a test sets (that arrives with each call):
+# sparsecomm.hooks does not load the native library, which reads SPARSECOMM_CPU_CAPABILITY.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "pytest", "sparsecomm.hooks"]
 
 
 def _context():
@@ -32,14 +35,14 @@ def _context():
     return ctx
 
 
-def _rank_main(rank, world_size, workdir, environment, fn, args):
+def _rank_main(rank, world_size, workdir, store_port, environment, fn, args):
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
     # The fork server's environment is the parent's when the server started; a test may have
     # set variables since (monkeypatch.setenv), so take the parent's at this call.
     os.environ.clear()
     os.environ.update(environment)
     try:
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException:  # report everything, including assertion errors, to the parent
@@ -60,7 +63,12 @@ def _spawn(fn, args, world_size: int, timeout: float):
     with tempfile.TemporaryDirectory() as workdir:
         ctx = _context()
         environment = dict(os.environ)
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, environment, fn, args))
+        # The parent serves the ranks' store on a port the system picks: no port to collide on,
+        # and no polling of a shared file (a FileStore made gloo's connection set-up take
+        # tens of seconds at 8 ranks on 2 cores).
+        store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=COLLECTIVE_TIMEOUT)
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, store.port, environment, fn, args))
                  for r in range(world_size)]
         for p in procs:
             p.start()
