@@ -69,10 +69,11 @@ def load_user_task(name: str) -> "Task":
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ValueError(f"task {name}: {module_name} has no callable {factory_name!r}")
-    from sparsecomm.lab.tasks.base import Task
-
     task = _users_code(name, f"{factory_name}()", factory)
-    if not isinstance(task, Task):
+    # A Task is an instance of a subclass of base.Task, so base is imported by then; when it is
+    # not, the factory returned something else, and the command says so without importing torch.
+    base = sys.modules.get("sparsecomm.lab.tasks.base")
+    if base is None or not isinstance(task, base.Task):
         raise ValueError(f"task {name}: {factory_name}() returned {type(task).__name__}, not a "
                          "sparsecomm.lab.tasks.Task (subclass it: num_train_samples, build_model, train_batch, loss, "
                          "val_loss)")
