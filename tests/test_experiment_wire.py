@@ -56,11 +56,12 @@ def test_bad_codec_sweeps_fail_before_any_run(capsys, tmp_path):
 
 
 def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path, capsys):
-    # digits-quick, 1 density x 2 codecs x (dense + topk-ef) x 2 seeds, 40 steps: 6 launches, not 8.
+    # digits-quick, 1 density x 2 codecs x (dense + topk-ef) x 1 seed, 40 steps: 3 launches, not 4.
+    # (The reuse is per seed, and no verdict is asserted here: one seed shows it.)
     out, plots = tmp_path / "runs", tmp_path / "plots"
     code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef",
                           "--selector", "chunk", "--index-codec", "rice", "--value-codecs", "int4", "sign",
-                          "--seeds", "0", "1", "--steps", "40", "--out", str(out), "--plots", str(plots)])
+                          "--seeds", "0", "--steps", "40", "--out", str(out), "--plots", str(plots)])
     assert code == 0
     printed = capsys.readouterr().out
     points = json.loads((out / "digits-quick-chunk-rice-codecs-frontier.json").read_text())
@@ -69,11 +70,12 @@ def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path,
     first, second = (load_runs(p["run_dir"]) for p in points)
     dense_first = {r.seed: r for r in first if r.arm == "dense"}
     dense_second = {r.seed: r for r in second if r.arm == "dense"}
-    # The second codec's dense runs are the first's (copied, not trained again): same losses, same times.
-    for seed in (0, 1):
-        assert dense_second[seed].final_val_loss == dense_first[seed].final_val_loss
-        assert dense_second[seed].median_step_seconds == dense_first[seed].median_step_seconds
-    assert printed.count("finished earlier, skipped") >= 2
+    # The second codec's dense run is the first's (copied, not trained again): same loss, same times.
+    assert sorted(dense_first) == sorted(dense_second) == [0]
+    assert dense_second[0].final_val_loss == dense_first[0].final_val_loss
+    assert dense_second[0].median_step_seconds == dense_first[0].median_step_seconds
+    assert dense_second[0].setup_seconds == dense_first[0].setup_seconds
+    assert printed.count("finished earlier, skipped") == 1  # the copy, in the second codec's experiment
     sparse = {r.seed: r for r in second if r.arm == "topk-ef"}
     assert "chunk 4096 rice/sign" in sparse[0].extra["hook"]
     assert (plots / "digits-quick-chunk-rice-codecs-frontier" / "frontier.png").stat().st_size > 10_000
