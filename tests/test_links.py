@@ -208,17 +208,34 @@ def test_a_failing_rank_inside_the_network_is_recorded_and_the_network_removed(t
     assert _ours() == before
 
 
+@pytest.fixture(scope="module")
+def link_frontier(tmp_path_factory):
+    """One real paired experiment over an emulated 100 Mb/s link, run by ``sparsecomm frontier``
+    (digits-quick, dense + topk-ef at density 0.05, seed 0, 20 steps: 2 launches); both tests
+    below read it. (The frontier runs each density's experiment with runner.run_experiment.)"""
+    from sparsecomm.lab import frontier
+
+    if _UNAVAILABLE is not None:
+        pytest.skip(f"link emulation unavailable: {_UNAVAILABLE}")
+    root = tmp_path_factory.mktemp("link-frontier")
+    before = _ours()
+    code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef", "--seeds", "0",
+                          "--steps", "20", "--link", "100mbit", "--out", str(root / "runs"),
+                          "--plots", str(root / "plots")])
+    return {"code": code, "root": root, "namespaces_before": before, "namespaces_after": _ours()}
+
+
 @needs_emulation
-def test_paired_run_over_an_emulated_link_end_to_end(tmp_path):
+def test_paired_run_over_an_emulated_link_end_to_end(link_frontier):
     """Real gloo traffic over a 100 Mb/s link: dense's step pays for its bytes, top-k's does not."""
     from sparsecomm.lab import ledger
 
-    before = _ours()
-    config = _tiny_config(tmp_path)
-    run_dir = runner.run_experiment(config, tmp_path, progress=lambda line: None)
+    assert link_frontier["code"] == 0
+    (run_dir,) = (link_frontier["root"] / "runs").glob("digits-quick-100mbit-frontier-d*")
     runs = {r.arm: r for r in load_runs(run_dir)}
+    assert sorted(runs) == ["dense", "topk-ef"]
     assert {r.status for r in runs.values()} == {"ok"}, [r.error for r in runs.values()]
-    assert _ours() == before
+    assert link_frontier["namespaces_after"] == link_frontier["namespaces_before"]
     dense = runs["dense"]
     # Dense allreduces its whole buffer every step; at 100 Mb/s that takes at least this long
     # (a lower bound, whatever else the machine is doing; tbf's 64 KiB bucket allowed for).
@@ -229,15 +246,10 @@ def test_paired_run_over_an_emulated_link_end_to_end(tmp_path):
 
 
 @needs_emulation
-def test_frontier_over_an_emulated_link_keeps_its_own_files(tmp_path, capsys):
-    from sparsecomm.lab import frontier
-
-    before = _ours()
-    code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef", "--seeds", "0",
-                          "--steps", "20", "--link", "100mbit", "--out", str(tmp_path / "runs"),
-                          "--plots", str(tmp_path / "plots")])
-    assert code == 0
-    assert (tmp_path / "runs" / "digits-quick-100mbit-frontier.json").exists()
-    config = json.loads(next((tmp_path / "runs").glob("digits-quick-100mbit-frontier-d*/experiment.json")).read_text())
+def test_frontier_over_an_emulated_link_keeps_its_own_files(link_frontier):
+    runs = link_frontier["root"] / "runs"
+    assert link_frontier["code"] == 0
+    assert (runs / "digits-quick-100mbit-frontier.json").exists()
+    config = json.loads(next(runs.glob("digits-quick-100mbit-frontier-d*/experiment.json")).read_text())
     assert config["config"]["link"] == "100mbit"
-    assert _ours() == before
+    assert link_frontier["namespaces_after"] == link_frontier["namespaces_before"]
