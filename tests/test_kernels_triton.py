@@ -21,7 +21,10 @@ The CUDA oracle runs on CPU copies of the inputs: torch's CUDA ``tensor.div(scal
 multiplies by the reciprocal, while the contract (and torch on CPU) divides.
 
 The interpreter is slow, so sizes are small (1, 7, 1000, 4099) and a few tests force tiny
-blocks and a capped program count to exercise multi-program prefixes and tile loops.
+blocks and a capped program count to exercise multi-program prefixes and tile loops. The
+interpreter's time goes per tile a program walks (each tile costs about as much as a whole
+default 1024-entry tile), not per element, so those tests use ``MANY`` = 117 entries in
+blocks of 16: 3 programs of 3, 3 and 2 tiles, the last tile holding 5 entries.
 """
 import contextlib
 import importlib
@@ -49,6 +52,8 @@ DTYPE_PAIRS = [
 ]
 # (residual present, add_residual)
 EF_MODES = [(True, True), (True, False), (False, False)]
+# Entries for _small_programs: 8 tiles of 16 -> 3 programs of 3, 3, 2 tiles; the last tile holds 5.
+MANY = 16 * 7 + 5
 FLOAT_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -104,8 +109,8 @@ def _radix(ops):
 
 
 @contextlib.contextmanager
-def _small_programs(ops, block=64, max_programs=3):
-    """Many programs with several tiles each, on small inputs."""
+def _small_programs(ops, block=16, max_programs=3):
+    """Many programs with several tiles each, on small inputs (``MANY`` entries: 3 programs)."""
     with _radix(ops).geometry_override(block=block, max_programs=max_programs):
         yield
 
@@ -214,13 +219,13 @@ def test_ef_topk_pack_ties_lowest_indices(backend, grad_dtype, kind):
 def test_ef_topk_pack_ties_at_kth_across_programs(backend):
     """Ties exactly at the k-th key spread over many programs and tiles: lowest indices win."""
     ops, device = backend
-    n = 4099
+    n = MANY  # programs hold entries [0, 48), [48, 96), [96, 117); tiles of 16
     grad = _grad(n, torch.float32, seed=9)
     big = grad.abs().max().item() + 1
-    tie_positions = [3, 64, 65, 700, 1500, 2048, 4000, 4098]
+    tie_positions = [3, 16, 17, 40, 50, 80, 100, 116]
     for pos in tie_positions:  # 8 ties; the 5 entries above them are unique
         grad[pos] = -big if pos % 2 else big
-    for i, pos in enumerate([10, 20, 3000, 3001, 4097]):
+    for i, pos in enumerate([10, 20, 60, 61, 115]):
         grad[pos] = big * (2 + i)
     with _small_programs(ops):
         for k in (5 + 1, 5 + 3, 5 + 8, 5 + 9):
@@ -246,9 +251,9 @@ def test_ef_topk_pack_nan_inf_selected_first(backend, grad_dtype, wire_dtype):
 @pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
 def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(backend, grad_dtype, wire_dtype):
     """Inf/NaN are sent first and unchanged and leave +0 in the residual, sent or not (more
-    of them than k: some are not sent); 4099 entries over 3 programs of several tiles."""
+    of them than k: some are not sent); MANY entries over 3 programs of several tiles."""
     ops, device = backend
-    for n, programs in ((1000, contextlib.nullcontext()), (4099, _small_programs(ops))):
+    for n, programs in ((1000, contextlib.nullcontext()), (MANY, _small_programs(ops))):
         with programs:
             for name, count, k in topk_non_finite_cases(n):
                 grad = with_non_finite(n, grad_dtype, count, seed=count)
@@ -273,11 +278,13 @@ def test_ef_topk_pack_subnormals(backend, grad_dtype, wire_dtype):
 
 
 def test_ef_topk_pack_many_programs(backend):
-    """Same results with tiny blocks: 3 programs x several tiles (cross-program offsets)."""
+    """Same results with tiny blocks: 3 programs x several tiles (cross-program offsets); 64
+    entries: 2 programs of 2 full tiles; 7: one program, one partial tile."""
     ops, device = backend
     with _small_programs(ops):
-        for (grad_dtype, wire_dtype), (n, k) in [(DTYPE_PAIRS[1], (1000, 10)), (DTYPE_PAIRS[3], (4099, 41)),
-                                                 (DTYPE_PAIRS[5], (4099, 4099)), (DTYPE_PAIRS[0], (7, 3))]:
+        for (grad_dtype, wire_dtype), (n, k) in [(DTYPE_PAIRS[1], (MANY, 10)), (DTYPE_PAIRS[3], (MANY, 41)),
+                                                 (DTYPE_PAIRS[5], (MANY, MANY)), (DTYPE_PAIRS[6], (64, 7)),
+                                                 (DTYPE_PAIRS[0], (7, 3))]:
             grad = _grad(n, grad_dtype, seed=k)
             residual = (0.5 * _grad(n, torch.float32, seed=k + 1)).to(grad_dtype)
             for has_residual, add_residual in EF_MODES:
@@ -366,7 +373,7 @@ def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(backend, grad_dty
     still leave +0; with 3 programs, the later ones (past the capacity, which send nothing)
     hold some of them."""
     ops, device = backend
-    for n, programs in ((1000, contextlib.nullcontext()), (4099, _small_programs(ops))):
+    for n, programs in ((1000, contextlib.nullcontext()), (MANY, _small_programs(ops))):
         with programs:
             for name, count, threshold, cap in threshold_non_finite_cases(n):
                 grad = with_non_finite(n, grad_dtype, count, seed=count)
@@ -377,7 +384,7 @@ def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(backend, grad_dty
 def test_ef_threshold_pack_overflow_across_programs(backend):
     """Capacity smaller than the selection: the lowest indices are sent, the rest stay in the residual."""
     ops, device = backend
-    n = 4099
+    n = MANY
     grad = _grad(n, torch.float32, seed=21)
     residual = torch.zeros(n)
     above = int((grad.abs() >= 1.0).sum())
@@ -434,8 +441,8 @@ def test_topk_threshold_all_equal_and_many_programs(backend):
         assert _check_topk_threshold(ops, device, x, k) == 1000
     with _small_programs(ops):
         for dtype in (torch.float32, torch.bfloat16):
-            x = _grad(4099, dtype, seed=4, kind="randn")
-            for k in (1, 41, 410, 4099):
+            x = _grad(MANY, dtype, seed=4, kind="randn")
+            for k in (1, 12, 58, MANY):
                 _check_topk_threshold(ops, device, x, k)
 
 
