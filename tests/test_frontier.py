@@ -3,12 +3,15 @@
 Two ways: on hand-made run directories whose verdicts are worked out by hand (fast, every
 verdict and the choice of the sparsest density), and end to end on the digits task with
 settings whose answer is known (density 1: the hook's dense fallback, bit-identical to
-dense; density 0.001 at 150 steps: far from converged, clearly worse).
+dense; density 0.001 at 50 steps: far from converged, clearly worse). The density-0.001
+runs are those of test_experiment_runner's end-to-end ``compare`` (tests/digits_point.py):
+the frontier finds them finished and skips them, as a re-run does.
 """
 import json
 
 import pytest
 
+import digits_point
 from run_dir_fixture import write_run_dir
 from sparsecomm.lab import frontier
 from sparsecomm.lab.experiment import runner
@@ -118,12 +121,20 @@ def test_sparsest_equivalent_picks_the_lowest_passing_density():
 
 
 @pytest.mark.timeout(600)
-def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, capsys):
-    # 2 densities x (dense + topk-ef) x 3 seeds = 12 runs of 150 steps.
-    out, plots = tmp_path / "runs", tmp_path / "plots"
+def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, tmp_path_factory, capsys):
+    # 2 densities x (dense + topk-ef) x 3 seeds = 12 runs of 50 steps; the 6 of density 0.001
+    # were trained by the shared compare (tests/digits_point.py) into the same --out.
+    point = digits_point.compare_point(tmp_path_factory)
+    out, plots = point.out, tmp_path / "plots"
     code = frontier.main(["--experiment", "digits-quick", "--densities", "1", "0.001", "--arms", "topk-ef",
-                          "--seeds", "0", "1", "2", "--steps", "150", "--out", str(out), "--plots", str(plots)])
+                          "--seeds", "0", "1", "2", "--steps", str(digits_point.STEPS), "--out", str(out),
+                          "--plots", str(plots)])
     assert code == 0
+    printed = capsys.readouterr().out
+    # The compare's runs are this frontier's density-0.001 runs (same hashes): skipped, not trained again.
+    skipped = [line for line in printed.splitlines() if "finished earlier, skipped" in line]
+    assert sorted(line.rsplit("(", 1)[-1].rstrip(")") for line in skipped) == sorted(
+        p.name for p in (point.experiment_dir / "runs").iterdir()), printed
     points = {p["density"]: p for p in json.loads((out / "digits-quick-frontier.json").read_text())}
     assert sorted(points) == [0.001, 1.0] and {p["arm"] for p in points.values()} == {"topk-ef"}
     finals = {}
@@ -146,7 +157,7 @@ def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, capsys):
     dense_bytes = load_runs(one["run_dir"])[0].bytes_dense_per_step
     assert one["bytes_per_step"] == dense_bytes
 
-    # Density 0.001 (~700 B per step instead of ~340 kB) for 150 steps: far from converged. The
+    # Density 0.001 (~700 B per step instead of ~340 kB) for 50 steps: far from converged. The
     # precondition, every seed more than 4x the tolerance (0.05) behind dense; then "worse",
     # also by scipy's one-sided t-test on the same differences.
     sparse = points[0.001]
@@ -158,7 +169,6 @@ def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, capsys):
     assert sparse["bytes_per_step"] < 0.01 * dense_bytes
     assert sparse["steps_to_target"] is None  # the target: dense median final + 0.05
 
-    printed = capsys.readouterr().out
     assert "sparsest equivalent topk-ef: none of the densities tried" in printed
     assert (plots / "digits-quick-frontier" / "frontier.png").stat().st_size > 10_000
 
