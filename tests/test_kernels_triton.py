@@ -20,8 +20,10 @@ testing the wrong thing. No subprocess is needed.
 The CUDA oracle runs on CPU copies of the inputs: torch's CUDA ``tensor.div(scalar)``
 multiplies by the reciprocal, while the contract (and torch on CPU) divides.
 
-The interpreter is slow, so sizes are small (1, 7, 1000, 4099) and a few tests force tiny
-blocks and a capped program count to exercise multi-program prefixes and tile loops. The
+The interpreter is slow, so sizes are small (1, 7, 1000, and ``MULTI``: 3 programs of the
+default geometry, the last holding 3 entries, i.e. 2051 on CPU and 8195 on CUDA) and a few
+tests force tiny blocks and a capped program count to exercise multi-program prefixes and
+tile loops. The
 interpreter's time goes per tile a program walks (each tile costs about as much as a whole
 default 1024-entry tile), not per element, so those tests use ``MANY`` = 117 entries in
 blocks of 16: 3 programs of 3, 3 and 2 tiles, the last tile holding 5 entries.
@@ -43,7 +45,10 @@ from sparsecomm.ops import reference  # noqa: E402
 
 _PKG = "sparsecomm.ops.triton"
 _MISSING = object()
-SIZES_AND_KS = [(1, 1), (7, 1), (7, 7), (1000, 1), (1000, 10), (4099, 41), (4099, 4099)]
+# A size resolved per backend by _size: 3 programs of the default block, the last holding 3 entries.
+MULTI = "multi"
+# (n, k); k = MULTI: k = n.
+SIZES_AND_KS = [(1, 1), (7, 1), (7, 7), (1000, 1), (1000, 10), (MULTI, 41), (MULTI, MULTI)]
 # (grad dtype, wire dtype): each grad dtype with its own dtype and a different one.
 DTYPE_PAIRS = [
     (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
@@ -54,6 +59,11 @@ DTYPE_PAIRS = [
 EF_MODES = [(True, True), (True, False), (False, False)]
 # Entries for _small_programs: 8 tiles of 16 -> 3 programs of 3, 3, 2 tiles; the last tile holds 5.
 MANY = 16 * 7 + 5
+# The pairs the non-finite tests also run over many programs: every grad dtype and every wire
+# dtype, a saturating wire among them. What the programs add (offsets from other programs'
+# counts, programs past the capacity) is integer logic the dtypes do not enter; every pair
+# runs the per-element rules at 1000 entries.
+MANY_PROGRAM_PAIRS = [DTYPE_PAIRS[2], DTYPE_PAIRS[4], DTYPE_PAIRS[6]]
 FLOAT_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -106,6 +116,13 @@ def cpu_backend():
 def _radix(ops):
     """The backend copy's own radix module (geometry knobs live there)."""
     return ops.ef_topk_pack.__globals__["radix"]
+
+
+def _size(ops, device, n):
+    """``n``, or for ``MULTI`` 2 * block + 3 with the backend's default block (1024 interpreted, 4096 compiled)."""
+    if n != MULTI:
+        return n
+    return 2 * _radix(ops).geometry(1, device)[0] + 3
 
 
 @contextlib.contextmanager
@@ -195,6 +212,8 @@ def _check_topk(ops, device, grad, residual, divisor, add_residual, k, wire_dtyp
 @pytest.mark.parametrize("n,k", SIZES_AND_KS)
 def test_ef_topk_pack_matches_reference(backend, grad_dtype, wire_dtype, n, k):
     ops, device = backend
+    n, k = _size(ops, device, n), _size(ops, device, k)
+    assert _radix(ops).geometry(n, device)[2] == (3 if n > 1000 else 1)
     grad = _grad(n, grad_dtype, seed=n + k)
     residual = (0.5 * _grad(n, torch.float32, seed=n + k + 1)).to(grad_dtype)
     for has_residual, add_residual in EF_MODES:
@@ -248,12 +267,20 @@ def test_ef_topk_pack_nan_inf_selected_first(backend, grad_dtype, wire_dtype):
         assert len(nonfinite & set(idx.tolist())) == min(k, len(nonfinite))
 
 
+def _non_finite_geometries(ops, grad_dtype, wire_dtype):
+    """(n, geometry context): 1000 entries in one program; for MANY_PROGRAM_PAIRS also MANY in 3 programs."""
+    yield 1000, contextlib.nullcontext()
+    if (grad_dtype, wire_dtype) in MANY_PROGRAM_PAIRS:
+        yield MANY, _small_programs(ops)
+
+
 @pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
 def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(backend, grad_dtype, wire_dtype):
     """Inf/NaN are sent first and unchanged and leave +0 in the residual, sent or not (more
-    of them than k: some are not sent); MANY entries over 3 programs of several tiles."""
+    of them than k: some are not sent); for MANY_PROGRAM_PAIRS also MANY entries over 3
+    programs of several tiles."""
     ops, device = backend
-    for n, programs in ((1000, contextlib.nullcontext()), (MANY, _small_programs(ops))):
+    for n, programs in _non_finite_geometries(ops, grad_dtype, wire_dtype):
         with programs:
             for name, count, k in topk_non_finite_cases(n):
                 grad = with_non_finite(n, grad_dtype, count, seed=count)
@@ -351,18 +378,24 @@ def _check_threshold(ops, device, grad, residual, divisor, add_residual, thresho
 
 @pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS[:4] + DTYPE_PAIRS[5:6],
                          ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("n", [1, 7, 1000, MULTI])
 def test_ef_threshold_pack_matches_reference(backend, grad_dtype, wire_dtype, n):
     ops, device = backend
+    n = _size(ops, device, n)
     grad = _grad(n, grad_dtype, seed=n, kind="nonfinite" if n == 1000 else "randn")
     residual = (0.5 * _grad(n, torch.float32, seed=n + 1)).to(grad_dtype)
-    for has_residual, add_residual in EF_MODES:
+    for mode, (has_residual, add_residual) in enumerate(EF_MODES):
         res = residual if has_residual else None
         # Numbers (key on the host) and 0-d tensors on grad's device (key read by the kernels).
-        for threshold in (0.4, torch.tensor(-0.4), 0.0, float("inf"), torch.tensor(0.25, dtype=torch.bfloat16)):
+        for t, threshold in enumerate((0.4, torch.tensor(-0.4), 0.0, float("inf"),
+                                       torch.tensor(0.25, dtype=torch.bfloat16))):
             expected = int(reference.magnitude_key(reference.compensated(grad, res, 3, add_residual)).ge(
                 reference.magnitude_key(torch.tensor([float(threshold)]))).sum())
-            for cap in {0, max(expected // 2, 1), expected, expected + 5}:
+            caps = [0, max(expected // 2, 1), expected, expected + 5]
+            # Every mode x threshold (the compiled variants: residual flags, threshold read from
+            # a pointer or not), each with two of the four capacities in turn, so that every
+            # mode and every threshold also meets every capacity.
+            for cap in {caps[(mode + t) % 4], caps[(mode + t + 2) % 4]}:
                 _check_threshold(ops, device, grad, res, 3, add_residual, threshold, cap, wire_dtype,
                                  offset=3, values_extra=2)
 
@@ -371,9 +404,9 @@ def test_ef_threshold_pack_matches_reference(backend, grad_dtype, wire_dtype, n)
 def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(backend, grad_dtype, wire_dtype):
     """Inf/NaN beyond the capacity, below a NaN threshold, or at capacity 0 are not sent and
     still leave +0; with 3 programs, the later ones (past the capacity, which send nothing)
-    hold some of them."""
+    hold some of them (MANY_PROGRAM_PAIRS)."""
     ops, device = backend
-    for n, programs in ((1000, contextlib.nullcontext()), (MANY, _small_programs(ops))):
+    for n, programs in _non_finite_geometries(ops, grad_dtype, wire_dtype):
         with programs:
             for name, count, threshold, cap in threshold_non_finite_cases(n):
                 grad = with_non_finite(n, grad_dtype, count, seed=count)
@@ -423,9 +456,10 @@ def _closest_count(key, k, err):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("n", [1, 7, 1000, MULTI])
 def test_topk_threshold_bound_and_exact_count(backend, dtype, n):
     ops, device = backend
+    n = _size(ops, device, n)
     for kind in ("randn", "ties", "nonfinite") if n >= 1000 else ("randn",):
         x = _grad(n, dtype, seed=n, kind=kind)
         for k in sorted({1, max(1, n // 100), max(1, n // 10), n // 2 or 1, n}):
