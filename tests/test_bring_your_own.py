@@ -2,11 +2,13 @@
 ``sparsecomm compare``, then ``sparsecomm check``; and the library without the lab.
 
 The examples in experiments/examples/ are what a user would write; these tests run them as
-a user would (the command line, 2 ranks, dense and one or two other arms, a small budget).
-Every run is a launch of its own (torchrun and its ranks start from scratch), so the tests
-take as few seeds as their assertions need: two where pairing across seeds is checked, one
-elsewhere (``check`` then says INCONCLUSIVE, n < 3: its verdicts over seeds are tested on
-results in test_tolerance.py); and the script tests share one ``compare`` run.
+a user would (the command line, 2 ranks, dense and one other arm, a small budget).
+Every run is a launch of its own (torchrun and its ranks start from scratch, seconds each),
+so the tests take as few runs as their assertions need: two seeds where pairing across seeds
+is checked, one elsewhere (``check`` then says INCONCLUSIVE, n < 3: its verdicts over seeds
+are tested on results in test_tolerance.py); the script tests share one ``compare`` run; two
+script endings that both finish the run share a launch; and what run.finish() says without
+the metric is checked on ranks forked in-process (a script raising it is the "raises" ending).
 """
 import json
 import math
@@ -124,20 +126,20 @@ def test_a_task_that_exits_or_interrupts_fails_the_command(tmp_path, task, sourc
 
 @pytest.fixture(scope="module")
 def user_script_run(tmp_path_factory) -> tuple[Path, Path]:
-    """One compare of user_script.py, shared by the two tests below: dense and two top-k arms
-    (topk-dgc, topk-ef), seed 0, 30 steps, the script's own --eval-every 10, and the metric
-    val_accuracy (higher is better) with its tolerance. Returns (run directory, plots root)."""
+    """One compare of user_script.py, shared by the two tests below: dense and topk-dgc, seed 0,
+    30 steps, the script's own --eval-every 10, and the metric val_accuracy (higher is better)
+    with its tolerance (topk-ef runs the script under mpiexec below). Returns (run directory,
+    plots root)."""
     tmp_path = tmp_path_factory.mktemp("user_script")
-    run_dir = _compare(tmp_path, "--script", EXAMPLES / "user_script.py", "--arms", "dense", "topk-dgc", "topk-ef",
-                       "--steps", 30, "--metric", "val_accuracy", "--mode", "max", "--tolerance", 0.05,
-                       script_args=("--eval-every", 10))
+    run_dir = _compare(tmp_path, "--script", EXAMPLES / "user_script.py", "--arms", "dense", "topk-dgc", "--steps", 30,
+                       "--metric", "val_accuracy", "--mode", "max", "--tolerance", 0.05, script_args=("--eval-every", 10))
     return run_dir, tmp_path / "plots"
 
 
 def test_a_user_script_runs_paired_through_compare_and_check(user_script_run):
     run_dir, plots = user_script_run
     runs = {(r.arm, r.seed): r for r in load_runs(run_dir)}
-    assert sorted(runs) == [("dense", 0), ("topk-dgc", 0), ("topk-ef", 0)]
+    assert sorted(runs) == [("dense", 0), ("topk-dgc", 0)]
     assert all(r.status == "ok" for r in runs.values())
     assert [e.step for e in runs[("dense", 0)].evals] == [10, 20, 30]  # the script's own eval cadence
     for (arm, seed), run in runs.items():
@@ -146,7 +148,7 @@ def test_a_user_script_runs_paired_through_compare_and_check(user_script_run):
         assert [r["step"] for r in train] == list(range(1, 31))
         steady = train[2:]  # after the two dense warm-up steps
         sent, dense = sum(r["bytes_sent"] for r in steady), sum(r["bytes_dense"] for r in steady)
-        assert (sent < 0.1 * dense) if arm != "dense" else sent == dense
+        assert (sent < 0.1 * dense) if arm == "topk-dgc" else sent == dense
     summary = json.loads(next(run_dir.glob("runs/topk-dgc-seed0-*/summary.json")).read_text())
     assert summary["arm_spec"]["options"]["momentum"] == 0.9 and summary["hook_stats"]["bytes_sent"] > 0
     _check_gives_a_verdict(run_dir, "topk-dgc")
@@ -171,7 +173,7 @@ def test_the_metric_can_be_one_where_higher_is_better(user_script_run):
     run_dir, _ = user_script_run  # compared with --metric val_accuracy --mode max --tolerance 0.05
     runs = load_runs(run_dir)
     assert all(0 <= e.val_loss <= 1 for r in runs for e in r.evals)  # accuracies, as logged
-    out = _check_gives_a_verdict(run_dir, "topk-ef")
+    out = _check_gives_a_verdict(run_dir, "topk-dgc")
     assert "val_accuracy >=" in out
 
 
@@ -247,10 +249,11 @@ run = sparsecomm.lab.init()
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("source, status, said", [
-    # The docs: finish() runs at the end when a script forgets it, also after the group is gone.
-    (SCRIPT_HEAD + "run.log({'val_loss': 0.5}, step=3)\ndist.destroy_process_group()\n", "ok", None),
-    # The relative --script path is the command's, not the directory the script moved to.
-    ("import os\nos.chdir('/')\n" + SCRIPT_HEAD + "run.log({'val_loss': 0.5})\nrun.finish()\n", "ok", None),
+    # Two endings that finish, in one launch: the relative --script path is the command's, not
+    # the directory the script moved to before init(); and (the docs) finish() runs at the end
+    # when a script forgets it, also after the group is gone. run.log's step: the steps taken.
+    ("import os\nos.chdir('/')\n" + SCRIPT_HEAD + "run.log({'val_loss': 0.5})\ndist.destroy_process_group()\n", "ok",
+     None),
     (INIT_ONLY + "sys.exit('no data for this arm')\n", "failed",
      "SystemExit: the script called sys.exit('no data for this arm') at train.py:8, after "
      "sparsecomm.lab.init(), before run.apply(...)"),
@@ -258,13 +261,12 @@ run = sparsecomm.lab.init()
      "KeyboardInterrupt: the script raised KeyboardInterrupt at train.py:15, after 3 optimizer step(s)"),
     (SCRIPT_HEAD + "raise RuntimeError('the user script broke at step 3')\n", "failed",
      "RuntimeError: the user script broke at step 3"),
-    (SCRIPT_HEAD + "run.finish()\n", "failed", "RuntimeError: run.finish: run.log never recorded the experiment's metric"),
     (SCRIPT_HEAD, "failed", "RuntimeError: the script returned after sparsecomm.lab.init() and 3 optimizer step(s), "
                             "but run.log never recorded the experiment's metric 'val_loss'"),
     ("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.destroy_process_group()\n", "failed",
      "RuntimeError: the script returned without calling sparsecomm.lab.init(): nothing connected it to the run"),
-], ids=["destroys-group-without-finish", "chdir-before-init", "sys-exit-message-after-init", "keyboard-interrupt",
-        "raises", "finish-without-metric", "returns-without-metric", "never-calls-init"])
+], ids=["chdir-before-init-and-destroys-group-without-finish", "sys-exit-message-after-init", "keyboard-interrupt",
+        "raises", "returns-without-metric", "never-calls-init"])
 def test_how_a_script_ends_is_what_its_run_records(tmp_path, monkeypatch, source, status, said):
     summary = _run_script(tmp_path, monkeypatch, "import sys\n" + source)["dense"]
     assert summary["status"] == status, summary
@@ -274,17 +276,35 @@ def test_how_a_script_ends_is_what_its_run_records(tmp_path, monkeypatch, source
         assert summary["evals"] == [[3, summary["evals"][0][1], 0.5]]
 
 
+def test_finish_without_the_metric_raises_naming_it(tmp_path):
+    """run.finish() before run.log recorded the metric raises on every rank, naming it. A
+    script that does so ends by raising, the "raises" ending above (same record, this message);
+    here its ranks are forked in-process rather than launched."""
+    from multiprocess import run_on_ranks
+    from script_run_ranks import finish_without_the_metric
+
+    (tmp_path / "train.py").write_text("# the run's script (not run: the ranks call the lab themselves)\n")
+    outcomes = run_on_ranks(finish_without_the_metric, str(tmp_path / "train.py"), str(tmp_path), timeout=120)
+    said = ("run.finish: run.log never recorded the experiment's metric 'val_loss' (log it at least once, at the "
+            "end)")
+    assert outcomes == [("RuntimeError", said, 3)] * 2, outcomes
+
+
 def test_a_script_logging_a_non_finite_or_tensor_metric_is_measured_not_failed(tmp_path, monkeypatch):
     from sparsecomm.lab import tolerance
     from sparsecomm.lab.results import load_runs
 
-    tail = ("value = torch.tensor(0.5) if run.arm == 'dense' else float('nan')\n"
-            "run.log({'val_loss': value, 'train_loss': torch.tensor([2.0])}, step=3)\nrun.finish()\n")
-    summaries = _run_script(tmp_path, monkeypatch, SCRIPT_HEAD + tail, arms=("dense", "dense-bf16"))
-    assert [s["status"] for s in summaries.values()] == ["ok", "ok"], summaries
-    assert summaries["dense"]["evals"][-1][2] == 0.5 and math.isnan(summaries["dense-bf16"]["evals"][-1][2])
-    runs = {r.arm: r for r in load_runs(tmp_path / "runs" / "s")}
-    verdict = tolerance.equivalence({0: runs["dense"].final_val_loss}, {0: runs["dense-bf16"].final_val_loss}, 0.1)
+    # One run: a tensor at step 2, then NaN (a diverged run) at the end.
+    tail = ("run.log({'val_loss': torch.tensor(0.5)}, step=2)\n"
+            "run.log({'val_loss': float('nan'), 'train_loss': torch.tensor([2.0])}, step=3)\nrun.finish()\n")
+    summary = _run_script(tmp_path, monkeypatch, SCRIPT_HEAD + tail)["dense"]
+    assert summary["status"] == "ok", summary
+    assert [step for step, _, _ in summary["evals"]] == [2, 3]
+    assert summary["evals"][0][2] == 0.5 and math.isnan(summary["evals"][1][2])
+    (run,) = load_runs(tmp_path / "runs" / "s")
+    assert math.isnan(run.final_val_loss)
+    # Paired against a finite loss (the run's own 0.5 at step 2): no verdict on a NaN.
+    verdict = tolerance.equivalence({0: run.evals[0].val_loss}, {0: run.final_val_loss}, 0.1)
     assert verdict.verdict == "inconclusive" and "non-finite final loss at seed(s) [0]" in verdict.reason
 
 
