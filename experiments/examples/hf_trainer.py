@@ -10,7 +10,9 @@ moment moved into the hook: betas (0.9, 0.999) -> (0.0, 0.999), said at start-up
 ``--dense`` trains without it (the baseline); under the lab it registers the arm's hook
 (``run.apply``) and logs each ``eval_loss`` as ``val_loss``. Every checkpoint gets each
 rank's ``sparsecomm_rank<r>.pt``. The last line per rank gives ``final loss``: the mean of
-the training losses the Trainer logged (each over both ranks) in the last quarter of the steps.
+the training losses the Trainer logged (each over both ranks) in the last quarter of the steps;
+the last step's is always logged (the Trainer logs every ``--logging-steps``, so a run of
+fewer steps, or one that ends between two logs, would otherwise have none there).
 """
 import argparse
 import gc
@@ -18,13 +20,23 @@ import tempfile
 
 import pydoc_data.topics
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import sparsecomm
 import sparsecomm.lab
 from sparsecomm.integrations import SparseCommTrainerCallback  # sparsecomm (1/2)
 
 WINDOW = 64
+
+
+class LogTheLastStep(TrainerCallback):
+    """Log the training loss at the last step too, as the Trainer evaluates there: the final
+    loss then always has a logged loss in the last quarter of the steps."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+        return control
 
 
 def byte_windows(data: torch.Tensor) -> list[dict]:
@@ -66,7 +78,7 @@ def main(argv=None) -> None:
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=byte_windows(text[:split]),
                       eval_dataset=byte_windows(text[split:split + 256 * WINDOW]),
-                      callbacks=[callback] if callback else [])
+                      callbacks=[LogTheLastStep(), *([callback] if callback else [])])
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     logged = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     final = [loss for step, loss in logged if step > trainer.state.global_step * 3 / 4]
