@@ -43,9 +43,9 @@ GEOMETRIES = [
     (1003, 64, 0.1),  # 16 chunks, the last of 43 entries: k_last 5 < k_full 7
     (777, 100, 0.3),  # chunk size not a power of two: 7-bit chunk indices, a last chunk of 77
     (1500, 256, 0.003),  # k = 1 in every chunk
-    (300, 7, 0.5),  # chunks shorter than a byte's worth of sign bits
+    (62, 7, 0.5),  # 9 chunks shorter than a byte's worth of sign bits, the last of 6
     (64, 16, 1.0),  # everything sent
-    (2100, 1000, 0.5),  # k = 500: long Rice chunks of r = 1
+    (700, 300, 0.5),  # k = 150: long Rice chunks of r = 0 (unary gaps), the last of 100: k_last 50
     (5000, 4096, 0.01),  # the default chunk size: k 41, the last chunk of 904: k 10
     (1, 2, 0.5),
 ]
@@ -119,7 +119,7 @@ def _check_layout(ops, device, layout, dtype, nonfinite, modes=EF_MODES, seed=0,
 @pytest.mark.parametrize("index_codec,value_codec", PAIRS)
 def test_every_codec_pair_matches_the_reference(backend, index_codec, value_codec):
     ops, device = backend
-    layout = ChunkLayout(1003, 64, 0.1, index_codec, value_codec)
+    layout = ChunkLayout(299, 64, 0.1, index_codec, value_codec)  # 5 chunks, the last of 43: k_last 5 < k_full 7
     mode = EF_MODES[PAIRS.index((index_codec, value_codec)) % len(EF_MODES)]
     gathered = torch.cat([_check_layout(ops, device, layout, torch.float32, True, [mode]),
                           _check_layout(ops, device, layout, torch.float32, False, [mode], seed=7)])
@@ -145,7 +145,7 @@ def test_16_bit_gradients_match_the_reference(backend, dtype, value_codec):
     gradients), the residual of a decoded value rounded to T, 16-bit buckets."""
     ops, device = backend
     index_codec = INDEX_CODECS[VALUE_CODECS.index(value_codec) % len(INDEX_CODECS)]
-    layout = ChunkLayout(777, 100, 0.3, index_codec, value_codec)
+    layout = ChunkLayout(377, 100, 0.3, index_codec, value_codec)  # 4 chunks, the last of 77: k_last 24 < 30
     scale = 1e4 if dtype == torch.bfloat16 else 1.0  # bf16 values beyond fp16's range
     gathered = _check_layout(ops, device, layout, dtype, True, EF_MODES[:1] + EF_MODES[2:], scale=scale)
     _check_decode_add(ops, device, layout, gathered, dtype)
@@ -169,11 +169,11 @@ def test_decode_add_reads_sealed_rows(backend):
     a [rows, nbytes] view with a longer row stride decodes as back-to-back ones do."""
     ops, device = backend
     for index_codec in ("int32", "rice"):
-        layout = ChunkLayout(1003, 64, 0.1, index_codec, "int4")
+        layout = ChunkLayout(299, 64, 0.1, index_codec, "int4")
         sealed = torch.full((3, layout.nbytes + 8), 0xEE, dtype=torch.uint8)
         for seed in range(3):
-            reference.chunk_encode(_data(1003, seed, False), None, 1.0, False, layout, sealed[seed, : layout.nbytes])
-        want, got = torch.zeros(1003), torch.full((1003,), 5.0, device=device)
+            reference.chunk_encode(_data(299, seed, False), None, 1.0, False, layout, sealed[seed, : layout.nbytes])
+        want, got = torch.zeros(299), torch.full((299,), 5.0, device=device)
         reference.chunk_decode_add(sealed[:, : layout.nbytes].reshape(-1), layout, want, True)
         ops.chunk_decode_add(sealed.to(device)[:, : layout.nbytes], layout, got, True)
         _assert_same(got, want, f"decode_add of sealed rows ({index_codec})")
