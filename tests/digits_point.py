@@ -1,4 +1,4 @@
-"""One real ``sparsecomm compare`` shared by two end-to-end tests, so its six launches are paid once.
+"""One real ``sparsecomm compare`` shared by three end-to-end tests, so its six launches are paid once.
 
 digits-quick's dense vs topk-ef at density 0.001, 3 seeds x 2 gloo ranks, 50 steps, started
 as a subprocess (``python -m sparsecomm compare --config ...``):
@@ -9,10 +9,13 @@ as a subprocess (``python -m sparsecomm compare --config ...``):
   the same ``--out``. The experiment here is named as the frontier names its density-0.001
   point (``digits-quick-frontier-d0.001``), and a run's hash leaves the experiment's name out,
   so the frontier finds these six runs finished and skips them, as any re-run does; it trains
-  only its density-1 point.
+  only its density-1 point;
+* test_experiment_wire's codec sweep (density 0.001, seed 0, same steps, same ``--out``) copies
+  its dense run from here into each codec's experiment, as the frontier reuses a density's
+  dense runs across wires, and trains only its top-k runs.
 
-Whichever of the two asks first runs it, in the session's temporary directory; either test
-run alone still gets it. The result is kept for the pytest process, failed or not.
+Whichever test asks first runs it, in the session's temporary directory; each test run alone
+still gets it. The result is kept for the pytest process, failed or not.
 """
 import json
 import subprocess

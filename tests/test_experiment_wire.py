@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import digits_point
 from sparsecomm.lab import frontier
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.named import EXPERIMENTS
@@ -55,13 +56,19 @@ def test_bad_codec_sweeps_fail_before_any_run(capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path, capsys):
-    # digits-quick, 1 density x 2 codecs x (dense + topk-ef) x 1 seed, 40 steps: 3 launches, not 4.
-    # (The reuse is per seed, and no verdict is asserted here: one seed shows it.)
-    out, plots = tmp_path / "runs", tmp_path / "plots"
-    code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef",
-                          "--selector", "chunk", "--index-codec", "rice", "--value-codecs", "int4", "sign",
-                          "--seeds", "0", "--steps", "40", "--out", str(out), "--plots", str(plots)])
+def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path, tmp_path_factory, capsys):
+    # digits-quick, 1 density x 2 codecs x (dense + topk-ef) x 1 seed, 50 steps, into the --out of the
+    # shared compare (tests/digits_point.py), which is this density's frontier experiment with the
+    # default wire. Dense, which the wire does not change, is copied into the codecs' experiments
+    # from there ("also across frontiers"; the second codec's may come from the first's copy),
+    # never trained here: 2 launches, not 4. One seed: the reuse is per seed, and no verdict is asserted.
+    point = digits_point.compare_point(tmp_path_factory)
+    (trained,) = [r for r in load_runs(point.experiment_dir) if (r.arm, r.seed, r.status) == ("dense", 0, "ok")]
+    out, plots = point.out, tmp_path / "plots"
+    code = frontier.main(["--experiment", "digits-quick", "--densities", f"{digits_point.DENSITY:g}",
+                          "--arms", "topk-ef", "--selector", "chunk", "--index-codec", "rice",
+                          "--value-codecs", "int4", "sign", "--seeds", "0", "--steps", str(digits_point.STEPS),
+                          "--out", str(out), "--plots", str(plots)])
     assert code == 0
     printed = capsys.readouterr().out
     points = json.loads((out / "digits-quick-chunk-rice-codecs-frontier.json").read_text())
@@ -70,12 +77,13 @@ def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path,
     first, second = (load_runs(p["run_dir"]) for p in points)
     dense_first = {r.seed: r for r in first if r.arm == "dense"}
     dense_second = {r.seed: r for r in second if r.arm == "dense"}
-    # The second codec's dense run is the first's (copied, not trained again): same loss, same times.
+    # Both codecs' dense runs are the run trained once (copied, not trained again): same loss, same times.
     assert sorted(dense_first) == sorted(dense_second) == [0]
-    assert dense_second[0].final_val_loss == dense_first[0].final_val_loss
-    assert dense_second[0].median_step_seconds == dense_first[0].median_step_seconds
-    assert dense_second[0].setup_seconds == dense_first[0].setup_seconds
-    assert printed.count("finished earlier, skipped") == 1  # the copy, in the second codec's experiment
+    for dense in (dense_first[0], dense_second[0]):
+        assert dense.status == "ok" and dense.final_val_loss == trained.final_val_loss
+        assert dense.median_step_seconds == trained.median_step_seconds
+        assert dense.setup_seconds == trained.setup_seconds
+    assert printed.count("finished earlier, skipped") == 2  # the copies, one in each codec's experiment
     sparse = {r.seed: r for r in second if r.arm == "topk-ef"}
     assert "chunk 4096 rice/sign" in sparse[0].extra["hook"]
     assert (plots / "digits-quick-chunk-rice-codecs-frontier" / "frontier.png").stat().st_size > 10_000
