@@ -1,6 +1,6 @@
 """The experiment runner: config validation before any launch, failure and hang recording,
-skipping finished runs, and a short real end-to-end ``sparsecomm compare`` (shared with
-test_frontier through tests/digits_point.py)."""
+skipping finished runs, and a short real end-to-end ``sparsecomm compare`` (whose runs
+test_frontier and test_experiment_wire reuse: tests/digits_point.py)."""
 import json
 import sys
 import time
