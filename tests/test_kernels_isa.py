@@ -122,12 +122,26 @@ def _chunk_encode(grad, residual, divisor, add_residual, layout):
     return run
 
 
+# Reference payloads, the inputs of the chunk_decode_add cases, by (layout, seed): encoded once
+# by the parent, which hands them to each level's subprocess in a file (the "run" command's third argument).
+_PAYLOADS: dict[str, torch.Tensor] = {}
+
+
+def _payload(layout, seed):
+    key = f"{layout.numel} {layout.chunk_size} {layout.density} {layout.index_codec} {layout.value_codec} {seed}"
+    if key not in _PAYLOADS:
+        grad, residual = _inputs(layout.numel, torch.float32, seed=seed)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        reference.chunk_encode(grad, residual, 2.0, True, layout, payload)
+        _PAYLOADS[key] = payload
+    return _PAYLOADS[key]
+
+
 def _chunk_decode_add(layout, world_size, seed, gap=0):
     rows = []
     for rank in range(world_size):
-        grad, residual = _inputs(layout.numel, torch.float32, seed=seed + rank)
         payload = torch.empty(layout.nbytes + gap, dtype=torch.uint8)
-        reference.chunk_encode(grad, residual, 2.0, True, layout, payload[: layout.nbytes])
+        payload[: layout.nbytes] = _payload(layout, seed + rank)
         rows.append(payload)
     # gap > 0: payloads farther apart than their size (sealed, each followed by its trailer).
     gathered = torch.stack(rows)[:, : layout.nbytes] if gap else torch.cat(rows)
@@ -196,7 +210,9 @@ def cases() -> dict[str, Case]:
 # ----- the subprocess --------------------------------------------------------------------
 
 
-def _run_every_case(path: str) -> None:
+def _run_every_case(path: str, payloads: str | None = None) -> None:
+    if payloads is not None:
+        _PAYLOADS.update(torch.load(payloads))
     results = {name: [t.clone() for t in case.run(native)] for name, case in cases().items()}
     torch.save({"capability": native.cpu_capability(), "results": results}, path)
 
@@ -231,10 +247,13 @@ def _subprocess(level: str | None, *args: str) -> subprocess.CompletedProcess:
 def level_results(tmp_path_factory) -> dict:
     """level -> {"capability": the level the subprocess reported, "results": name -> outputs}."""
     folder = tmp_path_factory.mktemp("levels")
+    cases()  # encodes the reference payloads once, for every level
+    payloads = folder / "payloads.pt"
+    torch.save(_PAYLOADS, payloads)
     found = {}
     for level in SUPPORTED:
         path = folder / f"{level}.pt"
-        _subprocess(level, "run", str(path))
+        _subprocess(level, "run", str(path), str(payloads))
         found[level] = torch.load(path)
     return found
 
@@ -313,7 +332,7 @@ def test_a_level_this_cpu_lacks_is_refused_with_the_choices(level):
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        _run_every_case(sys.argv[2])
+        _run_every_case(*sys.argv[2:4])
     elif sys.argv[1] == "refuse":
         _report_refusal()
     else:  # report
