@@ -151,7 +151,7 @@ def _interruption(output: str) -> dict:
     return json.loads(line[len("INTERRUPTED "):])
 
 
-# ----- item 1: Ctrl-C, SIGTERM, a stall ------------------------------------------------------
+# ----- item 1: Ctrl-C, a stall (SIGTERM: the resume test below) ---------------------------
 
 
 def _check_interrupted(run_dir: Path, sig: str, output: str, label: str, kept: str) -> dict:
@@ -172,30 +172,6 @@ def _check_interrupted(run_dir: Path, sig: str, output: str, label: str, kept: s
     return summary
 
 
-def test_sigterm_kills_every_process_of_the_run_and_records_it_interrupted(sweep):
-    """SIGTERM (to the command alone, as `timeout` sends it) while a run trains: every
-    torchrun rank dies, the run is recorded "interrupted" (counted as not ok) and stays so,
-    and run_experiment raises ExperimentInterrupted with a report naming the run and its
-    checkpoint. (Ctrl-C: the resume test below, and the compare test.)"""
-    sig = "SIGTERM"
-    root = sweep / "runs"
-    config = digits_quick().with_overrides(name="stop", arms=("dense", "topk-ef"), seeds=(0,), steps=LONG,
-                                           eval_every=50, checkpoint_every=50)
-    run_dir = runner.run_directory(config, root, "dense", 0)
-    proc = _driver(config, root)
-    _wait_for(lambda: _latest_checkpoint(run_dir) >= 50, 120, "checkpoint at step 50", proc)
-    _wait_for(lambda: len(processes_mentioning(str(run_dir))) >= 3, 10, "torchrun and two ranks", proc)
-    os.kill(proc.pid, signal.SIGTERM)
-    output = _finish(proc, 60)
-    assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
-    assert survivors_after(str(sweep), 2.0) == []
-    summary = _check_interrupted(run_dir, sig, output, "dense seed 0",
-                                 "kept: 0 finished run(s)\nnot run: topk-ef seed 0")
-    assert summary["last_step"] < LONG
-    (run,) = load_runs(root / "stop")
-    assert run.status == "interrupted" and not run.finished
-
-
 def test_ctrl_c_to_sparsecomm_compare_ends_with_a_report_and_leaves_nothing(sweep):
     """End to end: the real command, Ctrl-C to its process group while a run trains."""
     root = sweep / "runs"
@@ -213,10 +189,11 @@ def test_ctrl_c_to_sparsecomm_compare_ends_with_a_report_and_leaves_nothing(swee
         assert proc.returncode == 130 and "Traceback" not in output, output[-4000:]
         assert "stopped by SIGINT" in output and "interrupted: dense seed 0 after step" in output, output[-4000:]
         assert "it has no checkpoint to resume from: a re-run starts it over" in output, output[-4000:]
+        assert "kept: 0 finished run(s)\nnot run: topk-ef seed 0" in output, output[-4000:]
     else:
         assert proc.returncode != 0, output[-4000:]
     (run,) = [r for r in load_runs(root / "digits-quick") if r.arm == "dense"]
-    assert run.status == "interrupted" and "interrupted by SIGINT" in run.error
+    assert run.status == "interrupted" and "interrupted by SIGINT" in run.error and not run.finished
 
 
 def _emulation_unavailable() -> str | None:
@@ -365,67 +342,81 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL", "SIGKILL-corrupt-latest"])
-def test_an_interrupted_run_resumes_from_its_checkpoint_bit_for_bit(sweep, uninterrupted, how):
-    """Stop the top-k run after its step-100 checkpoint: by Ctrl-C to the command's process
-    group (as a terminal sends it: every rank dies, the run is recorded "interrupted", the
-    report names its checkpoint), or by SIGKILL to the runner alone (nothing of it can
-    clean up: the ranks must die with it, and steps.jsonl must still parse; a torn last
-    line is added to be sure it is dropped). The re-run resumes from the latest checkpoint;
-    steps.jsonl then holds exactly the rows up to that step followed by the recomputed
-    ones, and every loss equals the uninterrupted run's. With the latest checkpoint
-    corrupted after the kill (a flipped byte in a rank file), the re-run falls back to the
-    one before it, says so in the summary, and still equals the uninterrupted run."""
+def _check_rows_after_a_kill(run_dir: Path, at_least: int) -> list[dict]:
+    """G2: whatever a kill left parses, holds every step up to the last one, no more."""
+    assert (run_dir / "steps.jsonl").read_bytes().endswith(b"\n")
+    rows = _rows(run_dir)
+    train = [r["step"] for r in rows if r["kind"] == "train"]
+    assert train == list(range(1, len(train) + 1)) and at_least <= len(train) < RESUME.steps, train[-3:]
+    return rows
+
+
+@pytest.mark.timeout(420)
+def test_a_run_stopped_by_sigterm_then_by_sigkill_resumes_each_time_bit_for_bit(sweep, uninterrupted):
+    """One top-k run, stopped twice and resumed twice (each launch is seconds of start-up).
+
+    First SIGTERM to the command alone (as `timeout` sends it) after its step-100
+    checkpoint: every torchrun rank dies, the run is recorded "interrupted" (counted as not
+    ok) and stays so, and run_experiment raises ExperimentInterrupted with a report naming
+    the run and its checkpoint. (Ctrl-C: the compare test above.) A re-run resumes from that
+    checkpoint and is SIGKILLed, the runner alone, two checkpoints later: nothing of it can
+    clean up, so the ranks must die with it, and steps.jsonl must still parse (a torn last
+    line is added to be sure it is dropped). Its latest checkpoint is then corrupted (a
+    flipped byte in a rank file): the last re-run falls back to the one before it (written
+    by the resumed launch), says so in the summary, and ends equal to the uninterrupted run
+    at every step; steps.jsonl holds exactly the rows up to each resume point followed by
+    the recomputed ones."""
     root = sweep / "runs"
     reference = uninterrupted
     run_dir = runner.run_directory(RESUME, root, "topk-ef", 0)
     _finished_dense(root)
+
     proc = _driver(RESUME, root)
-    first = 150 if how.endswith("corrupt-latest") else 100  # two checkpoints: one to fall back to
-    _wait_for(lambda: _latest_checkpoint(run_dir) >= first, 120, f"checkpoint at step {first}", proc)
-    if how == "SIGINT":
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        os.kill(proc.pid, signal.SIGKILL)
+    _wait_for(lambda: _latest_checkpoint(run_dir) >= 100, 120, "checkpoint at step 100", proc)
+    _wait_for(lambda: len(processes_mentioning(str(run_dir))) >= 3, 10, "torchrun and two ranks", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    output = _finish(proc, 60)
+    assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
+    assert survivors_after(str(sweep), 5.0) == [], output[-3000:]
+    summary = _check_interrupted(run_dir, "SIGTERM", output, "topk-ef seed 0",
+                                 "kept: 1 finished run(s): dense seed 0")
+    first = summary["resume_from_step"]
+    assert first >= 100 and "not run:" not in _interruption(output)["report"]
+    runs = {r.arm: r for r in load_runs(root / "resume")}
+    assert runs["topk-ef"].status == "interrupted" and not runs["topk-ef"].finished and runs["dense"].finished
+    kept_first = [r for r in _check_rows_after_a_kill(run_dir, first) if r["step"] <= first]
+
+    proc = _driver(RESUME, root)
+    _wait_for(lambda: _latest_checkpoint(run_dir) >= first + 2 * RESUME.checkpoint_every, 120,
+              f"checkpoint at step {first + 2 * RESUME.checkpoint_every}", proc)
+    os.kill(proc.pid, signal.SIGKILL)
     output = _finish(proc, 60)
     assert survivors_after(str(sweep), 5.0) == [], output[-3000:]
-    if how == "SIGINT":
-        assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
-        summary = _check_interrupted(run_dir, "SIGINT", output, "topk-ef seed 0",
-                                     "kept: 1 finished run(s): dense seed 0")
-        assert summary["resume_from_step"] >= 100 and "not run:" not in _interruption(output)["report"]
-    else:
-        assert proc.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
-    # G2: whatever the kill left parses, holds every step up to the last one, no more.
-    assert (run_dir / "steps.jsonl").read_bytes().endswith(b"\n")
-    rows = _rows(run_dir)
-    train = [r["step"] for r in rows if r["kind"] == "train"]
-    assert train == list(range(1, len(train) + 1)) and 100 <= len(train) < RESUME.steps, train[-3:]
+    assert proc.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
+    assert f"[1/2] topk-ef seed 0: resuming from its checkpoint at step {first}" in output, output[-3000:]
+    rows = _check_rows_after_a_kill(run_dir, first + 2 * RESUME.checkpoint_every)
+    assert rows[: len(kept_first)] == kept_first  # the record up to the checkpoint is kept as it was
     resume = _latest_checkpoint(run_dir)
-    restored = resume
-    if how.endswith("corrupt-latest"):
-        shard = run_dir / "checkpoints" / f"step-{resume:08d}" / "rank1.pt"
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        shard.write_bytes(bytes(data))
-        restored = resume - RESUME.checkpoint_every
+    shard = run_dir / "checkpoints" / f"step-{resume:08d}" / "rank1.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    restored = resume - RESUME.checkpoint_every
     kept = [r for r in rows if r["step"] <= restored]
     with open(run_dir / "steps.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 99999, "train_lo')  # a torn write
+
     lines = []
     experiment_dir = runner.run_experiment(RESUME, root, progress=lines.append)
     assert f"[1/2] topk-ef seed 0: resuming from its checkpoint at step {resume}" in lines, lines
     assert "[2/2] dense seed 0: finished earlier, skipped" in " ".join(lines), lines
     run = {r.arm: r for r in load_runs(experiment_dir)}["topk-ef"]
     assert run.status == "ok", run.error
-    assert run.extra["resumed_from_steps"] == [restored] and run.extra["restarts"] == 0
+    assert run.extra["resumed_from_steps"] == [first, restored] and run.extra["restarts"] == 0
     fallbacks = run.extra["checkpoint_fallbacks"]
-    if restored != resume:
-        assert [f["restored"] for f in fallbacks] == [restored] and list(fallbacks[0]["skipped"]) == [str(resume)]
-    else:
-        assert fallbacks == []
+    assert [f["restored"] for f in fallbacks] == [restored] and list(fallbacks[0]["skipped"]) == [str(resume)]
     rows = load_steps(run.path)
-    assert rows[: len(kept)] == kept  # the record up to the checkpoint is kept as it was
+    assert rows[: len(kept)] == kept and rows[: len(kept_first)] == kept_first
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, RESUME.steps + 1))
     assert [r["train_loss"] for r in rows if r["kind"] == "train"] == \
         [r["train_loss"] for r in load_steps(reference.path) if r["kind"] == "train"]
@@ -543,47 +534,43 @@ def _compare(root: Path, plots: Path, *extra: str) -> subprocess.Popen:
                    "topk-ef", "--seeds", "0", "--out", str(root), "--plots", str(plots), *extra])
 
 
-def test_two_identical_compare_commands_at_once_train_each_run_once(sweep):
+def test_commands_on_one_out_train_each_run_once_and_never_mix(sweep):
+    """Three commands into one --out at once. Two identical `sparsecomm compare` commands
+    (30 steps of dense and topk-ef) train each run once between them (one skips what the
+    other trains, then finds it finished) and both print the full report. A third command
+    of the same experiment with 40 steps (run_experiment in a process of its own, dense
+    only), started once the first wrote experiment.json, waits for both (they would rewrite
+    each other's experiment.json) and then trains its own run: every run directory holds
+    the run its name's hash says. Today the 20-step runs of such a pair read the 40-step
+    command's experiment.json and wrote 40-step results under 20-step names."""
     root = sweep / "runs"
     first = _compare(root, sweep / "plots1", "--steps", "30")
     second = _compare(root, sweep / "plots2", "--steps", "30")
-    outputs = [_finish(first, 200), _finish(second, 200)]
-    assert [first.returncode, second.returncode] == [0, 0], outputs
-    both = "\n".join(outputs)
+    _wait_for(lambda: (root / "digits-quick" / "experiment.json").exists(), 60, "the first experiment.json", first)
+    configs = [digits_quick().with_overrides(arms=("dense", "topk-ef"), seeds=(0,), steps=30),
+               digits_quick().with_overrides(arms=("dense",), seeds=(0,), steps=40)]
+    assert json.loads((root / "digits-quick" / "experiment.json").read_text())["config"] == configs[0].to_dict()
+    third = _driver(configs[1], root)
+    outputs = [_finish(first, 200), _finish(second, 200), _finish(third, 200)]
+    assert [first.returncode, second.returncode, third.returncode] == [0, 0, 0], outputs
+    both = "\n".join(outputs[:2])
     for arm in ("dense", "topk-ef"):
         trained = [line for line in both.splitlines() if f"] {arm} seed 0: final val loss" in line]
         skipped = [line for line in both.splitlines() if f"] {arm} seed 0: finished" in line and "skipped" in line]
         assert len(trained) == 1 and len(skipped) == 1, both
-    runs = load_runs(root / "digits-quick")
-    assert [(r.arm, r.status) for r in runs] == [("dense", "ok"), ("topk-ef", "ok")]
-    for out in outputs:
+    for out in outputs[:2]:
         assert "policy: quality tolerance 0.05" in out  # both printed the full report
-
-
-def test_two_commands_with_different_steps_never_mix(sweep):
-    """20 and 40 steps of one experiment into one --out at once (two processes, each
-    run_experiment, the second started once the first wrote experiment.json): every run
-    directory holds the run its name's hash says, and the second waits for the first
-    (they would rewrite each other's experiment.json). Today the 20-step runs read the
-    40-step command's experiment.json and wrote 40-step results under 20-step names."""
-    root = sweep / "runs"
-    configs = [digits_quick().with_overrides(name="mix", arms=("dense",), seeds=seeds, steps=steps)
-               for steps, seeds in ((20, (0, 1)), (40, (0,)))]
-    short = _driver(configs[0], root)
-    _wait_for(lambda: (root / "mix" / "experiment.json").exists(), 60, "the first experiment.json", short)
-    (root.parent / "mix-config.json").unlink()
-    long = _driver(configs[1], root)
-    outputs = [_finish(short, 200), _finish(long, 200)]
-    assert [short.returncode, long.returncode] == [0, 0], outputs
     for config in configs:
-        for seed in config.seeds:
-            out_dir = runner.run_directory(config, root, "dense", seed)
+        for arm in config.arms:
+            out_dir = runner.run_directory(config, root, arm, 0)
             summary = json.loads((out_dir / "summary.json").read_text())
-            assert summary["status"] == "ok" and summary["config_hash"] == config.run_hash("dense", seed), out_dir
+            assert summary["status"] == "ok" and summary["config_hash"] == config.run_hash(arm, 0), out_dir
             assert [r["step"] for r in load_steps(out_dir) if r["kind"] == "train"] == list(range(1, config.steps + 1))
             assert summary["evals"][-1][0] == config.steps
-    assert "with a different configuration" in outputs[1] and "waiting until it ends" in outputs[1], outputs[1]
-    assert json.loads((root / "mix" / "experiment.json").read_text())["config"]["steps"] == 40
+    assert "with a different configuration" in outputs[2] and "waiting until it ends" in outputs[2], outputs[2]
+    assert "] dense seed 0: final val loss" in outputs[2], outputs[2]  # its own run, trained
+    assert json.loads((root / "digits-quick" / "experiment.json").read_text())["config"]["steps"] == 40
+    assert [(r.arm, r.status, r.evals[-1].step) for r in load_runs(root / "digits-quick")] == [("dense", "ok", 40)]
 
 
 # ----- item 4: the failing rank's own error ---------------------------------------------------
