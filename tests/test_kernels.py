@@ -177,12 +177,23 @@ def test_cleanup_keeps_the_remainder_of_a_sent_finite_acc():
 # 10,007 entries take the two-pass strategy of ef_topk_pack; 2^20 + 3 at density < 4% the
 # sampled one-pass strategy (an all-NaN bucket overflows its slabs and falls back to the
 # two passes from the residual). fp32 -> fp32 runs the AVX-512 paths where built with them.
-STRATEGIES = [pytest.param(10_007, id="two-pass"), pytest.param(2**20 + 3, id="sampled")]
+# Every pair runs at 10,007; at 2^20 + 3 the pairs that take every branch of the one-pass
+# code (csrc/cpu/sampled_candidates.h: fp32 -> fp32 vector loops, the scalar loop for
+# the others) with every grad dtype and every wire dtype, narrower wires among them. The
+# per-pair conversions (compensate, to_wire, sent_remainder) are the same functions in
+# both strategies.
+LARGE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+               (torch.float16, torch.float32)]
+
+
+def _non_finite_params(small, large):
+    return [pytest.param(dtype, value_dtype, n, id=f"{dtype}-{value_dtype}-{name}")
+            for n, name, pairs in ((10_007, small, PAIRS), (2**20 + 3, large, LARGE_PAIRS))
+            for dtype, value_dtype in pairs]
 
 
 @needs_native
-@pytest.mark.parametrize("n", STRATEGIES)
-@pytest.mark.parametrize("dtype,value_dtype", PAIRS, ids=str)
+@pytest.mark.parametrize("dtype,value_dtype,n", _non_finite_params("two-pass", "sampled"))
 def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(dtype, value_dtype, n):
     for name, count, k in topk_non_finite_cases(n):
         grad = with_non_finite(n, dtype, count, seed=count)
@@ -198,8 +209,7 @@ def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(dtype, value_dtype, n)
 
 
 @needs_native
-@pytest.mark.parametrize("n", [pytest.param(10_007, id="small"), pytest.param(2**20 + 3, id="large")])
-@pytest.mark.parametrize("dtype,value_dtype", PAIRS, ids=str)
+@pytest.mark.parametrize("dtype,value_dtype,n", _non_finite_params("small", "large"))
 def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(dtype, value_dtype, n):
     for name, count, threshold, capacity in threshold_non_finite_cases(n):
         grad = with_non_finite(n, dtype, count, seed=count)
