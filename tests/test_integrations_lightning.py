@@ -1,13 +1,16 @@
 """SparseCommCallback inside a real Lightning DDP fit: 2 gloo ranks, different data per rank.
 
-One spawned run covers the expensive parts (Lightning takes seconds to import per rank):
-the hook runs sparse on CPU, a checkpoint holds every rank's residuals and a resumed fit
-gives each rank its own back bit for bit, and the two ways of registering a second hook
-are refused. Checks that need no process group run in this process.
+One spawn of 2 ranks covers the expensive parts (Lightning takes seconds to import per
+rank), one scenario after the other: the hook runs sparse on CPU, a checkpoint holds every
+rank's residuals and a resumed fit gives each rank its own back bit for bit, and the two
+ways of registering a second hook are refused; then the defaults' momentum handover.
+Checks that need no process group run in this process; one subprocess checks that
+importing sparsecomm needs none of the frameworks (Lightning, Accelerate, transformers).
 """
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -112,9 +115,37 @@ def _lightning_worker(rank, world_size, root):
                 restored_step=probe.steps, resumed_stats=resumed_stats, errors=errors)
 
 
-@pytest.mark.timeout(120)
-def test_fit_runs_sparse_and_resume_restores_each_ranks_residuals(pl, tmp_path):
-    results = run_on_ranks(_lightning_worker, str(tmp_path), timeout=110)
+def _both_scenarios(rank, world_size, root):
+    """Each scenario in its own directory: what it returned, or ("raised", traceback)."""
+    results = {}
+    for name, worker in (("fit", _lightning_worker), ("defaults", _defaults_worker)):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        try:
+            results[name] = ("ok", worker(rank, world_size, os.path.join(root, name)))
+        except Exception:  # noqa: BLE001 - reported by the scenario's own test
+            results[name] = ("raised", traceback.format_exc())
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned(pl, tmp_path_factory):
+    root = tmp_path_factory.mktemp("spawned")
+    return run_on_ranks(_both_scenarios, str(root), timeout=200), root
+
+
+def _scenario(spawned, name):
+    """That scenario's results by rank, and its directory; it fails here if it raised."""
+    per_rank, root = spawned
+    outcomes = [results[name] for results in per_rank]
+    raised = [f"rank {rank}:\n{value}" for rank, (status, value) in enumerate(outcomes) if status == "raised"]
+    assert not raised, "\n".join(raised)
+    return [value for _, value in outcomes], root / name
+
+
+# The first test that uses the spawn waits for both scenarios.
+@pytest.mark.timeout(240)
+def test_fit_runs_sparse_and_resume_restores_each_ranks_residuals(spawned):
+    results, tmp_path = _scenario(spawned, "fit")
     for rank, r in enumerate(results):
         assert_sparse_then_restored(r, rank, steps=STEPS, more_steps=MORE_STEPS, density=DENSITY)
         assert "ddp_comm_hook" in r["errors"]["ddp_comm_hook"] and "allreduce_hook" in r["errors"]["ddp_comm_hook"]
@@ -175,9 +206,9 @@ def _defaults_worker(rank, world_size, root):
     )
 
 
-@pytest.mark.timeout(120)
-def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(pl, tmp_path):
-    for rank, runs in enumerate(run_on_ranks(_defaults_worker, str(tmp_path), timeout=110)):
+@pytest.mark.timeout(240)
+def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(spawned):
+    for rank, runs in enumerate(_scenario(spawned, "defaults")[0]):
         assert_defaults_are_topk_dgc(runs, rank, "SparseCommCallback", sparse_calls=2)
         # An optimizer whose momentum cannot move: refused when fit starts, left as it was.
         refused = runs["refused"]
@@ -211,12 +242,17 @@ def test_two_callbacks_and_bad_options_are_refused(pl):
 
 
 def test_importing_sparsecomm_needs_no_framework_and_names_the_extra():
+    """Lightning and Accelerate as if not installed: sparsecomm and its integrations import;
+    transformers (installed) is not imported by that; each integration then names its extra."""
     code = (
         "import sys\n"
         "for name in ('lightning', 'lightning.pytorch', 'accelerate'):\n"
         "    sys.modules[name] = None  # as if not installed\n"
         "import sparsecomm, sparsecomm.integrations\n"
-        "for attr, extra in (('SparseCommCallback', 'lightning'), ('register_topk_hook_accelerate', 'accelerate')):\n"
+        "assert 'transformers' not in sys.modules, 'imported transformers'\n"
+        "sys.modules['transformers'] = None  # as if not installed\n"
+        "for attr, extra in (('SparseCommCallback', 'lightning'), ('register_topk_hook_accelerate', 'accelerate'),\n"
+        "                    ('SparseCommTrainerCallback', 'transformers')):\n"
         "    try:\n"
         "        getattr(sparsecomm.integrations, attr)\n"
         "    except ImportError as error:\n"
