@@ -3,11 +3,15 @@
 Rows of the reliability list (shared reference, section 6) each test covers are named in
 the test. Every job runs 2 gloo ranks with different data per rank (a per-rank owned
 generator draws the inputs), AdamW + a LR schedule, dropout (global torch RNG), and the
-top-k hook with error feedback, so residuals differ per rank.
+top-k hook with error feedback, so residuals differ per rank. Cases of one kind share a
+launch of the ranks: each damaged checkpoint is a copy of one saved checkpoint in a
+directory of its own, and one launch loads them all, a fresh job per case.
 """
 import json
 import os
 import random
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,7 +164,7 @@ def test_save_is_refused_off_a_step_boundary_and_never_overwrites(tmp_path):
     assert committed_steps(tmp_path) == [3]
 
 
-def _semantic_refusals(rank, world_size, root, case):
+def _semantic_refusal(rank, root, case):
     job = _Job(rank, root, keep=1)
     job.train(2, save_at={2})
     job.train(4)
@@ -176,25 +180,46 @@ def _semantic_refusals(rank, world_size, root, case):
     return None
 
 
-@pytest.mark.parametrize("case, message", [
-    ("nan residual", "non-finite values: rank 1"),
-    ("replicas differ", "replicated parameters differ across ranks (ranks [1] differ from rank 0)"),
-])
-def test_semantically_corrupt_state_is_not_committed_and_the_previous_survives(tmp_path, case, message):
+SEMANTIC_CASES = {
+    "nan residual": "non-finite values: rank 1",
+    "replicas differ": "replicated parameters differ across ranks (ranks [1] differ from rank 0)",
+}
+
+
+def _semantic_refusals(rank, world_size, roots):
+    return {case: _semantic_refusal(rank, root, case) for case, root in roots.items()}
+
+
+@pytest.fixture(scope="module")
+def semantic_refusals(tmp_path_factory):
+    """Both cases in one launch, each in its own directory: (errors by rank, directories)."""
+    roots = {case: str(tmp_path_factory.mktemp("semantic")) for case in SEMANTIC_CASES}
+    return run_on_ranks(_semantic_refusals, roots), roots
+
+
+@pytest.mark.parametrize("case", list(SEMANTIC_CASES))
+def test_semantically_corrupt_state_is_not_committed_and_the_previous_survives(semantic_refusals, case):
     """C2 (a) NaN in one rank's residual, (b) replicas differ; B4 retention keeps step 2."""
-    for error in run_on_ranks(_semantic_refusals, str(tmp_path), case):
-        assert error is not None and message in error
-    assert committed_steps(tmp_path) == [2]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    errors, roots = semantic_refusals
+    for by_case in errors:
+        assert by_case[case] is not None and SEMANTIC_CASES[case] in by_case[case]
+    root = Path(roots[case])
+    assert committed_steps(root) == [2]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
 
 
-def _load_outcome(rank, world_size, root, strict):
+def _load_outcome(rank, root, strict):
     job = _Job(rank, root)
     try:
         loaded = job.manager.load(strict=strict)
     except (CheckpointCorrupt, CheckpointMismatch) as error:
         return type(error).__name__, str(error)
     return "loaded", (loaded.step, loaded.residual_reset, loaded.rng_restored)
+
+
+def _load_outcomes(rank, world_size, cases):
+    """Each case's (directory, strict) loaded by a fresh job: {case: outcome}."""
+    return {case: _load_outcome(rank, root, strict) for case, (root, strict) in cases.items()}
 
 
 def _save_once(rank, world_size, root):
@@ -208,20 +233,9 @@ def _flip_byte_in_last_tensor(path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("fault, strict, expected", [
-    ("bit flip", True, ("CheckpointCorrupt", "rank1.pt: SHA-256 differs from the manifest")),
-    ("truncated", True, ("CheckpointCorrupt", "rank1.pt: SHA-256 differs from the manifest")),
-    ("lost shard", True, ("CheckpointCorrupt", "rank 1's shard")),
-    ("world size", True, ("CheckpointMismatch", "saved with world_size=4, this job has world_size=2")),
-    ("config hash", True, ("CheckpointMismatch", "saved with config hash 'other', this job has 'test-config'")),
-    ("probe loss", True, ("CheckpointCorrupt", "probe loss after restore")),
-    ("counters", True, ("CheckpointCorrupt", "step counters disagree with step 4")),
-])
-def test_corrupt_or_foreign_checkpoints_are_refused_naming_what(tmp_path, fault, strict, expected):
-    """C1 bit flip, C4 truncation, D5 lost shard (strict), F3 world size, F4 config drift,
-    C2 probe-loss fingerprint, C2(c) inconsistent counters."""
-    run_on_ranks(_save_once, str(tmp_path))
-    directory = step_directory(tmp_path, 4)
+def _damage(root: Path, fault: str) -> None:
+    """Damage the step-4 checkpoint under ``root`` as ``fault`` says."""
+    directory = step_directory(root, 4)
     manifest_path = directory / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     if fault == "bit flip":
@@ -245,17 +259,50 @@ def test_corrupt_or_foreign_checkpoints_are_refused_naming_what(tmp_path, fault,
         torch.save(payload, path)
         manifest["files"]["rank0.pt"]["sha256"] = __import__("hashlib").sha256(path.read_bytes()).hexdigest()
     manifest_path.write_text(json.dumps(manifest))
-    outcomes = run_on_ranks(_load_outcome, str(tmp_path), strict)
-    kind, message = expected
+
+
+# fault -> (strict, (error type, what its message names))
+LOAD_CASES = {
+    "bit flip": (True, ("CheckpointCorrupt", "rank1.pt: SHA-256 differs from the manifest")),
+    "truncated": (True, ("CheckpointCorrupt", "rank1.pt: SHA-256 differs from the manifest")),
+    "lost shard": (True, ("CheckpointCorrupt", "rank 1's shard")),
+    "world size": (True, ("CheckpointMismatch", "saved with world_size=4, this job has world_size=2")),
+    "config hash": (True, ("CheckpointMismatch", "saved with config hash 'other', this job has 'test-config'")),
+    "probe loss": (True, ("CheckpointCorrupt", "probe loss after restore")),
+    "counters": (True, ("CheckpointCorrupt", "step counters disagree with step 4")),
+    "lost shard, lenient": (False, None),  # the lenient test below
+}
+
+
+@pytest.fixture(scope="module")
+def load_outcomes(tmp_path_factory):
+    """One launch saves a step-4 checkpoint; each case damages a copy of it in a directory
+    of its own; one launch loads every copy. {case: outcomes by rank}."""
+    saved = tmp_path_factory.mktemp("saved")
+    run_on_ranks(_save_once, str(saved))
+    cases = {}
+    for case, (strict, _) in LOAD_CASES.items():
+        root = tmp_path_factory.mktemp("damaged")
+        shutil.copytree(step_directory(saved, 4), step_directory(root, 4))
+        _damage(root, case.split(",")[0])
+        cases[case] = (str(root), strict)
+    by_rank = run_on_ranks(_load_outcomes, cases)
+    return {case: [outcomes[case] for outcomes in by_rank] for case in cases}
+
+
+@pytest.mark.parametrize("fault", [case for case, (strict, _) in LOAD_CASES.items() if strict])
+def test_corrupt_or_foreign_checkpoints_are_refused_naming_what(load_outcomes, fault):
+    """C1 bit flip, C4 truncation, D5 lost shard (strict), F3 world size, F4 config drift,
+    C2 probe-loss fingerprint, C2(c) inconsistent counters."""
+    outcomes = load_outcomes[fault]
+    kind, message = LOAD_CASES[fault][1]
     assert any(o[0] == kind and message in o[1] for o in outcomes), outcomes
     assert all(o[0] == kind for o in outcomes)  # every rank refuses, none half-restores
 
 
-def test_lost_shard_in_lenient_mode_resets_only_that_ranks_residuals(tmp_path):
+def test_lost_shard_in_lenient_mode_resets_only_that_ranks_residuals(load_outcomes):
     """D5 lenient: rank 1 restores the replicated state from rank 0's shard, resets residuals."""
-    run_on_ranks(_save_once, str(tmp_path))
-    os.remove(step_directory(tmp_path, 4) / "rank1.pt")
-    (kind0, info0), (kind1, info1) = run_on_ranks(_load_outcome, str(tmp_path), False)
+    (kind0, info0), (kind1, info1) = load_outcomes["lost shard, lenient"]
     assert (kind0, info0) == ("loaded", (4, False, True))
     assert (kind1, info1) == ("loaded", (4, True, False))
 
