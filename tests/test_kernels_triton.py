@@ -23,10 +23,9 @@ multiplies by the reciprocal, while the contract (and torch on CPU) divides.
 The interpreter is slow, so sizes are small (1, 7, 1000, and ``MULTI``: 3 programs of the
 default geometry, the last holding 3 entries, i.e. 2051 on CPU and 8195 on CUDA) and a few
 tests force tiny blocks and a capped program count to exercise multi-program prefixes and
-tile loops. The
-interpreter's time goes per tile a program walks (each tile costs about as much as a whole
-default 1024-entry tile), not per element, so those tests use ``MANY`` = 117 entries in
-blocks of 16: 3 programs of 3, 3 and 2 tiles, the last tile holding 5 entries.
+tile loops. The interpreter's time goes per launch, program and tile (a tile of 16 entries
+costs about as much as one of 1024), not per element, so those tests use ``MANY`` = 117
+entries in blocks of 16: 3 programs of 3, 3 and 2 tiles, the last tile holding 5 entries.
 """
 import contextlib
 import importlib
