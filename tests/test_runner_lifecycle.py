@@ -534,6 +534,14 @@ def _compare(root: Path, plots: Path, *extra: str) -> subprocess.Popen:
                    "topk-ef", "--seeds", "0", "--out", str(root), "--plots", str(plots), *extra])
 
 
+def _flock_holders(path: Path) -> int:
+    """How many flock()s are held on the file ``path`` (/proc/locks; read here, not by the runner)."""
+    st = os.stat(path)
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return sum(line.split()[1] == "FLOCK" and line.split()[5] == file_id for line in f)
+
+
 def test_commands_on_one_out_train_each_run_once_and_never_mix(sweep):
     """Three commands into one --out at once. Two identical `sparsecomm compare` commands
     (30 steps of dense and topk-ef) train each run once between them (one skips what the
@@ -550,6 +558,9 @@ def test_commands_on_one_out_train_each_run_once_and_never_mix(sweep):
     configs = [digits_quick().with_overrides(arms=("dense", "topk-ef"), seeds=(0,), steps=30),
                digits_quick().with_overrides(arms=("dense",), seeds=(0,), steps=40)]
     assert json.loads((root / "digits-quick" / "experiment.json").read_text())["config"] == configs[0].to_dict()
+    # Both hold the experiment for their config (a shared lock each) before the third starts.
+    (config_lock,) = (root / "digits-quick" / ".locks").glob("config-*.lock")
+    _wait_for(lambda: _flock_holders(config_lock) == 2, 60, "both commands holding the experiment", second)
     third = _driver(configs[1], root)
     outputs = [_finish(first, 200), _finish(second, 200), _finish(third, 200)]
     assert [first.returncode, second.returncode, third.returncode] == [0, 0, 0], outputs
