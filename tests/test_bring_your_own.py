@@ -2,7 +2,10 @@
 ``sparsecomm compare``, then ``sparsecomm check``; and the library without the lab.
 
 The examples in experiments/examples/ are what a user would write; these tests run them as
-a user would (the command line, 2 ranks, dense and one other arm, a small budget).
+a user would (the command line, 2 ranks, dense and one other arm, a small budget). The
+commands that run experiments and read them go through the command's own entry in the
+test's process (each launch is still torchrun or mpiexec and ranks of their own); the
+commands refused before anything runs are started as ``python -m sparsecomm``.
 Every run is a launch of its own (torchrun and its ranks start from scratch, seconds each),
 so the tests take as few runs as their assertions need: two seeds where pairing across seeds
 is checked, one elsewhere (``check`` then says INCONCLUSIVE, n < 3: its verdicts over seeds
@@ -10,6 +13,8 @@ are tested on results in test_tolerance.py); the script tests share one ``compar
 script endings that both finish the run share a launch; and what run.finish() says without
 the metric is checked on ranks forked in-process (a script raising it is the "raises" ending).
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -34,20 +39,40 @@ VERDICTS = ("EQUIVALENT", "INCONCLUSIVE", "WORSE", "BETTER")
 
 
 def _sparsecomm(*args, cwd=ROOT, timeout=400) -> subprocess.CompletedProcess:
+    """``python -m sparsecomm ARGS`` as a process of its own."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return run_with_deadline([sys.executable, "-m", "sparsecomm", *map(str, args)], timeout=timeout, env=env, cwd=cwd)
 
 
+def _sparsecomm_here(*args) -> subprocess.CompletedProcess:
+    """``sparsecomm ARGS`` through the command's own entry (sparsecomm.lab.cli.main) in this
+    process, from the repository root, output captured: what ``python -m sparsecomm`` runs,
+    without starting an interpreter that imports torch, scipy and matplotlib again for every
+    command (seconds each). The runs a compare launches are processes of their own as ever."""
+    from sparsecomm.lab import cli
+
+    output = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        patch.chdir(ROOT)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setattr(sys, "path", list(sys.path))  # a --task's directory goes on it: not for the tests after
+        try:
+            code = cli.main([str(arg) for arg in args])
+        except SystemExit as stop:  # argparse's refusals
+            code = stop.code
+    return subprocess.CompletedProcess(["sparsecomm", *map(str, args)], code, output.getvalue(), None)
+
+
 def _compare(tmp_path, *args, seeds=(0,), script_args=()) -> Path:
-    result = _sparsecomm("compare", *args, "--seeds", *seeds, "--out", tmp_path / "runs", "--plots",
-                         tmp_path / "plots", *(("--", *script_args) if script_args else ()))
+    result = _sparsecomm_here("compare", *args, "--seeds", *seeds, "--out", tmp_path / "runs", "--plots",
+                              tmp_path / "plots", *(("--", *script_args) if script_args else ()))
     assert result.returncode == 0, result.stdout[-4000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     return run_dir
 
 
 def _check_gives_a_verdict(run_dir: Path, arm: str) -> str:
-    result = _sparsecomm("check", run_dir)
+    result = _sparsecomm_here("check", run_dir)
     assert result.returncode in (0, 1, 3), result.stdout[-3000:]  # equivalent / worse / inconclusive
     line = next(line for line in result.stdout.splitlines() if line.strip().startswith(arm))
     assert any(verdict in line.upper() for verdict in VERDICTS), result.stdout
@@ -152,7 +177,7 @@ def test_a_user_script_runs_paired_through_compare_and_check(user_script_run):
     summary = json.loads(next(run_dir.glob("runs/topk-dgc-seed0-*/summary.json")).read_text())
     assert summary["arm_spec"]["options"]["momentum"] == 0.9 and summary["hook_stats"]["bytes_sent"] > 0
     _check_gives_a_verdict(run_dir, "topk-dgc")
-    ledger = _sparsecomm("ledger", run_dir)
+    ledger = _sparsecomm_here("ledger", run_dir)
     assert ledger.returncode == 0 and "topk-dgc" in ledger.stdout
     assert (plots / run_dir.name / "time_to_loss.png").is_file()
 
@@ -190,9 +215,9 @@ def test_a_user_script_runs_under_mpiexec_too(tmp_path):
     from mpi_launch import mpiexec_or_skip
 
     mpiexec_or_skip()
-    result = _sparsecomm("compare", "--script", EXAMPLES / "user_script.py", "--launcher", "mpiexec", "--arms", "dense",
-                         "topk-ef", "--seeds", 0, "--steps", 6, "--world-size", 3, "--out", tmp_path / "runs",
-                         "--plots", tmp_path / "plots", "--", "--eval-every", 3)
+    result = _sparsecomm_here("compare", "--script", EXAMPLES / "user_script.py", "--launcher", "mpiexec", "--arms",
+                              "dense", "topk-ef", "--seeds", 0, "--steps", 6, "--world-size", 3, "--out",
+                              tmp_path / "runs", "--plots", tmp_path / "plots", "--", "--eval-every", 3)
     assert result.returncode == 0, result.stdout[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     runs = load_runs(run_dir)
