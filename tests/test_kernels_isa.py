@@ -1,7 +1,10 @@
 """Every CPU level of the native kernels (csrc/README.md, "CPU levels") computes the same bytes.
 
-A process chooses its level once, so each level runs in a subprocess with
-SPARSECOMM_CPU_CAPABILITY set; this file is that subprocess's script too. It runs every CPU
+A process chooses its level once (when the native library loads), so each level runs in a
+process of its own with SPARSECOMM_CPU_CAPABILITY set: forked from the tests' fork server
+(tests/multiprocess.py: torch imported, the library not loaded; tests/cpu_level_child.py
+sets the variable before anything loads it). The checks of what a fresh interpreter does
+(no variable; a level this CPU lacks) start this file as a script instead. It runs every CPU
 operator on fixed-seed inputs: odd sizes (the 8- and 16-lane loops end in scalar tails),
 NaN and +-Inf among the values, every dtype pair at one size, buckets of >= 2^20 entries
 for the sampled one-pass strategies, and the chunked-selection ops with every codec pair.
@@ -17,6 +20,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -240,12 +244,31 @@ def _subprocess(level: str | None, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
+def _forked(level: str, path: Path, payloads: Path) -> None:
+    """Every case at ``level`` (saved to ``path``) in a process forked from the tests' fork server."""
+    import cpu_level_child
+    from multiprocess import _context
+
+    env = dict(os.environ)
+    env["SPARSECOMM_CPU_CAPABILITY"] = level
+    process = _context().Process(target=cpu_level_child.run, args=(env, str(path), str(payloads)))
+    process.start()
+    process.join(SUBPROCESS_TIMEOUT)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail(f"level {level}: still running after {SUBPROCESS_TIMEOUT} s, killed")
+    error = Path(f"{path}.error")
+    assert process.exitcode == 0, f"level {level}: exit code {process.exitcode}\n" + (
+        error.read_text() if error.exists() else "")
+
+
 # ----- the tests -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def level_results(tmp_path_factory) -> dict:
-    """level -> {"capability": the level the subprocess reported, "results": name -> outputs}."""
+    """level -> {"capability": the level its process reported, "results": name -> outputs}."""
     folder = tmp_path_factory.mktemp("levels")
     cases()  # encodes the reference payloads once, for every level
     payloads = folder / "payloads.pt"
@@ -253,7 +276,7 @@ def level_results(tmp_path_factory) -> dict:
     found = {}
     for level in SUPPORTED:
         path = folder / f"{level}.pt"
-        _subprocess(level, "run", str(path), str(payloads))
+        _forked(level, path, payloads)
         found[level] = torch.load(path)
     return found
 
