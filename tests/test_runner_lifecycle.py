@@ -123,12 +123,16 @@ def _latest_checkpoint(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-# A driver: run_experiment on a config read from a file, ExperimentInterrupted -> a JSON line.
+# A driver: run_experiment on a config read from a file, ExperimentInterrupted -> a JSON line;
+# with a third argument, that command (JSON) stands in for torchrun's.
 DRIVER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
+    from sparsecomm.lab.experiment import runner
     from sparsecomm.lab.experiment.config import ExperimentConfig
     from sparsecomm.lab.experiment.runner import ExperimentInterrupted, run_experiment
+    if len(sys.argv) > 3:
+        runner._torchrun_command = lambda *args: json.loads(sys.argv[3])
     config = ExperimentConfig.from_dict(json.loads(Path(sys.argv[1]).read_text()))
     try:
         run_experiment(config, Path(sys.argv[2]), progress=lambda line: print(line, flush=True))
@@ -138,11 +142,11 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _driver(config, root: Path) -> subprocess.Popen:
+def _driver(config, root: Path, command: list[str] | None = None) -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
     path = root.parent / f"{config.name}-config.json"
     path.write_text(json.dumps(config.to_dict()))
-    return _start([sys.executable, "-c", DRIVER, str(path), str(root)])
+    return _start([sys.executable, "-c", DRIVER, str(path), str(root), *([json.dumps(command)] if command else [])])
 
 
 def _interruption(output: str) -> dict:
@@ -151,20 +155,23 @@ def _interruption(output: str) -> dict:
     return json.loads(line[len("INTERRUPTED "):])
 
 
-# ----- item 1: Ctrl-C, a stall (SIGTERM: the resume test below) ---------------------------
+# ----- item 1: SIGTERM, Ctrl-C, a stall ------------------------------------------------------
 
 
-def _check_interrupted(run_dir: Path, sig: str, output: str, label: str, kept: str) -> dict:
+def _check_interrupted(run_dir: Path, sig: str, report: str, label: str, kept: str) -> dict:
     """The run's record and the report after ``sig`` stopped the command that trained it."""
-    stop = _interruption(output)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert stop["signal"] == sig and summary["status"] == "interrupted" and summary["interrupted"] == sig
+    assert summary["status"] == "interrupted" and summary["interrupted"] == sig
     assert summary["error"].startswith(f"interrupted by {sig} after step ") and summary["config_hash"] in run_dir.name
-    resume = summary["resume_from_step"]
-    assert resume == _latest_checkpoint(run_dir) and resume % 50 == 0 and 50 <= resume <= summary["last_step"]
-    report = stop["report"]
+    assert f"stopped by {sig}: experiment " in report, report
     assert f"interrupted: {label} after step {summary['last_step']}" in report, report
-    assert f"verified checkpoint at step {resume}: a re-run resumes it from there" in report, report
+    resume = summary["resume_from_step"]
+    if resume is None:
+        assert _latest_checkpoint(run_dir) == 0
+        assert "it has no checkpoint to resume from: a re-run starts it over" in report, report
+    else:
+        assert resume == _latest_checkpoint(run_dir) and resume % 50 == 0 and 50 <= resume <= summary["last_step"]
+        assert f"verified checkpoint at step {resume}: a re-run resumes it from there" in report, report
     assert kept in report, report
     assert not (run_dir / "result.json").exists()
     time.sleep(1.0)  # nothing of that launch is left to turn the record into "ok"
@@ -172,28 +179,38 @@ def _check_interrupted(run_dir: Path, sig: str, output: str, label: str, kept: s
     return summary
 
 
-def test_ctrl_c_to_sparsecomm_compare_ends_with_a_report_and_leaves_nothing(sweep):
-    """End to end: the real command, Ctrl-C to its process group while a run trains."""
-    root = sweep / "runs"
-    proc = _start([sys.executable, "-m", "sparsecomm", "compare", "--experiment", "digits-quick", "--arms", "dense",
-                   "topk-ef", "--seeds", "0", "--steps", str(LONG), "--out", str(root), "--plots",
-                   str(sweep / "plots")])
-    _wait_for(lambda: any(_train_rows(p.parent) >= 20 for p in root.glob("digits-quick/runs/*/steps.jsonl")), 120,
-              "20 training steps", proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    output = _finish(proc, 60)
-    assert survivors_after(str(sweep), 2.0) == []
-    from sparsecomm.lab.experiment import compare
+STAND_IN_LAUNCHER = """
+import subprocess, sys, time
+# As torchrun starts its ranks: a 'rank' in a session of its own; both run until killed.
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", {mark!r}], start_new_session=True)
+time.sleep(300)
+"""
 
-    if hasattr(compare, "stop_on_interrupt"):  # the command prints the report and exits 130
-        assert proc.returncode == 130 and "Traceback" not in output, output[-4000:]
-        assert "stopped by SIGINT" in output and "interrupted: dense seed 0 after step" in output, output[-4000:]
-        assert "it has no checkpoint to resume from: a re-run starts it over" in output, output[-4000:]
-        assert "kept: 0 finished run(s)\nnot run: topk-ef seed 0" in output, output[-4000:]
-    else:
-        assert proc.returncode != 0, output[-4000:]
-    (run,) = [r for r in load_runs(root / "digits-quick") if r.arm == "dense"]
-    assert run.status == "interrupted" and "interrupted by SIGINT" in run.error and not run.finished
+
+def test_sigterm_to_the_command_alone_kills_its_run_and_records_it_interrupted(sweep):
+    """SIGTERM (to the command alone, as `timeout` sends it) while a run trains: every
+    process of the launch dies, the run is recorded "interrupted" (counted as not ok) and
+    stays so, and run_experiment raises ExperimentInterrupted with a report naming the run,
+    that it has no checkpoint, and the run not started yet. A stand-in for torchrun here
+    (what is checked is the runner's side; real torchrun ranks, and Ctrl-C through the real
+    command: the resume test below)."""
+    root = sweep / "runs"
+    mark = f"{sweep}/stand-in-rank"  # in the rank's command line: found here, not by the runner
+    config = digits_quick().with_overrides(name="stop", arms=("dense", "topk-ef"), seeds=(0,))
+    run_dir = runner.run_directory(config, root, "dense", 0)
+    proc = _driver(config, root, [sys.executable, "-c", STAND_IN_LAUNCHER.format(mark=mark)])
+    _wait_for(lambda: any("-c import time; time.sleep(300)" in line for _, line in processes_mentioning(mark)),
+              60, "the stand-in rank", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    output = _finish(proc, 60)
+    assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
+    assert survivors_after(str(sweep), 2.0) == []
+    stop = _interruption(output)
+    assert stop["signal"] == "SIGTERM"
+    _check_interrupted(run_dir, "SIGTERM", stop["report"], "dense seed 0",
+                       "kept: 0 finished run(s)\nnot run: topk-ef seed 0")
+    (run,) = load_runs(root / "stop")
+    assert run.status == "interrupted" and not run.finished
 
 
 def _emulation_unavailable() -> str | None:
@@ -352,36 +369,38 @@ def _check_rows_after_a_kill(run_dir: Path, at_least: int) -> list[dict]:
 
 
 @pytest.mark.timeout(420)
-def test_a_run_stopped_by_sigterm_then_by_sigkill_resumes_each_time_bit_for_bit(sweep, uninterrupted):
+def test_a_run_stopped_by_ctrl_c_then_by_sigkill_resumes_each_time_bit_for_bit(sweep, uninterrupted):
     """One top-k run, stopped twice and resumed twice (each launch is seconds of start-up).
 
-    First SIGTERM to the command alone (as `timeout` sends it) after its step-100
-    checkpoint: every torchrun rank dies, the run is recorded "interrupted" (counted as not
-    ok) and stays so, and run_experiment raises ExperimentInterrupted with a report naming
-    the run and its checkpoint. (Ctrl-C: the compare test above.) A re-run resumes from that
-    checkpoint and is SIGKILLed, the runner alone, two checkpoints later: nothing of it can
-    clean up, so the ranks must die with it, and steps.jsonl must still parse (a torn last
-    line is added to be sure it is dropped). Its latest checkpoint is then corrupted (a
-    flipped byte in a rank file): the last re-run falls back to the one before it (written
-    by the resumed launch), says so in the summary, and ends equal to the uninterrupted run
-    at every step; steps.jsonl holds exactly the rows up to each resume point followed by
-    the recomputed ones."""
+    First Ctrl-C to the process group of the real command (`sparsecomm compare --config`,
+    as a terminal sends it) after the run's step-100 checkpoint: every torchrun rank dies,
+    the run is recorded "interrupted" (counted as not ok) and stays so, and the command
+    prints a report naming the run and its checkpoint and exits 130. A re-run resumes from
+    that checkpoint and is SIGKILLed, the runner alone, two checkpoints later: nothing of
+    it can clean up, so the ranks must die with it, and steps.jsonl must still parse (a
+    torn last line is added to be sure it is dropped). Its latest checkpoint is then
+    corrupted (a flipped byte in a rank file): the last re-run falls back to the one before
+    it (written by the resumed launch), says so in the summary, and ends equal to the
+    uninterrupted run at every step; steps.jsonl holds exactly the rows up to each resume
+    point followed by the recomputed ones."""
     root = sweep / "runs"
     reference = uninterrupted
     run_dir = runner.run_directory(RESUME, root, "topk-ef", 0)
     _finished_dense(root)
 
-    proc = _driver(RESUME, root)
+    config_file = sweep / "resume.json"
+    config_file.write_text(json.dumps(RESUME.to_dict()))
+    proc = _start([sys.executable, "-m", "sparsecomm", "compare", "--config", str(config_file), "--out", str(root),
+                   "--plots", str(sweep / "plots")])
     _wait_for(lambda: _latest_checkpoint(run_dir) >= 100, 120, "checkpoint at step 100", proc)
     _wait_for(lambda: len(processes_mentioning(str(run_dir))) >= 3, 10, "torchrun and two ranks", proc)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGINT)
     output = _finish(proc, 60)
-    assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
+    assert proc.returncode == 130 and "Traceback" not in output, output[-4000:]
     assert survivors_after(str(sweep), 5.0) == [], output[-3000:]
-    summary = _check_interrupted(run_dir, "SIGTERM", output, "topk-ef seed 0",
-                                 "kept: 1 finished run(s): dense seed 0")
+    summary = _check_interrupted(run_dir, "SIGINT", output, "topk-ef seed 0", "kept: 1 finished run(s): dense seed 0")
     first = summary["resume_from_step"]
-    assert first >= 100 and "not run:" not in _interruption(output)["report"]
+    assert first >= 100 and "not run:" not in output, output[-3000:]
     runs = {r.arm: r for r in load_runs(root / "resume")}
     assert runs["topk-ef"].status == "interrupted" and not runs["topk-ef"].finished and runs["dense"].finished
     kept_first = [r for r in _check_rows_after_a_kill(run_dir, first) if r["step"] <= first]
