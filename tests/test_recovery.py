@@ -1,8 +1,8 @@
 """Recovery against declared faults (reliability list D1-D3), through the real runner:
-torchrun --max-restarts=1, 2 gloo ranks, a verified checkpoint every 20 steps, a fault at
-step 53 on rank 1 in the first attempt. The resumed run must match the uninterrupted one
-bit for bit (same train loss at every step, same validation losses), record its recovery
-time and lost work, and never hang.
+torchrun --max-restarts=1, 2 gloo ranks, a verified checkpoint every 20 steps, a fault on
+rank 1 in the first attempt (at step 53; the bit flip at step 50). The resumed run must
+match the uninterrupted one bit for bit (same train loss at every step, same validation
+losses), record its recovery time and lost work, and never hang.
 
 A launch (torchrun and its ranks starting up) costs far more than the 80 steps it trains,
 so launches are shared and each fault runs on as few arms as its property needs: one
@@ -73,7 +73,8 @@ def _assert_same_run(run, reference):
     assert [(e.step, e.val_loss) for e in run.evals] == [(e.step, e.val_loss) for e in reference.evals]
 
 
-@pytest.mark.parametrize("kind, arm", [("kill", "topk-ef"), ("hang", "dense"), ("hook_error", "topk-ef")])
+@pytest.mark.parametrize("kind, arm", [("kill", "topk-ef"), ("hang", "dense"), ("hook_error", "topk-ef")],
+                         ids=["kill", "hang", "hook_error"])
 def test_fault_recovers_bit_for_bit(tmp_path, clean, killed, kind, arm):
     if kind == "kill":
         run = killed[arm]
