@@ -121,8 +121,9 @@ def three_ranks(transformers, tmp_path_factory):
 
 
 def _two_rank_scenarios(rank, world_size, root, three_rank_root):
-    """Every 2-rank scenario in turn, each in a directory of its own; what each returned, or
-    ("raised", traceback) for one that raised (on every rank: each raises what the other does)."""
+    """Every 2-rank scenario in turn, each in a directory of its own: what each returned, or
+    ("raised", traceback). (A scenario that raises on one rank alone leaves the other waiting
+    in a collective until the spawn's deadline, as it did with a spawn of its own.)"""
     scenarios = {"sparse_dense_resume": (_sparse_dense_resume_worker, Path(root) / "sparse_dense_resume"),
                  "defaults": (_defaults_worker, Path(root) / "defaults"),
                  "lab_and_momentum": (_lab_and_momentum_worker, Path(root) / "lab_and_momentum"),
