@@ -104,7 +104,7 @@ setup(
         # Triton runs its kernels on GPUs, and on CPU in interpreter mode (tests).
         # The framework integrations (sparsecomm.integrations) are tested too, so CI installs
         # both. Neither caps torch, so pip keeps the torch installed first.
-        "test": [*LAB_REQUIRES, "transformers>=4.40", "pytest", "pytest-timeout", "triton; platform_system == 'Linux'", "lightning>=2.0", "accelerate>=1.0",
+        "test": [*LAB_REQUIRES, "transformers>=4.40", "pytest", "pytest-timeout", "pytest-xdist", "triton; platform_system == 'Linux'", "lightning>=2.0", "accelerate>=1.0",
                  "mpi4py", "mpich"],
         "triton": ["triton; platform_system == 'Linux'"],
         # transport="mpi" and mpiexec launches: mpi4py's wheel runs on the mpich wheel's MPI.

@@ -5,14 +5,15 @@ match the uninterrupted one bit for bit (same train loss at every step, same val
 losses), record its recovery time and lost work, and never hang.
 
 A launch (torchrun and its ranks starting up) costs far more than the 80 steps it trains,
-so launches are shared and each fault runs on as few arms as its property needs: one
-clean experiment trains every arm once (the references); one killed experiment trains
-the arms whose per-rank state a kill must not lose (topk-ef's residuals, topk-dgc's
-velocities, the sparse-delta averager's error buffers and anchor weights); the hang
-strikes the dense arm (its recovery: model, SGD momentum, data position, no hook state);
-the hook error and the bit flip strike topk-ef. The runner wants a dense arm in every
-experiment: where dense is not one of the arms under test, a finished dense run is put
-in place for it to skip.
+so each fault strikes one arm and each arm's state is put to one fault: one clean
+experiment trains every arm once (the references); a killed rank strikes the
+sparse-delta averager (error buffers, anchor weights, every rank's own optimizer), a hung
+rank the dense arm (model, SGD momentum, data position, no hook state), a hook error
+topk-dgc (residuals and velocities: everything topk-ef keeps, and more), the bit flip
+topk-ef (rolled back in process). Every restart restores the state in new processes.
+(topk-ef's state in new processes: tests/test_runner_lifecycle.py resumes it twice.) The
+runner wants a dense arm in every experiment: where dense is not the arm under test, a
+finished dense run is put in place for it to skip.
 """
 import json
 
@@ -22,10 +23,11 @@ from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.lab.experiment.runner import run_directory, run_experiment
 from sparsecomm.lab.results import load_runs, load_steps
 
-# The first test sets up the two shared experiments: 7 launches and 3 restarts.
+# A test that sets up the clean experiment pays for its 4 launches, and for its fault's.
 pytestmark = pytest.mark.timeout(480)
 
 FAULT_STEP = 53  # 13 steps after the step-40 checkpoint; 3 steps into a sparse-delta period
+FAULTS = {"kill": "loco", "hang": "dense", "hook_error": "topk-dgc"}  # the arm each fault strikes
 LOCO = {"loco": {"reducer": "sparse-delta", "options": {"period": 5, "density": 0.05, "chunk_size": 512}}}
 BASE = digits_quick().with_overrides(
     arms=("dense", "topk-ef", "topk-dgc", "loco"), arm_definitions=LOCO, seeds=(0,), steps=80, eval_every=20,
@@ -58,9 +60,20 @@ def clean(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    return _experiment(tmp_path_factory.mktemp("kill"), "kill", ("topk-ef", "topk-dgc", "loco"),
-                       fault={"kind": "kill", "rank": 1, "step": FAULT_STEP})
+def faulted(tmp_path_factory):
+    """The run a fault struck (its arm: FAULTS), by the fault's kind; run when first asked for."""
+    runs = {}
+
+    def run(kind):
+        if kind not in runs:
+            # The hung rank is noticed when the other one's collective times out: a shorter
+            # timeout for that experiment alone (it also bounds the ranks' start-up rendezvous).
+            timeout = 5.0 if kind == "hang" else BASE.collective_timeout_s
+            (runs[kind],) = _experiment(tmp_path_factory.mktemp(kind), kind, (FAULTS[kind],), collective_timeout_s=timeout,
+                                        fault={"kind": kind, "rank": 1, "step": FAULT_STEP}).values()
+        return runs[kind]
+
+    return run
 
 
 def _train_losses(run) -> list[float]:
@@ -73,18 +86,11 @@ def _assert_same_run(run, reference):
     assert [(e.step, e.val_loss) for e in run.evals] == [(e.step, e.val_loss) for e in reference.evals]
 
 
-@pytest.mark.parametrize("kind, arm", [("kill", "topk-ef"), ("hang", "dense"), ("hook_error", "topk-ef")],
-                         ids=["kill", "hang", "hook_error"])
-def test_fault_recovers_bit_for_bit(tmp_path, clean, killed, kind, arm):
-    if kind == "kill":
-        run = killed[arm]
-    else:
-        # The hung rank is noticed when the other one's collective times out: a shorter
-        # timeout for that experiment alone (it also bounds the ranks' start-up rendezvous).
-        (run,) = _experiment(tmp_path, kind, (arm,), fault={"kind": kind, "rank": 1, "step": FAULT_STEP},
-                             collective_timeout_s=5.0 if kind == "hang" else BASE.collective_timeout_s).values()
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_fault_recovers_bit_for_bit(clean, faulted, kind):
+    run = faulted(kind)
     assert run.extra["restarts"] == 1 and run.extra["residual_reset"] is False
-    _assert_same_run(run, clean[arm])
+    _assert_same_run(run, clean[FAULTS[kind]])
     if kind == "hook_error":
         # The hook raised inside the fault step before any rank committed it; the failed
         # attempt wrote no fault record (the exception ended it), so only restarts are counted.
@@ -112,19 +118,21 @@ def test_silent_bit_flip_is_detected_and_rolled_back_bit_for_bit(tmp_path, clean
     assert "replica_digest" in run.extra["last_corruption"]
 
 
-def test_momentum_correction_state_recovers_bit_for_bit(clean, killed):
-    """topk-dgc keeps a velocity per rank beside the residual: a kill must lose neither."""
-    run = killed["topk-dgc"]
+def test_momentum_correction_state_recovers_bit_for_bit(clean, faulted):
+    """topk-dgc keeps a velocity per rank beside the residual: the restart after its hook
+    raised (the hook_error fault) must lose neither."""
+    run = faulted("hook_error")
+    assert FAULTS["hook_error"] == "topk-dgc" and run.arm == "topk-dgc"
     assert run.extra["restarts"] == 1 and run.extra["residual_reset"] is False
-    assert run.extra["lost_steps"] == FAULT_STEP - 40
     _assert_same_run(run, clean["topk-dgc"])
 
 
-def test_sparse_delta_averager_state_recovers_bit_for_bit(clean, killed):
+def test_sparse_delta_averager_state_recovers_bit_for_bit(clean, faulted):
     """Local steps with a sparse outer sync keep an error buffer and the last sync's weights
     per rank, and every rank's own optimizer: a kill mid-period (3 steps into it) must lose
     none of them."""
-    reference, run = clean["loco"], killed["loco"]
+    reference, run = clean["loco"], faulted("kill")
+    assert FAULTS["kill"] == "loco" and run.arm == "loco"
     assert run.extra["restarts"] == 1 and run.extra["residual_reset"] is False
     _assert_same_run(run, reference)
     # Bytes go on the wire at syncs only: every 5th step, the same payload each time.
