@@ -117,6 +117,12 @@ def test_momentum_requires_error_feedback():
         TopKState(momentum=0.9, error_feedback=False, warmup_steps=0)
 
 
+def test_residual_dtype_requires_error_feedback():
+    with pytest.raises(ValueError, match="residual_dtype=torch.float32 .* error_feedback=False does not keep"):
+        TopKState(residual_dtype=torch.float32, error_feedback=False, warmup_steps=0)
+    assert TopKState(error_feedback=False, warmup_steps=0).config.residual_dtype is None
+
+
 def test_verify_conservation_requires_error_feedback():
     with pytest.raises(ValueError, match="verify_conservation.*requires error_feedback=True"):
         TopKState(verify_conservation=True, error_feedback=False)

@@ -157,6 +157,9 @@ class TopKConfig:
             raise ValueError(f"momentum={self.momentum} (momentum correction) requires error_feedback=True")
         if self.wire_agreement and not self.wire_checksum:
             raise ValueError("wire_agreement=True agrees on what the checksum finds: it needs wire_checksum=True")
+        if self.residual_dtype is not None and not self.error_feedback:
+            raise ValueError(f"residual_dtype={self.residual_dtype} is the dtype of the residual and the velocity, "
+                             "which error_feedback=False does not keep: leave residual_dtype None")
         if self.verify_conservation and not self.error_feedback:
             raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
 
