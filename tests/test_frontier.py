@@ -123,7 +123,8 @@ def test_sparsest_equivalent_picks_the_lowest_passing_density():
 @pytest.mark.timeout(600)
 def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, tmp_path_factory, capsys):
     # 2 densities x (dense + topk-ef) x 3 seeds = 12 runs of 50 steps; the 6 of density 0.001
-    # were trained by the shared compare (tests/digits_point.py) into the same --out.
+    # were trained by the shared compare (tests/digits_point.py) into the same --out, and dense,
+    # which the density does not change, is copied from there to density 1: 3 runs trained here.
     point = digits_point.compare_point(tmp_path_factory)
     out, plots = point.out, tmp_path / "plots"
     code = frontier.main(["--experiment", "digits-quick", "--densities", "1", "0.001", "--arms", "topk-ef",
@@ -133,8 +134,9 @@ def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, tmp_path_factory
     printed = capsys.readouterr().out
     # The compare's runs are this frontier's density-0.001 runs (same hashes): skipped, not trained again.
     skipped = [line for line in printed.splitlines() if "finished earlier, skipped" in line]
+    compared = [p.name for p in (point.experiment_dir / "runs").iterdir()]
     assert sorted(line.rsplit("(", 1)[-1].rstrip(")") for line in skipped) == sorted(
-        p.name for p in (point.experiment_dir / "runs").iterdir()), printed
+        compared + [name for name in compared if name.startswith("dense-seed")]), printed
     points = {p["density"]: p for p in json.loads((out / "digits-quick-frontier.json").read_text())}
     assert sorted(points) == [0.001, 1.0] and {p["arm"] for p in points.values()} == {"topk-ef"}
     finals = {}
@@ -150,7 +152,7 @@ def test_frontier_end_to_end_on_digits_known_verdicts(tmp_path, tmp_path_factory
     # training as dense, bit for bit, on every seed. Identical runs give zero-variance
     # differences, which the documented rule never calls equivalent: inconclusive.
     one = points[1.0]
-    assert finals[1.0]["topk-ef"] == finals[1.0]["dense"]
+    assert finals[1.0]["topk-ef"] == finals[1.0]["dense"] == finals[0.001]["dense"]
     assert one["verdict"] == "inconclusive" and one["mean_loss_diff"] == 0.0
     [arm] = check(one["run_dir"]).arms
     assert arm.equivalence.reason == ZERO_VARIANCE_REASON

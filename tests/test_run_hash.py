@@ -195,3 +195,21 @@ def test_a_rank_refuses_to_train_code_changed_after_the_experiment_started(tmp_p
     runner.run_experiment(config, tmp_path / "runs", progress=lambda line: None)
     summary = json.loads((runner.run_directory(config, tmp_path / "runs", "dense", 0) / "summary.json").read_text())
     assert summary["status"] == "failed" and "your code changed since the experiment started" in summary["error"]
+
+
+def test_a_run_hash_covers_the_experiment_fields_its_arm_reads_and_no_other():
+    from sparsecomm.lab.experiment.named import digits_quick
+
+    base = digits_quick()
+    for arm, reads, unread in [("dense", {}, {"density": 0.5, "dgc_momentum": 0.5, "powersgd_rank": 7}),
+                               ("dense-bf16", {}, {"density": 0.5, "dgc_momentum": 0.5, "powersgd_rank": 7}),
+                               ("powersgd", {"powersgd_rank": 7}, {"density": 0.5, "dgc_momentum": 0.5}),
+                               ("topk-ef", {"density": 0.5}, {}),
+                               ("topk-dgc", {"density": 0.5, "dgc_momentum": 0.5}, {})]:
+        for key, value in unread.items():  # a dense run at another density is the same run
+            assert base.with_overrides(**{key: value}).run_hash(arm, 0) == base.run_hash(arm, 0), (arm, key)
+        for key, value in reads.items():
+            assert base.with_overrides(**{key: value}).run_hash(arm, 0) != base.run_hash(arm, 0), (arm, key)
+        for key in ("lr", "steps"):  # what every arm reads
+            changed = {"lr": base.lr * 2, "steps": base.steps + 1}[key]
+            assert base.with_overrides(**{key: changed}).run_hash(arm, 0) != base.run_hash(arm, 0), (arm, key)

@@ -14,8 +14,9 @@ density with the verdict as the marker::
         --value-codecs fp32 int4 int2                                              # density x value codec
 
 With ``--value-codecs`` each density runs once per codec (one experiment each, named
-``...-d<density>-<wire>``); the dense runs, which the wire does not change, run once per
-density and are reused (copied) by the other wires' experiments, also across frontiers.
+``...-d<density>-<wire>``). The dense runs, which neither the density nor the wire
+changes, run once per seed and are reused (copied) by the other points' experiments, also
+across frontiers.
 
 Runs that did not finish (any status other than "ok") are counted per point (``failed``,
 ``dense_failed``, with their statuses) and printed; a density whose dense runs all failed
@@ -110,10 +111,10 @@ def point_config(config, density: float, arms, value_codec: str | None):
                                  name=_experiment_name(config, density, value_codec), **overrides)
 
 
-def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) -> None:
-    """Copy finished dense runs of this density from sibling frontier experiments (other
-    wires) into ``target`` when they are the same runs: the same run hash, which the wire
-    settings do not enter for dense."""
+def _reuse_dense_runs(target, base_name: str, out_root: Path) -> None:
+    """Copy finished dense runs from sibling frontier experiments (other densities and
+    wires) into ``target`` when they are the same runs: the same run hash, which neither
+    the density nor the wire settings enter for dense."""
     import shutil
 
     from sparsecomm.lab.experiment.files import private_directory
@@ -124,7 +125,7 @@ def _reuse_dense_runs(target, density: float, base_name: str, out_root: Path) ->
         wanted = run_directory(target, out_root, "dense", seed)
         if wanted.exists():
             continue
-        for done in sorted(out_root.glob(f"{_density_name(base_name, density)}*/runs/{wanted.name}")):
+        for done in sorted(out_root.glob(f"{base_name}-frontier-d*/runs/{wanted.name}")):
             if finished_ok(done, expected):
                 private_directory(wanted.parent, out_root)  # never through a planted link
                 shutil.copytree(done, wanted)
@@ -140,7 +141,7 @@ def run_frontier(config, densities, arms, out_root: Path, value_codecs=(None,)) 
     points = []
     for density, value_codec in [(d, c) for d in densities for c in value_codecs]:
         per_density = point_config(config, density, arms, value_codec)
-        _reuse_dense_runs(per_density, density, config.name, out_root)
+        _reuse_dense_runs(per_density, config.name, out_root)
         codec_text = "" if value_codec is None else f", value codec {value_codec}"
         print(f"frontier: density {density:g}{codec_text}: {len(per_density.arms)} arms x {len(per_density.seeds)} "
               "seeds", flush=True)
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # validate every per-density configuration before the first launch
         arms, definitions = parse_arms(args.arms)
         if "dense" in arms:
-            raise ValueError("argument --arms: the sparse techniques to sweep; dense is always run (once per density)")
+            raise ValueError("argument --arms: the sparse techniques to sweep; dense is always run (once, reused at every density)")
         base = with_job_overrides(experiment_from_source(args), args, definitions=definitions)
         config = base.with_overrides(selector=args.selector, chunk_size=args.chunk_size,
                                      index_codec=args.index_codec, exchange=args.exchange)

@@ -41,6 +41,13 @@ from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 HOOK_PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
 """The presets that resolve from the experiment's fields (density, dgc_momentum, wire, powersgd_rank)."""
+UNREAD_FIELDS = {
+    "dense": ("density", "dgc_momentum", "powersgd_rank"),
+    "dense-bf16": ("density", "dgc_momentum", "powersgd_rank"),
+    "powersgd": ("density", "dgc_momentum"),
+}
+"""Experiment fields a hook preset's runs never read: kept out of their run hash, so that a
+density sweep's dense runs are one run per seed, not one per density."""
 FIXED_PRESETS = {
     # Full AdamW at its normal betas, local steps, a sparse outer sync every 2 steps: exact
     # top-k of 1.5625% (SparseLoCo's 64 of 4096) with Rice indices and 2-bit values. Measured

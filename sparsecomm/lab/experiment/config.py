@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from sparsecomm.lab.experiment import arm_spec
-from sparsecomm.lab.experiment.arm_spec import HOOK_PRESETS, PRESETS as ARM_NAMES
+from sparsecomm.lab.experiment.arm_spec import HOOK_PRESETS, UNREAD_FIELDS, PRESETS as ARM_NAMES
 from sparsecomm.lab.policy import Policy
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 from sparsecomm.lab.tasks import TASK_ACCEPTED, TASK_NAMES, is_user_task, load_user_task
@@ -423,6 +423,9 @@ class ExperimentConfig:
         elif code is not None:
             d["code_sha256"] = code.digest()
         spec = self.arm(arm)
+        for key in UNREAD_FIELDS.get(spec.name, ()):
+            # As if at its default: one hash at every value, and the one runs already had.
+            d[key] = self.__dataclass_fields__[key].default
         if spec.name not in HOOK_PRESETS:
             # A defined arm carries its resolved options: the experiment's wire and optimizer
             # fields reach it only through them.
