@@ -21,23 +21,19 @@ from sparsecomm.links import parse_link
 from sparsecomm.links import netns
 from sparsecomm.links.netns import EmulatedNetwork, LinkEmulationError, check_emulation_possible
 from sparsecomm.lab.results import load_runs
+from network_namespaces import emulation_unavailable, network_namespaces_lock
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _emulation_unavailable() -> str | None:
-    try:
-        check_emulation_possible(parse_link("1gbit"))
-        subprocess.run(["ip", "netns", "add", "sparsecomm-probe-check"], check=True, capture_output=True, timeout=30)
-        subprocess.run(["ip", "netns", "del", "sparsecomm-probe-check"], check=True, capture_output=True, timeout=30)
-    except LinkEmulationError as error:
-        return str(error)
-    except subprocess.CalledProcessError as error:
-        return f"cannot create network namespaces here: {error.stderr.decode().strip()}"
-    return None
+@pytest.fixture(autouse=True)
+def _no_other_networks():
+    """No other test of the suite builds a network while one of these runs (or counts them)."""
+    with network_namespaces_lock():
+        yield
 
 
-_UNAVAILABLE = _emulation_unavailable()
+_UNAVAILABLE = emulation_unavailable()
 needs_emulation = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"link emulation unavailable: {_UNAVAILABLE}")
 
 
@@ -218,11 +214,13 @@ def link_frontier(tmp_path_factory):
     if _UNAVAILABLE is not None:
         pytest.skip(f"link emulation unavailable: {_UNAVAILABLE}")
     root = tmp_path_factory.mktemp("link-frontier")
-    before = _ours()
-    code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef", "--seeds", "0",
-                          "--steps", "20", "--link", "100mbit", "--out", str(root / "runs"),
-                          "--plots", str(root / "plots")])
-    return {"code": code, "root": root, "namespaces_before": before, "namespaces_after": _ours()}
+    with network_namespaces_lock():
+        before = _ours()
+        code = frontier.main(["--experiment", "digits-quick", "--densities", "0.05", "--arms", "topk-ef", "--seeds",
+                              "0", "--steps", "20", "--link", "100mbit", "--out", str(root / "runs"),
+                              "--plots", str(root / "plots")])
+        after = _ours()
+    return {"code": code, "root": root, "namespaces_before": before, "namespaces_after": after}
 
 
 @needs_emulation

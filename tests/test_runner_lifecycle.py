@@ -21,6 +21,7 @@ import pytest
 from sparsecomm.lab.experiment import runner
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.lab.results import load_runs, load_steps
+from network_namespaces import emulation_unavailable, network_namespaces_lock
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -213,29 +214,13 @@ def test_sigterm_to_the_command_alone_kills_its_run_and_records_it_interrupted(s
     assert run.status == "interrupted" and not run.finished
 
 
-def _emulation_unavailable() -> str | None:
-    from sparsecomm.links import parse_link
-    from sparsecomm.links.netns import LinkEmulationError, check_emulation_possible
-
-    try:
-        check_emulation_possible(parse_link("100mbit"))
-        for verb in ("add", "del"):
-            subprocess.run(["ip", "netns", verb, "sparsecomm-probe-lifecycle"], check=True, capture_output=True,
-                           timeout=30)
-    except LinkEmulationError as error:
-        return str(error)
-    except subprocess.CalledProcessError as error:
-        return f"cannot create network namespaces here: {error.stderr.decode().strip()}"
-    return None
-
-
 def _namespaces_of(pid: int) -> list[str]:
     from sparsecomm.links import netns
 
     return [n for n in netns.namespaces() if n.startswith(f"{netns.NAMESPACE_PREFIX}{pid}-")]
 
 
-@pytest.mark.skipif(sys.platform != "linux" or _emulation_unavailable() is not None,
+@pytest.mark.skipif(emulation_unavailable() is not None,
                     reason="link emulation unavailable (needs root, ip, tc, network namespaces)")
 def test_ctrl_c_kills_the_ranks_of_an_emulated_link_and_removes_its_namespaces(sweep):
     """Over an emulated link the runner starts each rank itself (ip netns exec, no torchrun):
@@ -244,11 +229,12 @@ def test_ctrl_c_kills_the_ranks_of_an_emulated_link_and_removes_its_namespaces(s
     config = digits_quick().with_overrides(name="link", arms=("dense",), seeds=(0,), steps=LONG, eval_every=1000,
                                            link="100mbit")
     run_dir = runner.run_directory(config, root, "dense", 0)
-    proc = _driver(config, root)
-    _wait_for(lambda: _train_rows(run_dir) >= 10, 120, "10 training steps", proc)
-    assert len(_namespaces_of(proc.pid)) == 3 and len(processes_mentioning(str(run_dir))) >= 2
-    os.killpg(proc.pid, signal.SIGINT)
-    output = _finish(proc, 60)
+    with network_namespaces_lock():
+        proc = _driver(config, root)
+        _wait_for(lambda: _train_rows(run_dir) >= 10, 120, "10 training steps", proc)
+        assert len(_namespaces_of(proc.pid)) == 3 and len(processes_mentioning(str(run_dir))) >= 2
+        os.killpg(proc.pid, signal.SIGINT)
+        output = _finish(proc, 60)
     assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
     assert survivors_after(str(sweep), 2.0) == [] and _namespaces_of(proc.pid) == []
     summary = json.loads((run_dir / "summary.json").read_text())
