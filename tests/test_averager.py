@@ -2,8 +2,10 @@
 
 Oracles: a pure-torch replay of the outer step written here (per-chunk torch.topk of
 ef_decay * error + (anchor - weights), the mean of what every rank sent, the outer step),
-run on the weights every rank reported before each sync; plain model averaging (the mean
-of the replicas) at density 1 and outer_lr 1; an uninterrupted run for checkpoints.
+one sync at a time from the averager's state before it and the weights every rank reported,
+bit for bit but for one rounding whose bound is derived there; plain model averaging (the
+float64 mean of the replicas, within a derived float32 rounding bound) at density 1 and
+outer_lr 1; an uninterrupted run for checkpoints.
 Ranks train on different data (seeded by rank), on 2 and 3 gloo ranks.
 """
 import copy
@@ -45,40 +47,48 @@ def _syncs(rank, world_size, settings, steps):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     averager = SparseDeltaAverager(model, **settings)
     generator = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-    before, after, initial = [], [], _flat(model)
+    before, after, errors, initial = [], [], [], _flat(model)
     for _ in range(steps // averager.period):
         _train(model, optimizer, averager, averager.period, generator, record=before)
         after.append(_flat(model))
+        errors.append(averager.error.clone())
     stats, error = averager.stats(), averager.error.clone()
     _train(model, optimizer, averager, 1, generator)  # one local step past the last sync
     local = _flat(model)
     with averager.consensus_weights():
         consensus = _flat(model)
-    return {"initial": initial, "before": before, "after": after, "stats": stats, "error": error,
+    return {"initial": initial, "before": before, "after": after, "errors": errors, "stats": stats, "error": error,
             "consensus": consensus, "local_kept": torch.equal(_flat(model), local)}
 
 
-def _replay(initial, before_per_rank, settings) -> list[torch.Tensor]:
-    """The outer steps, written out with torch.topk per chunk and exact fp32 values."""
-    world_size = len(before_per_rank)
-    anchor = initial.clone()
-    errors = [torch.zeros_like(anchor) for _ in range(world_size)]
+def _outer_step(anchor, errors, before, settings) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One sync written out with torch.topk per chunk, from the anchor and every rank's error
+    buffer and local weights: (new anchor, the rounding bound of the averager's against it,
+    every rank's new error buffer).
+
+    Every float32 operation here is the averager's, in its order (ef_decay * error, anchor -
+    weights, their sum; the values sent exactly (fp32 wire), summed in rank order, divided by
+    the world size), so the selections, the error buffers and the mean are bit for bit its,
+    except the last one: the averager's ``torch.sub(anchor, mean, alpha=outer_lr)`` may fuse
+    the product into the subtraction (one rounding) where this rounds twice. With u = 2^-24,
+    x = anchor - lr m exact, and r this replay's fl(anchor - fl(lr m)): |fl(x) - x| <= u |x|
+    and |x - r| <= u |lr m| + u |anchor - fl(lr m)|, so the two differ by at most
+    u (2 |x| + (1 + u) |lr m|) <= 4 u (|r| + |lr m|) elementwise (|x| <= (1 + u) |r| + u |lr m|)."""
+    world_size = len(before)
     k_per_chunk = round(settings["density"] * CHUNK)
-    results = []
-    for sync in range(len(before_per_rank[0])):
-        total = torch.zeros_like(anchor)
-        for rank in range(world_size):
-            acc = settings["ef_decay"] * errors[rank] + (anchor - before_per_rank[rank][sync])
-            sent = torch.zeros_like(acc)
-            chunks = acc.view(-1, CHUNK) if acc.numel() % CHUNK == 0 else None
-            assert chunks is not None, "the test model's size is a multiple of the chunk"
-            top = chunks.abs().topk(k_per_chunk, dim=1).indices
-            sent.view(-1, CHUNK).scatter_(1, top, chunks.gather(1, top))
-            errors[rank] = acc - sent
-            total += sent
-        anchor = anchor - settings["outer_lr"] * (total / world_size)
-        results.append(anchor.clone())
-    return results, errors
+    assert anchor.numel() % CHUNK == 0, "the test model's size is a multiple of the chunk"
+    total, new_errors = torch.zeros_like(anchor), []
+    for rank in range(world_size):
+        acc = settings["ef_decay"] * errors[rank] + (anchor - before[rank])
+        sent = torch.zeros_like(acc)
+        chunks = acc.view(-1, CHUNK)
+        top = chunks.abs().topk(k_per_chunk, dim=1).indices
+        sent.view(-1, CHUNK).scatter_(1, top, chunks.gather(1, top))
+        new_errors.append(acc - sent)
+        total += sent
+    step = settings["outer_lr"] * (total / world_size)
+    new_anchor = anchor - step
+    return new_anchor, 2.0 ** -22 * (new_anchor.abs() + step.abs()), new_errors
 
 
 SPARSE = {"period": PERIOD, "density": 8 / CHUNK, "selector": "chunk", "chunk_size": CHUNK, "index_codec": "int32",
@@ -93,11 +103,16 @@ def test_each_sync_is_the_replayed_outer_step_and_replicas_end_bit_identical(wor
         assert all(torch.equal(synced[0], other) for other in synced[1:])  # one model again, bit for bit
         locals_ = [r["before"][sync] for r in results]
         assert not torch.equal(locals_[0], locals_[1])  # between syncs the replicas trained apart
-    expected, errors = _replay(results[0]["initial"], [r["before"] for r in results], SPARSE)
-    for sync, want in enumerate(expected):
-        torch.testing.assert_close(results[0]["after"][sync], want, rtol=1e-6, atol=1e-7)
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(result["error"], errors[rank], rtol=1e-5, atol=1e-6)
+    # Each sync against the oracle from the averager's own state before it (the anchor is the
+    # last sync's weights), so no difference is carried from one sync to the next.
+    anchor, errors = results[0]["initial"], [torch.zeros_like(results[0]["initial"])] * world_size
+    for sync in range(4):
+        want, bound, want_errors = _outer_step(anchor, errors, [r["before"][sync] for r in results], SPARSE)
+        got = results[0]["after"][sync]
+        assert ((got - want).abs() <= bound).all(), float(((got - want).abs() - bound).max())
+        errors = [r["errors"][sync] for r in results]
+        assert all(torch.equal(error, wanted) for error, wanted in zip(errors, want_errors))
+        anchor = got
     for result in results:  # evaluation sees the last sync's weights; the local ones come back after
         assert torch.equal(result["consensus"], results[0]["after"][-1]) and result["local_kept"]
     stats = results[0]["stats"]
@@ -110,9 +125,18 @@ def test_density_one_with_outer_lr_one_is_plain_model_averaging():
     dense = {"period": PERIOD, "density": 1.0, "selector": "exact", "index_codec": "int32",
              "value_codec": None, "outer_lr": 1.0, "ef_decay": 0.0}
     results = run_on_ranks(_syncs, dense, 2 * PERIOD, world_size=3, timeout=120)
+    anchor = results[0]["initial"].double()
     for sync in range(2):
-        mean = torch.stack([r["before"][sync].double() for r in results]).mean(dim=0)
-        torch.testing.assert_close(results[0]["after"][sync].double(), mean, rtol=1e-6, atol=1e-6)
+        local = torch.stack([r["before"][sync].double() for r in results])
+        mean = local.mean(dim=0)  # exact enough: float64 sums of 3 float32 numbers
+        got = results[0]["after"][sync].double()
+        # The averager rounds in float32 (u = 2^-24): d_r = anchor - w_r, their sum in rank
+        # order, / 3, anchor - that. First order: u |d_r| each, u sum|d| for the sum, and u
+        # |mean step| and u |result|; twice that covers the second-order terms.
+        deltas = (anchor - local).abs()
+        bound = 2.0 ** -23 * (got.abs() + (anchor - mean).abs() + 2 * deltas.sum(dim=0))
+        assert ((got - mean).abs() <= bound).all(), float(((got - mean).abs() - bound).max())
+        anchor = got
     assert all(float(r["error"].abs().max()) == 0.0 for r in results)  # everything was sent
 
 
