@@ -281,3 +281,16 @@ def test_arms_defined_as_data_take_colours_no_preset_of_the_figure_uses():
     styles = plots.arm_styles(["dense", "dense-bf16", "topk-dgc", "sparseloco", "mine", "floor"])
     assert len({s["color"] for s in styles.values()}) == 6
     assert styles["topk-dgc"] == plots.arm_styles(["dense", "topk-dgc"])["topk-dgc"]  # presets keep theirs
+
+
+def test_a_link_planted_where_a_plot_goes_is_replaced_not_written_through(run_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file")
+    planted = tmp_path / "plots" / "s.png"
+    planted.parent.mkdir()
+    planted.symlink_to(victim)
+    path = plots.plot_loss_vs_step(load_runs(run_dir), None, planted)
+    assert victim.read_text() == "someone else's file"
+    assert not path.is_symlink()
+    _assert_png(path)
+    assert sorted(p.name for p in planted.parent.iterdir()) == ["s.png"]  # no temporary file left

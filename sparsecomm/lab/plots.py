@@ -21,6 +21,7 @@ line style and every ledger segment its own hatching, so the figures survive gre
 Reads result files only: no torch needed.
 """
 import argparse
+import io
 import math
 import sys
 import textwrap
@@ -35,6 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from sparsecomm.lab.experiment.files import write_bytes_atomically
 from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,
@@ -186,7 +188,10 @@ def _save(fig: Figure, path, on_figure: Callable[[Figure], None] | None) -> Path
         on_figure(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=_DPI, bbox_inches="tight")
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=_DPI, bbox_inches="tight")
+    # A temporary name, then a rename: a link planted at ``path`` is replaced, never written through.
+    write_bytes_atomically(path, image.getvalue())
     return path
 
 
