@@ -495,3 +495,18 @@ def test_a_storage_writer_failing_on_one_rank_reaches_every_rank(save_faults, ca
         assert "checkpoint at step 8 not committed" in message and all(n in message for n in names), message
         assert "rank 0: " not in message and seconds < 15
         assert _get(r, "after writer") == ([6], True, []) and _get(r, "loadable") == 6
+
+
+def test_a_link_planted_where_a_checkpoint_file_goes_is_refused_not_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file")
+    for name, write in [("rank0.pt", lambda path: checkpoint_files.write_durably(path, b"checkpoint bytes")),
+                        ("manifest.json.tmp",  # the manifest's temporary name
+                         lambda path: checkpoint_files.write_json_durably(path.with_name("manifest.json"), {"a": 1}))]:
+        planted = tmp_path / name
+        planted.symlink_to(victim)
+        with pytest.raises(OSError, match=f"{re.escape(str(planted))} is a symbolic link"):
+            write(planted)
+        assert victim.read_text() == "someone else's file" and planted.is_symlink()
+    checkpoint_files.write_durably(tmp_path / "plain.pt", b"checkpoint bytes")  # a plain file is written as ever
+    assert (tmp_path / "plain.pt").read_bytes() == b"checkpoint bytes"

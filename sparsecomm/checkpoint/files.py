@@ -4,6 +4,7 @@ A checkpoint directory becomes visible under its final name only after every fil
 is on disk; a crash at any point leaves either the previous checkpoint or a temporary
 directory that readers ignore.
 """
+import errno
 import hashlib
 import json
 import os
@@ -21,8 +22,16 @@ def fsync_directory(path: Path) -> None:
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync the file."""
-    with open(path, "wb") as f:
+    """Write ``data`` to ``path`` and fsync the file. A symbolic link at ``path`` is refused
+    (OSError naming it), never written through: someone else's file may be at its end."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link: checkpoint files are never written through "
+                                       "one; remove it") from None
+        raise
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
