@@ -74,8 +74,9 @@ class FrontierPoint:
         return self.arm if self.value_codec is None else f"{self.arm} {self.value_codec}"
 
 
-def _density_name(base: str, density: float) -> str:
-    return f"{base}-frontier-d{density:g}"
+def _density_name(base: str, density: float | str) -> str:
+    """The name of a frontier's experiment at ``density`` (a number, or a glob pattern)."""
+    return f"{base}-frontier-d{density if isinstance(density, str) else format(density, 'g')}"
 
 
 def _wire_parts(config, value_codec: str | None) -> list[str]:
@@ -125,7 +126,7 @@ def _reuse_dense_runs(target, base_name: str, out_root: Path) -> None:
         wanted = run_directory(target, out_root, "dense", seed)
         if wanted.exists():
             continue
-        for done in sorted(out_root.glob(f"{base_name}-frontier-d*/runs/{wanted.name}")):
+        for done in sorted(out_root.glob(f"{_density_name(base_name, '*')}/runs/{wanted.name}")):
             if finished_ok(done, expected):
                 private_directory(wanted.parent, out_root)  # never through a planted link
                 shutil.copytree(done, wanted)
