@@ -1,13 +1,11 @@
 """Plots of a run directory: every figure is written from synthetic runs, the seed averaging
 is exact, missing ledger segments are written out (never drawn as zero), and the CLI works."""
-import sys
-import types
 
 import numpy as np
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm.lab import plots
+from sparsecomm.lab import plot_command, plots
 from sparsecomm.lab.results import load_experiment, load_runs
 from sparsecomm.lab.target import Target, resolve_target
 
@@ -235,8 +233,11 @@ def test_plot_run_dir_without_a_finished_dense_run(tmp_path, capsys):
 
 
 def test_main_writes_plots_and_skips_ledger_when_unavailable(run_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "sparsecomm.lab.ledger", None)  # import raises ImportError
-    assert plots.main([str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    def unavailable(run_dir):
+        raise ValueError("ledger not available: no dense run finished")
+
+    monkeypatch.setattr(plot_command, "ledger_items_for_plot", unavailable)
+    assert plot_command.main([str(run_dir), "--out", str(tmp_path / "out")]) == 0
     out, err = capsys.readouterr()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["loss_vs_step.png", "time_to_loss.png"]
     assert str(tmp_path / "out" / "time_to_loss.png") in out
@@ -244,21 +245,20 @@ def test_main_writes_plots_and_skips_ledger_when_unavailable(run_dir, tmp_path, 
 
 
 def test_main_draws_ledger_and_defaults_out_dir(run_dir, tmp_path, monkeypatch, capsys):
-    fake = types.ModuleType("sparsecomm.lab.ledger")
-    fake.ledger_items_for_plot = lambda d: {"dense": {"setup": 1.0, "step x steps": 4.0, "checkpoint": 0.2, "recovery": None}}
-    monkeypatch.setitem(sys.modules, "sparsecomm.lab.ledger", fake)
+    monkeypatch.setattr(plot_command, "ledger_items_for_plot",
+                        lambda d: {"dense": {"setup": 1.0, "step x steps": 4.0, "checkpoint": 0.2, "recovery": None}})
     monkeypatch.chdir(tmp_path)
-    assert plots.main([str(run_dir)]) == 0
+    assert plot_command.main([str(run_dir)]) == 0
     out_dir = tmp_path / "plots" / "exp-small"
     assert sorted(p.name for p in out_dir.iterdir()) == ["ledger.png", "loss_vs_step.png", "time_to_loss.png"]
     assert len(capsys.readouterr().out.splitlines()) == 3
 
 
 def test_main_missing_run_dir(tmp_path, capsys):
-    assert plots.main([str(tmp_path / "nope")]) == 2
+    assert plot_command.main([str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert plots.main([str(tmp_path / "empty")]) == 2
+    assert plot_command.main([str(tmp_path / "empty")]) == 2
     assert "experiment.json" in capsys.readouterr().err
 
 

@@ -3,7 +3,8 @@ then the plots; every line within 100 columns; exit 4 without a finished dense r
 from run_dir_fixture import write_run_dir
 from sparsecomm.lab.experiment import compare
 from sparsecomm.lab.policy import format_policy
-from sparsecomm.lab.report import CONTINUATION, EXIT_NO_DENSE, REPORT_WIDTH, fold, fold_lines, report
+from sparsecomm.lab.report import EXIT_NO_DENSE, report
+from sparsecomm.lab.text import CONTINUATION, REPORT_WIDTH, fold, fold_lines
 
 SEEDS = (0, 1, 2, 3)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from run_dir_fixture import write_run_dir
-from sparsecomm.lab import ledger, plots, tolerance
+from sparsecomm.lab import ledger, plot_command, plots, tolerance
 from sparsecomm.lab.results import ResultFileError, ResultFileWarning, load_runs, load_steps
 
 DENSE = {0: 1.50, 1: 1.52, 2: 1.49, 3: 1.51, 4: 1.50}
@@ -40,7 +40,7 @@ def _edit_summary(run_dir, arm, seed, changes=None, **more):
 def _run_all(run_dir, capsys):
     """(exit code, stdout, stderr) of ledger, check and plot on ``run_dir``."""
     results = {}
-    for name, main in (("ledger", ledger.main), ("check", tolerance.main), ("plot", plots.main)):
+    for name, main in (("ledger", ledger.main), ("check", tolerance.main), ("plot", plot_command.main)):
         extra = ["--out", str(run_dir.parent / "plots")] if name == "plot" else []
         code = main([str(run_dir), *extra])
         out, err = capsys.readouterr()
@@ -156,7 +156,7 @@ def test_a_malformed_steps_line_in_the_middle_names_file_and_line(tmp_path, caps
     steps.write_text("".join(lines))
     with pytest.raises(ResultFileError, match=f"{steps}:5: not a steps.jsonl line: invalid JSON"):
         load_steps(steps.parent)
-    assert plots.main([str(run_dir), "--out", str(tmp_path / "plots")]) == 2
+    assert plot_command.main([str(run_dir), "--out", str(tmp_path / "plots")]) == 2
     assert f"{steps}:5: not a steps.jsonl line" in capsys.readouterr().err
     lines[4] = '{"kind": "train", "step": "5"}\n'
     steps.write_text("".join(lines))
@@ -177,7 +177,7 @@ def test_a_torn_last_line_of_steps_is_dropped_with_a_warning(tmp_path, capsys):
     with pytest.warns(ResultFileWarning, match=f"{steps}:{number}: torn last line dropped"):
         rows = load_steps(steps.parent)
     assert len(rows) == number - 1 and rows[-1]["kind"] == "eval"
-    assert plots.main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+    assert plot_command.main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
     err = capsys.readouterr().err
     assert err.count(f"sparsecomm plot: warning: {steps}:{number}: torn last line dropped") == 1
     steps.write_text(whole + '{"kind": "train", "step": 21}')  # complete, only the newline is missing: kept

@@ -6,7 +6,7 @@ COMMANDS = {
     "compare": ("sparsecomm.lab.experiment.compare", "run a paired dense-vs-sparse experiment; print ledger, verdicts, plots"),
     "ledger": ("sparsecomm.lab.ledger", "print the time-to-quality ledger of a run directory"),
     "check": ("sparsecomm.lab.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
-    "plot": ("sparsecomm.lab.plots", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
+    "plot": ("sparsecomm.lab.plot_command", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
     "frontier": ("sparsecomm.lab.frontier", "sweep densities x sparse techniques; the sparsest setting still equivalent"),
     "run": ("sparsecomm.lab.experiment.run_command", "one arm x seed as one rank of a job started by mpiexec / srun / torchrun"),
     "project": ("sparsecomm.lab.costmodel", "project a run to p workers on a link (alpha-beta model, labelled modelled)"),

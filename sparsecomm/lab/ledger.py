@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsecomm.lab.policy import format_policy
-from sparsecomm.lab.report import REPORT_WIDTH, fold_lines
+from sparsecomm.lab.text import REPORT_WIDTH, fold_lines
 from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,

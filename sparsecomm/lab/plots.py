@@ -1,4 +1,5 @@
-"""Figures of an experiment's run directory (``sparsecomm plot RUN_DIR [--out DIR]``).
+"""Figures of an experiment's run directory (drawn by ``sparsecomm plot RUN_DIR [--out DIR]``,
+:mod:`sparsecomm.lab.plot_command`, and by the report of ``sparsecomm compare``).
 
 * ``time_to_loss.png``: validation loss against wall clock since the run's first data
   touch (evaluation included), one line per arm: the mean over seeds, with a shaded band
@@ -20,7 +21,6 @@ Colours are Okabe-Ito (colour-blind safe), fixed per arm name; every arm also ha
 line style and every ledger segment its own hatching, so the figures survive greyscale.
 Reads result files only: no torch needed.
 """
-import argparse
 import io
 import math
 import sys
@@ -38,7 +38,6 @@ from matplotlib.patches import Patch
 
 from sparsecomm.lab.experiment.files import write_bytes_atomically
 from sparsecomm.lab.results import (
-    ResultFileError,
     RunSummary,
     describe_counts,
     experiment_link,
@@ -46,7 +45,6 @@ from sparsecomm.lab.results import (
     load_runs,
     load_steps,
     status_counts,
-    warnings_to_stderr,
 )
 from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
 
@@ -427,49 +425,3 @@ def plot_run_dir(run_dir, out_dir, ledger_items: dict | None = None) -> list[Pat
         paths.append(plot_ledger_items(ledger_items, out_dir / "ledger.png",
                                        title=f"{LEDGER_TITLE}, ranks linked by {link}", note=note))
     return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="sparsecomm plot",
-        description="Plot an experiment run directory: time to loss, loss vs step, and the ledger.")
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory written by sparsecomm compare")
-    parser.add_argument("--out", metavar="DIR", type=Path, default=None,
-                        help="where to write the PNGs (default: plots/<experiment name>)")
-    args = parser.parse_args(argv)
-    if not args.run_dir.is_dir():
-        print(f"sparsecomm plot: run directory {args.run_dir} does not exist", file=sys.stderr)
-        return 2
-    try:
-        with warnings_to_stderr("sparsecomm plot"):
-            for path in _plot(args):
-                print(path)
-    except (OSError, ResultFileError) as e:  # no experiment.json, a bad result file, an unwritable --out
-        print(f"sparsecomm plot: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _plot(args) -> list[Path]:
-    experiment = load_experiment(args.run_dir)
-    for run in load_runs(args.run_dir):  # a bad result file stops here, before any figure is written
-        if run.finished and (Path(run.path) / "steps.jsonl").is_file():
-            load_steps(run.path)
-    out_dir = args.out if args.out is not None else Path("plots") / experiment["config"]["name"]
-    ledger_items = None
-    try:
-        from sparsecomm.lab.ledger import ledger_items_for_plot
-    except ImportError as e:
-        print(f"sparsecomm plot: ledger plot skipped: the ledger is not available ({e})", file=sys.stderr)
-    else:
-        try:
-            ledger_items = ledger_items_for_plot(args.run_dir)
-        except ResultFileError:
-            raise
-        except ValueError as e:
-            print(f"sparsecomm plot: ledger plot skipped: {e}", file=sys.stderr)
-    return plot_run_dir(args.run_dir, out_dir, ledger_items)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,7 @@ import numpy as np
 from scipy import stats
 
 from sparsecomm.lab.policy import format_policy
-from sparsecomm.lab.report import fold_lines
+from sparsecomm.lab.text import fold_lines
 from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,

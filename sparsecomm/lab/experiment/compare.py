@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(run_dir: Path, plots_dir: Path) -> int:
     """Print the verdicts and the ledger, draw the plots; EXIT_NO_DENSE when no dense run
     finished (:func:`sparsecomm.lab.report.report`)."""
+    # Imported once the runs are done: the report pulls in matplotlib and scipy, which
+    # checking the arguments and launching the runs do not need.
     from sparsecomm.lab.report import report as print_report
 
     return print_report(run_dir, plots_dir)
