@@ -11,7 +11,7 @@ from sparsecomm.lab import cli, costmodel
 from sparsecomm.lab.costmodel import (
     falls_back_to_dense, make_scenario, project_arm, read_run, ring_allgather_seconds, ring_allreduce_seconds,
 )
-from sparsecomm.lab.ledger import Figure
+from sparsecomm.lab.quantity import Quantity
 
 # Relative agreement of closed-form sums of a few float terms: rounding is ~1e-16 per
 # operation, so 1e-12 leaves room without hiding a wrong term (those are >= 1e-3 off).
@@ -333,7 +333,7 @@ def test_a_modelled_figure_does_not_mix_with_a_measured_one():
     modelled = costmodel.Modelled(0.04, "s", "step")
     assert str(modelled) == "40.0 ms [modelled, boundary: step]"
     with pytest.raises(TypeError):
-        modelled.speedup_over(Figure(0.05, "s", "step"))
+        modelled.speedup_over(Quantity(0.05, "s", "step"))  # measured
     with pytest.raises(TypeError):
         modelled.speedup_over(costmodel.Modelled(4.0, "s", "time_to_target"))
     with pytest.raises(ValueError, match="boundary"):

@@ -6,51 +6,52 @@ import pytest
 
 from run_dir_fixture import write_run_dir
 from sparsecomm.lab import ledger
-from sparsecomm.lab.ledger import BoundaryError, Figure, build_ledger, format_ledger, format_value, step_cost_to_target
+from sparsecomm.lab.ledger import build_ledger, format_ledger, step_cost_to_target
+from sparsecomm.lab.quantity import BoundaryError, Quantity, format_value
 
 
 def test_adding_figures_of_different_boundaries_raises():
     with pytest.raises(BoundaryError, match=r"\[boundary: step, link: loopback\] and s \[boundary: end_to_end, link: loopback\]"):
-        Figure(1.0, "s", "step") + Figure(2.0, "s", "end_to_end")
+        Quantity(1.0, "s", "step") + Quantity(2.0, "s", "end_to_end")
 
 
 def test_figures_measured_over_different_links_do_not_mix():
     with pytest.raises(BoundaryError, match=r"link: 1gbit\] and s \[boundary: step, link: loopback\]"):
-        Figure(1.0, "s", "step", link="1gbit") + Figure(2.0, "s", "step")
+        Quantity(1.0, "s", "step", link="1gbit") + Quantity(2.0, "s", "step")
     with pytest.raises(BoundaryError):
-        Figure(1.0, "s", "step", link="1gbit").speedup_over(Figure(2.0, "s", "step", link="10gbit"))
-    assert str(Figure(1.0, "s", "step", link="1gbit").speedup_over(Figure(3.0, "s", "step", link="1gbit"))) == \
+        Quantity(1.0, "s", "step", link="1gbit").speedup_over(Quantity(2.0, "s", "step", link="10gbit"))
+    assert str(Quantity(1.0, "s", "step", link="1gbit").speedup_over(Quantity(3.0, "s", "step", link="1gbit"))) == \
         "3.00x (boundary: step, link: 1gbit)"
 
 
 def test_adding_figures_of_different_units_raises():
     with pytest.raises(BoundaryError):
-        Figure(1.0, "s", "step") + Figure(2.0, "B", "step")
+        Quantity(1.0, "s", "step") + Quantity(2.0, "B", "step")
 
 
 def test_speedup_across_boundaries_raises_and_names_its_boundary():
     with pytest.raises(BoundaryError):
-        Figure(1.0, "s", "step").speedup_over(Figure(2.0, "s", "time_to_target"))
-    speedup = Figure(1.0, "s", "step").speedup_over(Figure(1.9, "s", "step"))
+        Quantity(1.0, "s", "step").speedup_over(Quantity(2.0, "s", "time_to_target"))
+    speedup = Quantity(1.0, "s", "step").speedup_over(Quantity(1.9, "s", "step"))
     assert str(speedup) == "1.90x (boundary: step, link: loopback)"
 
 
 def test_unknown_boundary_is_refused():
     with pytest.raises(ValueError, match="boundary must be one of"):
-        Figure(1.0, "s", "wall")
+        Quantity(1.0, "s", "wall")
 
 
 def test_not_measured_propagates_and_is_never_zero():
-    total = Figure(3.0, "s", "end_to_end") + Figure(None, "s", "end_to_end")
+    total = Quantity(3.0, "s", "end_to_end") + Quantity(None, "s", "end_to_end")
     assert total.value is None and str(total) == "not measured"
-    assert str(Figure(None, "s", "step").speedup_over(Figure(1.0, "s", "step"))) == "n/a (boundary: step, link: loopback)"
+    assert str(Quantity(None, "s", "step").speedup_over(Quantity(1.0, "s", "step"))) == "n/a (boundary: step, link: loopback)"
 
 
 def test_step_times_steps_is_the_only_cross_boundary_product():
-    item = step_cost_to_target(Figure(0.5, "s", "step"), Figure(40, "steps", "steps_to_target"))
+    item = step_cost_to_target(Quantity(0.5, "s", "step"), Quantity(40, "steps", "steps_to_target"))
     assert (item.value, item.unit, item.boundary) == (20.0, "s", "end_to_end")
     with pytest.raises(BoundaryError):
-        step_cost_to_target(Figure(40, "steps", "steps_to_target"), Figure(0.5, "s", "step"))
+        step_cost_to_target(Quantity(40, "steps", "steps_to_target"), Quantity(0.5, "s", "step"))
 
 
 def _curves():

@@ -9,7 +9,7 @@ COMMANDS = {
     "plot": ("sparsecomm.lab.plot_command", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
     "frontier": ("sparsecomm.lab.frontier", "sweep densities x sparse techniques; the sparsest setting still equivalent"),
     "run": ("sparsecomm.lab.experiment.run_command", "one arm x seed as one rank of a job started by mpiexec / srun / torchrun"),
-    "project": ("sparsecomm.lab.costmodel", "project a run to p workers on a link (alpha-beta model, labelled modelled)"),
+    "project": ("sparsecomm.lab.costmodel.cli", "project a run to p workers on a link (alpha-beta model, labelled modelled)"),
 }
 
 

@@ -11,8 +11,9 @@ checkpoint, expected recovery. Every figure carries the boundary it was measured
 
 Checkpoint = blocking time spent saving verified checkpoints; recovery = measured cost of
 one injected fault (recovery time + recomputed steps) x the declared fault rate x run
-hours. Adding or dividing figures of different boundaries raises :class:`BoundaryError`; the
-only cross-boundary operation is :func:`step_cost_to_target` (step x steps), which is how
+hours. Every figure is a measured :class:`sparsecomm.lab.quantity.Quantity`: adding or dividing
+figures of different boundaries (or links) raises :class:`BoundaryError`; the only
+cross-boundary operation is :func:`step_cost_to_target` (step x steps), which is how
 the ledger defines that line item. An item not measured yet is ``not measured`` ("n/m" in
 the table), never zero, and a total that includes it is ``not measured`` too (the table
 shows ">= " its measured part, a lower bound). An arm that did not reach the target in some
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsecomm.lab.policy import format_policy
-from sparsecomm.lab.text import REPORT_WIDTH, fold_lines
+from sparsecomm.lab.quantity import MEASURED, BoundaryError, Quantity, Speedup, format_value
 from sparsecomm.lab.results import (
     ResultFileError,
     RunSummary,
@@ -52,93 +53,25 @@ from sparsecomm.lab.results import (
     warnings_to_stderr,
 )
 from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
+from sparsecomm.lab.text import REPORT_WIDTH, fold_lines
 
-BOUNDARIES = ("step", "steps_to_target", "time_to_target", "end_to_end")
 NOT_MEASURED = {
     "checkpoint": "not measured (these runs saved no checkpoint: checkpoint_every = 0)",
     "recovery": "not measured (no fault was injected in these runs)",
 }
 
 
-class BoundaryError(TypeError):
-    """Two figures measured against different boundaries (or units) were combined."""
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A measured value with its unit and boundary; ``value=None`` means not measured."""
-
-    value: float | None
-    unit: str
-    boundary: str
-    note: str = ""
-    link: str = "loopback"  # the link between the ranks when it was measured
-
-    def __post_init__(self):
-        if self.boundary not in BOUNDARIES:
-            raise ValueError(f"boundary must be one of {BOUNDARIES}, got {self.boundary!r}")
-
-    @property
-    def measured(self) -> bool:
-        return self.value is not None
-
-    def _check_compatible(self, other: "Figure", operation: str) -> None:
-        if not isinstance(other, Figure):
-            raise TypeError(f"cannot {operation} a Figure and {type(other).__name__}")
-        if (self.boundary, self.unit, self.link) != (other.boundary, other.unit, other.link):
-            raise BoundaryError(
-                f"cannot {operation} {self.unit} [boundary: {self.boundary}, link: {self.link}] and "
-                f"{other.unit} [boundary: {other.boundary}, link: {other.link}]"
-            )
-
-    def __add__(self, other: "Figure") -> "Figure":
-        self._check_compatible(other, "add")
-        if not (self.measured and other.measured):
-            return Figure(None, self.unit, self.boundary, "not measured: a summand is not measured", self.link)
-        return Figure(self.value + other.value, self.unit, self.boundary, link=self.link)
-
-    def speedup_over(self, baseline: "Figure") -> "Speedup":
-        """``baseline / self`` (a cost ratio: > 1 means this is cheaper)."""
-        self._check_compatible(baseline, "divide")
-        if not (self.measured and baseline.measured) or self.value == 0:
-            return Speedup(None, self.boundary, self.link)
-        return Speedup(baseline.value / self.value, self.boundary, self.link)
-
-    def __str__(self) -> str:
-        return format_value(self.value, self.unit) if self.measured else "not measured"
-
-
-@dataclass(frozen=True)
-class Speedup:
-    ratio: float | None
-    boundary: str
-    link: str = "loopback"
-
-    def __str__(self) -> str:
-        shown = "n/a" if self.ratio is None else f"{self.ratio:.2f}x"
-        return f"{shown} (boundary: {self.boundary}, link: {self.link})"
-
-
-def format_value(value: float, unit: str) -> str:
-    if unit == "s":
-        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.1f} s"
-    if unit == "B":
-        for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-            if value >= scale:
-                return f"{value / scale:.2f} {name}"
-        return f"{value:.0f} B"
-    return f"{value:g} {unit}"
-
-
-def step_cost_to_target(step: Figure, steps: Figure) -> Figure:
+def step_cost_to_target(step: Quantity, steps: Quantity) -> Quantity:
     """The line item "step cost x steps actually needed" (boundary: end_to_end)."""
+    if (step.kind, steps.kind) != (MEASURED, MEASURED):
+        raise BoundaryError(f"step x steps is a measured line item, got a {step.kind} step and {steps.kind} steps")
     if (step.boundary, steps.boundary) != ("step", "steps_to_target"):
         raise BoundaryError(
             f"step x steps needs a [step] and a [steps_to_target] figure, got [{step.boundary}] and [{steps.boundary}]"
         )
     if not (step.measured and steps.measured):
-        return Figure(None, "s", "end_to_end", steps.note or step.note, step.link)
-    return Figure(step.value * steps.value, "s", "end_to_end", link=step.link)
+        return Quantity(None, "s", "end_to_end", steps.note or step.note, step.link)
+    return Quantity(step.value * steps.value, "s", "end_to_end", link=step.link)
 
 
 @dataclass(frozen=True)
@@ -146,14 +79,14 @@ class ArmLedger:
     arm: str
     num_ok: int
     num_failed: int  # runs that did not finish: status other than "ok", or ok without evaluations
-    setup: Figure  # end_to_end item
-    step: Figure
-    bytes_per_step: Figure
-    steps_to_target: Figure
-    time_to_target: Figure
-    step_x_steps: Figure  # end_to_end item
-    checkpoint: Figure  # end_to_end item
-    recovery: Figure  # end_to_end item
+    setup: Quantity  # end_to_end item
+    step: Quantity
+    bytes_per_step: Quantity
+    steps_to_target: Quantity
+    time_to_target: Quantity
+    step_x_steps: Quantity  # end_to_end item
+    checkpoint: Quantity  # end_to_end item
+    recovery: Quantity  # end_to_end item
     residual_reset: bool = False  # some run restored without its error-feedback state
     unverified: tuple[str, ...] = ()  # reasons runs were marked unverified (residual staleness)
     rollbacks: int = 0  # corruptions detected and rolled back, all seeds
@@ -171,14 +104,14 @@ class ArmLedger:
         return text + (f", {self.num_missing} missing" if self.num_missing else "")
 
     @property
-    def end_to_end(self) -> Figure:
+    def end_to_end(self) -> Quantity:
         return self.setup + self.step_x_steps + self.checkpoint + self.recovery
 
     @property
-    def measured_part(self) -> Figure:
+    def measured_part(self) -> Quantity:
         """The measured end_to_end items only: a partial total, never shown as the total."""
         items = [f for f in (self.setup, self.step_x_steps, self.checkpoint, self.recovery) if f.measured]
-        total = items[0] if items else Figure(None, "s", "end_to_end", link=self.step.link)
+        total = items[0] if items else Quantity(None, "s", "end_to_end", link=self.step.link)
         for item in items[1:]:
             total = total + item
         return total
@@ -198,8 +131,8 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
                link: str = "loopback", num_missing: int = 0) -> ArmLedger:
     """Median over this arm's finished seeds of every figure, measured over ``link``."""
 
-    def figure(value, unit: str, boundary: str, note: str = "") -> Figure:
-        return Figure(value, unit, boundary, note, link)
+    def figure(value, unit: str, boundary: str, note: str = "") -> Quantity:
+        return Quantity(value, unit, boundary, note, link)
 
     ok = [r for r in runs if r.arm == arm and r.finished]
     failed = [r for r in runs if r.arm == arm and not r.finished]
@@ -252,7 +185,7 @@ def _hook_path(ok: list[RunSummary]) -> tuple[int, int] | None:
     return (sum(s["fused_calls"] for s in stats), sparse) if sparse else None
 
 
-def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float, link: str) -> Figure:
+def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float, link: str) -> Quantity:
     """Measured cost of one fault x expected faults in a run under the declared rate.
 
     Cost of one fault = recovery time (fault -> first completed step after the restore,
@@ -261,10 +194,10 @@ def _expected_recovery(ok: list[RunSummary], fault_rate_per_hour: float, link: s
     """
     measured = [r for r in ok if r.extra.get("recovery_seconds") is not None]
     if not measured:
-        return Figure(None, "s", "end_to_end", NOT_MEASURED["recovery"], link)
+        return Quantity(None, "s", "end_to_end", NOT_MEASURED["recovery"], link)
     per_fault = _median([r.extra["recovery_seconds"] + r.extra["lost_steps"] * r.median_step_seconds for r in measured])
     hours = _median([r.extra.get("total_seconds", 0.0) for r in ok]) / 3600
-    return Figure(per_fault * fault_rate_per_hour * hours, "s", "end_to_end",
+    return Quantity(per_fault * fault_rate_per_hour * hours, "s", "end_to_end",
                   f"{per_fault:.1f} s per fault x {fault_rate_per_hour:g}/h x {hours * 3600:.0f} s", link)
 
 
@@ -436,7 +369,7 @@ def _row(a: ArmLedger, budget_steps: int) -> list[str]:
     return cells + [_cell(a.steps_to_target), _cell(a.step_x_steps), _total_cell(a), _cell(a.time_to_target)]
 
 
-def _cell(figure: Figure) -> str:
+def _cell(figure: Quantity) -> str:
     """The value alone: the legend names its boundary and link."""
     if not figure.measured:
         return NOT_MEASURED_CELL
