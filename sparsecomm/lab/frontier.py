@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, help="chunk length of --selector chunk (2..65536, default 4096)")
     p.add_argument("--index-codec", choices=INDEX_CODECS, help="how the top-k arms write indices (default int32)")
     p.add_argument("--value-codecs", nargs="+", choices=VALUE_CODECS,
-                   help="sweep these value codecs too (the quantizing ones need --selector chunk)")
+                   help="sweep these value codecs too (each works with either --selector; docs/wire.md)")
     p.add_argument("--exchange", choices=EXCHANGE_CHOICES,
                    help="how the top-k arms' payloads travel (default allgather; docs/exchange.md)")
     add_link_argument(p)

@@ -1,9 +1,10 @@
 """An arm as data: a name, the reducer, the reducer's options and the optimizer's changes.
 
-The six preset names (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
-``topk-dgc``) resolve from the experiment's fields (density, dgc_momentum, wire settings,
-powersgd_rank); any other arm is defined in ``ExperimentConfig.arm_definitions``, in a
-config file::
+Eight preset names: six (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
+``topk-dgc``: :data:`HOOK_PRESETS`) resolve from the experiment's fields (density,
+dgc_momentum, wire settings, powersgd_rank), and two (``sparseloco``, ``topk-sign``:
+:data:`FIXED_PRESETS`) carry options of their own. Any other arm is defined in
+``ExperimentConfig.arm_definitions``, in a config file::
 
     "arms": ["dense", "topk-dgc", "topk-0.3pc"],
     "arm_definitions": {"topk-0.3pc": {"reducer": "topk",

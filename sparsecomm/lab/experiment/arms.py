@@ -2,8 +2,8 @@
 
 Every arm registers a comm hook, dense included (torch's ``allreduce_hook`` is the
 Python twin of DDP's built-in allreduce), so one meter times all of them the same way.
-The presets (an arm defined as data resolves to its reducer the same way:
-:mod:`sparsecomm.lab.experiment.arm_spec`):
+The presets that resolve from the experiment's fields (an arm defined as data resolves to
+its reducer the same way: :mod:`sparsecomm.lab.experiment.arm_spec`):
 
 | arm        | hook                                                         |
 |------------|--------------------------------------------------------------|
@@ -14,8 +14,11 @@ The presets (an arm defined as data resolves to its reducer the same way:
 | topk-noef  | sparsecomm ``topk_hook`` without error feedback (ablation)    |
 | topk-dgc   | sparsecomm ``topk_hook``, error feedback + DGC momentum correction; the optimizer runs without momentum of its own |
 
-A ``sparse-delta`` arm (only as data) trains locally and syncs the weights every ``period``
-steps through :class:`sparsecomm.SparseDeltaAverager`; its comm hook reduces nothing.
+The two presets with options of their own: ``sparseloco``, a ``sparse-delta`` arm, trains
+locally and syncs the weights every ``period`` steps through
+:class:`sparsecomm.SparseDeltaAverager` (its comm hook reduces nothing); ``topk-sign`` is the
+sign mode, a ``topk_hook`` with 1-bit values under sign-SGD. A ``local`` arm (only as data)
+reduces nothing at all: the no-communication floor of the step time.
 """
 import contextlib
 import time

@@ -161,16 +161,18 @@ class ExperimentConfig:
     every ``chunk_size`` entries), as :class:`sparsecomm.TopKState`."""
     chunk_size: int = 4096
     index_codec: str = "int32"
-    """How the top-k arms write indices: "int32", or with selector "chunk": "chunk" (12-bit
-    chunk-local for 4096) or "rice" (Rice-coded gaps). See docs/wire.md."""
+    """How the top-k arms write indices: "int32", "chunk" (12-bit chunk-local for 4096) or
+    "rice" (Rice-coded gaps); the last two with selector "exact" or "chunk" alike. See docs/wire.md."""
     value_codec: str | None = None
-    """How the top-k arms write values: None (the bucket's dtype), "fp32", "bf16", "fp16", or
-    with selector "chunk": "fp8", "int8", "int4", "int2", "sign" (a bf16 scale per chunk)."""
+    """How the top-k arms write values: None (the bucket's dtype), "fp32", "bf16", "fp16", or,
+    with selector "exact" or "chunk": "fp8", "int8", "int4", "int2", "sign" (a bf16 scale per
+    chunk; per 64 entries with selector "exact")."""
     exchange: str = "allgather"
-    """How the top-k arms' payloads travel: "allgather", "owner" (selector "chunk"),
-    "shared-index" or "auto", as :class:`sparsecomm.TopKState` (docs/exchange.md)."""
+    """How the top-k arms' payloads travel: "allgather", "owner" (selector "exact": top-k per
+    range, or "chunk"), "shared-index" or "auto", as :class:`sparsecomm.TopKState` (docs/exchange.md)."""
     warmup_steps: int = 2
-    """Dense steps before compressed arms compress (DDP rebuilds buckets after step 1)."""
+    """Dense steps before compressed arms compress (the hook's default, 2; with error feedback
+    :class:`sparsecomm.TopKState` takes no fewer than 2)."""
     powersgd_rank: int = 2
     bucket_cap_mb: float = 1.0
     target_loss: float | None = None
