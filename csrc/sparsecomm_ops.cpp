@@ -25,15 +25,21 @@ TORCH_LIBRARY(sparsecomm, m) {
   m.def("topk_threshold(Tensor x, int k, float max_relative_error) -> (Tensor, Tensor)");
   // Scatter-add of world_size payloads into the dense bucket.
   m.def("unpack_add(Tensor indices, Tensor values, Tensor(a!) out, bool zero_out) -> ()");
-  // selector="chunk": fused error feedback + per-chunk top-k + index and value codecs into
-  // one payload; returns (bucket-relative indices int64, decoded values). Codec ids: index
-  // 0 int32, 1 chunk, 2 rice; value 0 fp32, 1 bf16, 2 fp16, 3 fp8, 4 int8, 5 int4, 6 int2,
-  // 7 sign (csrc/README.md).
+  // selector="chunk", and exact top-k on the compact wire: fused error feedback + top-k +
+  // index and value codecs into one payload; returns (bucket-relative indices int64,
+  // decoded values). scale_group 0: per-chunk top-k, a scale per chunk; > 0: the bucket is
+  // one chunk (chunk_size == numel), a scale per scale_group payload entries. Codec ids:
+  // positions in chunk_codecs() (index 0 int32, 1 chunk, 2 rice; value 0 fp32, 1 bf16, 2
+  // fp16, 3 fp8, 4 int8, 5 int4, 6 int2, 7 sign); csrc/README.md.
   m.def("chunk_encode(Tensor grad, Tensor(a!)? residual, float divisor, bool add_residual, int chunk_size, "
-        "int k_full, int k_last, int index_codec, int value_codec, Tensor(b!) payload) -> (Tensor, Tensor)");
-  // Decode world_size chunked payloads and add them, in rank order, into the dense bucket.
+        "int k_full, int k_last, int index_codec, int value_codec, int scale_group, Tensor(b!) payload) "
+        "-> (Tensor, Tensor)");
+  // Decode world_size such payloads and add them, in rank order, into the dense bucket.
   m.def("chunk_decode_add(Tensor gathered, int chunk_size, int k_full, int k_last, int index_codec, "
-        "int value_codec, Tensor(a!) out, bool zero_out) -> ()");
+        "int value_codec, int scale_group, Tensor(a!) out, bool zero_out) -> ()");
+  // The codec names by id, (index codecs, value codecs): sparsecomm/ops/native.py checks
+  // them against the Python tables when it loads the extension.
+  m.def("chunk_codecs() -> (str[], str[])");
   // CRC-32C (Castagnoli) of a 1-D uint8 message (0-d int64 result) or of every row of a 2-D
   // one (int64 [rows]): the checksum sealing every sparse payload on the wire.
   m.def("crc32c(Tensor data) -> Tensor");

@@ -156,7 +156,7 @@ def test_argument_errors():
         native.chunk_encode(torch.zeros(1000), None, 1.0, True, layout, payload)
     with pytest.raises(RuntimeError, match="value_codec"):
         torch.ops.sparsecomm.chunk_encode(torch.zeros(1000), None, 1.0, False, 100, geometry.k_full,
-                                          geometry.k_last, 1, 8, payload)
+                                          geometry.k_last, 1, 8, 0, payload)
     with pytest.raises(RuntimeError, match="gathered must be"):
         native.chunk_decode_add(payload[:-1], layout, torch.zeros(1000))
 
@@ -178,12 +178,12 @@ def test_opcheck(index_codec, value_codec):
     # Finite data: opcheck compares outputs of repeated runs, and NaN != NaN there.
     grad, residual = _data(10_003, 0, False), _data(10_003, 1, False)
     payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-    args = (grad, residual, 3.0, True, 4096, geometry.k_full, geometry.k_last, *codecs, payload)
+    args = (grad, residual, 3.0, True, 4096, geometry.k_full, geometry.k_last, *codecs, 0, payload)
     torch.library.opcheck(torch.ops.sparsecomm.chunk_encode.default, args)
     torch.ops.sparsecomm.chunk_encode(*args)
     gathered = torch.cat([payload, payload])
     torch.library.opcheck(torch.ops.sparsecomm.chunk_decode_add.default,
-                          (gathered, 4096, geometry.k_full, geometry.k_last, *codecs, torch.zeros(10_003), True))
+                          (gathered, 4096, geometry.k_full, geometry.k_last, *codecs, 0, torch.zeros(10_003), True))
 
 
 # ----- in the hook ------------------------------------------------------------------------

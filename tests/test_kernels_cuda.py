@@ -623,7 +623,7 @@ def _chunk_data(n: int, seed: int, nonfinite: bool) -> torch.Tensor:
 def _chunk_args(layout):
     g = layout.geometry
     return (layout.chunk_size, g.k_full, g.k_last, INDEX_CODECS.index(layout.index_codec),
-            VALUE_CODECS.index(layout.value_codec))
+            VALUE_CODECS.index(layout.value_codec), layout.scale_group)
 
 
 def _encode_reference(layout, grad, residual, divisor, add_residual):
@@ -896,7 +896,7 @@ def test_chunk_decode_add_of_a_corrupt_payload_trips_a_device_assert():
         payload[:4] = torch.tensor([0xFF, 0xFF, 0xFF, 0x7F], dtype=torch.uint8)  # index 2^31 - 1
         guard = torch.zeros(3000, device="cuda")
         out = guard[1000:2000]
-        torch.ops.sparsecomm.chunk_decode_add(payload.cuda(), 100, 10, 10, 0, 0, out, True)
+        torch.ops.sparsecomm.chunk_decode_add(payload.cuda(), 100, 10, 10, 0, 0, 0, out, True)
         try:
             torch.cuda.synchronize()
         except RuntimeError as error:

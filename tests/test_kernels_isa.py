@@ -7,7 +7,8 @@ sets the variable before anything loads it). The checks of what a fresh interpre
 (no variable; a level this CPU lacks) start this file as a script instead. It runs every CPU
 operator on fixed-seed inputs: odd sizes (the 8- and 16-lane loops end in scalar tails),
 NaN and +-Inf among the values, every dtype pair at one size, buckets of >= 2^20 entries
-for the sampled one-pass strategies, and the chunked-selection ops with every codec pair.
+for the sampled one-pass strategies, and the chunked-selection ops with every codec pair,
+per-chunk and as exact top-k on the compact wire (scale_group).
 Outputs must match the pure-torch reference (sparsecomm/ops/reference.py) as
 tests/test_kernels.py compares them, and the levels must agree byte for byte, payload
 order included. topk_threshold has no single right answer
@@ -132,7 +133,8 @@ _PAYLOADS: dict[str, torch.Tensor] = {}
 
 
 def _payload(layout, seed):
-    key = f"{layout.numel} {layout.chunk_size} {layout.density} {layout.index_codec} {layout.value_codec} {seed}"
+    key = (f"{layout.numel} {layout.chunk_size} {layout.density} {layout.index_codec} {layout.value_codec} "
+           f"{layout.scale_group} {seed}")
     if key not in _PAYLOADS:
         grad, residual = _inputs(layout.numel, torch.float32, seed=seed)
         payload = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -206,6 +208,18 @@ def cases() -> dict[str, Case]:
                 found[f"chunk_decode_add {what}"] = Case(_chunk_decode_add(layout, 3, seed=n))
                 if n == 10_003:
                     found[f"chunk_decode_add {what} sealed rows"] = Case(_chunk_decode_add(layout, 2, seed=n, gap=8))
+    # Exact top-k on the compact wire: one chunk of the bucket, scales per 64 payload entries
+    # (csrc/cpu/compact_encode.cpp); the large bucket takes the sampled selection.
+    for n, density, pairs in ((10_003, 0.01, [(i, v) for i in INDEX_CODECS for v in VALUE_CODECS]),
+                              (SAMPLED, 0.01, [("rice", "int4"), ("rice", "int2"), ("chunk", "sign")])):
+        grad, residual = _inputs(n, torch.float32, seed=n + 4)
+        for index_codec, value_codec in pairs:
+            layout = ChunkLayout(n, n, density, index_codec, value_codec, scale_group=64)
+            what = f"n={n} density={density} {index_codec}+{value_codec} scale_group=64"
+            for divisor, add_residual, r in ((3.0, True, residual), (2.0, False, None)):
+                found[f"chunk_encode {what} residual={r is not None}"] = Case(
+                    _chunk_encode(grad, r, divisor, add_residual, layout))
+            found[f"chunk_decode_add {what}"] = Case(_chunk_decode_add(layout, 2, seed=n))
     for rows, n in ((1, 0), (3, 7), (2, 1537), (4, 3 * 1536 + 13), (2, 100_003)):
         found[f"crc32c rows={rows} n={n}"] = Case(_crc32c(rows, n, seed=n))
     return found

@@ -78,10 +78,18 @@ inline Selection select_candidates(const std::vector<CandidateList>& lists, int6
   return s;
 }
 
+// What a selection leaves in the residual at the entries it sends (every other entry gets acc):
+// `remainder`, acc - wire(acc) (ef_topk_pack, ef_threshold_pack: the residual is final);
+// `acc`, acc itself, for a caller that writes the sent entries' residual afterwards
+// (chunk_encode with scale groups: acc - decoded needs the scales of the whole payload).
+// Keeping acc also saves the write-back of the candidates that were not sent.
+enum class SentResidual { remainder, acc };
+
 // How emit_selected updates the residual (when there is one).
 enum class Residual {
   write_sent,      // it holds acc everywhere: leave acc - sent at the sent entries
   restore_unsent,  // candidates already hold acc - sent: put acc back where not sent
+  untouched,       // it holds acc everywhere and keeps it (SentResidual::acc)
 };
 
 // Writes list l's selected entries to the payload from `position` on and updates the

@@ -181,6 +181,12 @@ inline float float_wire_value(int32_t codec, uint32_t bits) {
   return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
 }
 
+// What a decoder adds: dst[i] = T(float(dst[i]) + float(T(value))), bitwise one index_add_.
+template <typename T>
+inline void add_to(T* dst, int64_t i, float value) {
+  dst[i] = static_cast<T>(to_float(dst[i]) + to_float(static_cast<T>(value)));
+}
+
 inline float scale_from_bytes(const uint8_t* scales, int64_t chunk) {
   uint16_t bits;
   std::memcpy(&bits, scales + 2 * chunk, 2);

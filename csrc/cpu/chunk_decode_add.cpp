@@ -15,16 +15,12 @@
 // chunk (or a Rice code running past its chunk) is skipped and counted, and the caller
 // raises, so a corrupt payload never writes outside the bucket.
 #include "chunk_codecs.h"
+#include "stream_copy.h"
 
 namespace sparsecomm::SPARSECOMM_CPU_NAMESPACE {
 namespace {
 
 constexpr int64_t kRunEntries = 1 << 16;
-
-template <typename T>
-inline void add_to(T* dst, int64_t i, float value) {
-  dst[i] = static_cast<T>(to_float(dst[i]) + to_float(static_cast<T>(value)));
-}
 
 // Adds chunk c of one payload row into sum, which holds the bucket from entry `origin` on;
 // returns the entries found corrupt.
@@ -109,36 +105,6 @@ int64_t add_chunk(const ChunkFormat& f, const uint8_t* row, int64_t c, T* sum, i
     }
   }
   return corrupt;
-}
-
-// Copies `bytes` from src to dst; what is 64-byte aligned in dst with streaming stores.
-void stream_copy(void* dst, const void* src, int64_t bytes) {
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-#if defined(__SSE2__)  // x86-64, at every level
-  const int64_t head = std::min<int64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
-  std::memcpy(d, s, head);
-  int64_t i = head;
-  for (; i + 64 <= bytes; i += 64) {
-#if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), _mm512_loadu_si512(s + i));
-#elif SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX2
-    for (int j = 0; j < 64; j += 32) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + j),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + j)));
-    }
-#else
-    for (int j = 0; j < 64; j += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + j),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + j)));
-    }
-#endif
-  }
-  std::memcpy(d + i, s + i, bytes - i);
-  _mm_sfence();
-#else
-  std::memcpy(d, s, bytes);
-#endif
 }
 
 std::vector<uint64_t>& scratch() {

@@ -29,11 +29,13 @@ using UnpackAddKernel = int64_t(const at::Tensor& indices, const at::Tensor& val
                                 bool zero_out);
 
 // Writes payload (f.nbytes), indices (int64) and decoded (f.selected each); updates residual.
+// chunk_encode takes layouts with f.scale_group == 0, compact_encode those with one.
 using ChunkEncodeKernel = void(const at::Tensor& grad, const c10::optional<at::Tensor>& residual, float divisor,
                                bool add_residual, const ChunkFormat& f, const at::Tensor& payload,
                                const at::Tensor& indices, const at::Tensor& decoded);
 // Decodes `rows` payloads, `row_stride` bytes apart from the start of gathered. Returns how
-// many entries were corrupt (skipped: the caller raises).
+// many entries were corrupt (skipped: the caller raises). chunk_decode_add takes layouts with
+// f.scale_group == 0, compact_decode_add those with one.
 using ChunkDecodeAddKernel = int64_t(const at::Tensor& gathered, const ChunkFormat& f, int64_t rows,
                                      int64_t row_stride, const at::Tensor& out, bool zero_out);
 // CRC-32C of every row of data (uint8 [rows, n], contiguous rows) into out (int64 [rows]).
@@ -46,6 +48,8 @@ struct CpuKernels {
   UnpackAddKernel* unpack_add;
   ChunkEncodeKernel* chunk_encode;
   ChunkDecodeAddKernel* chunk_decode_add;
+  ChunkEncodeKernel* compact_encode;
+  ChunkDecodeAddKernel* compact_decode_add;
   Crc32cKernel* crc32c;
 };
 
@@ -57,10 +61,12 @@ struct CpuKernels {
   UnpackAddKernel unpack_add;                           \
   ChunkEncodeKernel chunk_encode;                       \
   ChunkDecodeAddKernel chunk_decode_add;                \
+  ChunkEncodeKernel compact_encode;                     \
+  ChunkDecodeAddKernel compact_decode_add;              \
   Crc32cKernel crc32c;                                  \
   inline CpuKernels kernels() {                         \
     return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add, &chunk_encode, &chunk_decode_add, \
-            &crc32c};                                   \
+            &compact_encode, &compact_decode_add, &crc32c};                                                   \
   }                                                     \
   }
 

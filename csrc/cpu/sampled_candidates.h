@@ -61,12 +61,12 @@ bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int6
 
 // The streaming pass over [begin, end): entries with key >= bound go into the slab
 // (index, acc), in index order, while it has room, and leave the remainder of sending
-// them in the residual; all other entries (also those that found the slab full) leave
-// acc. Returns how many entries reached the bound (stored: the first min(that, capacity));
+// them in the residual (kSent == remainder; acc with SentResidual::acc); all other entries
+// (also those that found the slab full) leave acc. Returns how many entries reached the bound (stored: the first min(that, capacity));
 // *largest_key receives the largest key in the range, reaching the bound or not: >= kInfKey
 // if some acc there is +-Inf or NaN (ef_threshold_pack's cue for its cleanup pass; a max
 // costs one instruction per 16 entries, a count of them measurably more).
-template <typename T, typename V>
+template <typename T, typename V, SentResidual kSent = SentResidual::remainder>
 int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t begin,
                            int64_t end, int32_t* slab_index, float* slab_value, int64_t capacity,
                            uint32_t* largest_key) {
@@ -93,7 +93,13 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       const __mmask16 kept = static_cast<__mmask16>(_pdep_u32((1u << stored) - 1, hits));
       // Sending acc exactly leaves +0 behind: acc - acc for a finite acc, and the
       // contract's +0 for +-Inf/NaN (where acc - acc would be NaN).
-      if (r) _mm512_storeu_ps(r + i, _mm512_mask_mov_ps(acc, kept, _mm512_setzero_ps()));
+      if (r) {
+        if constexpr (kSent == SentResidual::remainder) {
+          _mm512_storeu_ps(r + i, _mm512_mask_mov_ps(acc, kept, _mm512_setzero_ps()));
+        } else {
+          _mm512_storeu_ps(r + i, acc);
+        }
+      }
       if (stored > 0) {  // compress into a register, then a plain masked store
         const __mmask16 first = static_cast<__mmask16>((1u << stored) - 1);
         const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i)));
@@ -126,7 +132,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
         if (count < capacity) {
           slab_index[count] = static_cast<int32_t>(i + j);
           slab_value[count] = lane[j];
-          if (r) r[i + j] = 0.0f;
+          if (kSent == SentResidual::remainder && r) r[i + j] = 0.0f;
         }
         ++count;
       }
@@ -140,7 +146,10 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
     const uint32_t key = magnitude_key(af);
     const bool hit = key >= bound;
     largest = std::max(largest, key);
-    if (r) r[i] = hit && count < capacity ? sent_remainder<T, V>(af, to_wire<V>(af)) : a;
+    if (r) {
+      const bool tentative = kSent == SentResidual::remainder && hit && count < capacity;
+      r[i] = tentative ? sent_remainder<T, V>(af, to_wire<V>(af)) : a;
+    }
     if (hit) {
       if (count < capacity) {
         slab_index[count] = static_cast<int32_t>(i);
@@ -165,7 +174,7 @@ struct Collected {
   bool overflow = false;  // some range found more than it could store
 };
 
-template <typename T, typename V>
+template <typename T, typename V, SentResidual kSent = SentResidual::remainder>
 Collected collect_in_ranges(const T* g, T* r, float divisor, bool add_residual, uint32_t bound, int64_t n,
                             int64_t capacity, Slabs& slabs) {
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64));
@@ -179,7 +188,7 @@ Collected collect_in_ranges(const T* g, T* r, float divisor, bool add_residual, 
   c.largest_key.assign(ranges, 0);
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      c.found[t] = collect_candidates<T, V>(g, r, divisor, add_residual, bound, c.bounds[t], c.bounds[t + 1],
+      c.found[t] = collect_candidates<T, V, kSent>(g, r, divisor, add_residual, bound, c.bounds[t], c.bounds[t + 1],
                                             slabs.index.data() + t * capacity, slabs.value.data() + t * capacity,
                                             capacity, &c.largest_key[t]);
     }
@@ -199,8 +208,9 @@ enum class Sampled {
   bound_failed,  // the pass ran (acc is in the residual, if any) but the bound did not hold
 };
 
-// The whole strategy.
-template <typename T, typename V>
+// The whole strategy. The payload lists the selected entries in index order (ranges in
+// order, each in index order).
+template <typename T, typename V, SentResidual kSent = SentResidual::remainder>
 Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, int64_t n, int64_t k, int32_t* out_index,
                        V* out_value, int32_t index_offset) {
   uint32_t bound = 0;
@@ -208,10 +218,11 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
   if (!sample_bound<T>(g, r, divisor, add_residual, n, k, &bound, &expected)) return Sampled::not_tried;
   // Each range may hold all candidates (gradients of one layer can dominate a bucket).
   const int64_t capacity = expected + expected / 4 + 4096;
-  const Collected c = collect_in_ranges<T, V>(g, r, divisor, add_residual, bound, n, capacity, sampled_slabs());
+  const Collected c = collect_in_ranges<T, V, kSent>(g, r, divisor, add_residual, bound, n, capacity,
+                                                     sampled_slabs());
   const int64_t ranges = static_cast<int64_t>(c.lists.size());
   if (c.overflow || c.total < k) {  // put acc back where the pass left a tentative remainder
-    if (r) {
+    if (kSent == SentResidual::remainder && r) {
       at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
         for (int64_t t = first; t < last; ++t) {
           for (int64_t j = 0; j < c.lists[t].size; ++j) r[c.lists[t].index[j]] = static_cast<T>(c.lists[t].value[j]);
@@ -227,7 +238,8 @@ Sampled sampled_topk_pack(const T* g, T* r, float divisor, bool add_residual, in
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t end = emit_selected<T, V>(lists[t], selection, t, r, out_index, out_value, position[t], index_offset,
-                                              Residual::restore_unsent);
+                                              kSent == SentResidual::remainder ? Residual::restore_unsent
+                                                                               : Residual::untouched);
       TORCH_INTERNAL_ASSERT(end == position[t + 1]);
     }
   });

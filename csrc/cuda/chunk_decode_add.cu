@@ -144,10 +144,14 @@ __global__ void __launch_bounds__(kThreads) chunk_decode_add_kernel(const uint8_
 }
 
 void chunk_decode_add_cuda(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                           int64_t index_codec, int64_t value_codec, const at::Tensor& out, bool zero_out) {
+                           int64_t index_codec, int64_t value_codec, int64_t scale_group, const at::Tensor& out,
+                           bool zero_out) {
   // The CPU operator's checks (csrc/cpu/dispatch/chunk_checks.h), and that out is a CUDA tensor.
   TORCH_CHECK(out.is_cuda(), "chunk_decode_add: out must be a CUDA tensor");
-  const ChunkFormat f = check_chunk_decode_add(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out);
+  const ChunkFormat f = check_chunk_decode_add(gathered, chunk_size, k_full, k_last, index_codec, value_codec,
+                                               scale_group, out);
+  // sparsecomm/ops/dispatch.py sends such layouts elsewhere (csrc/README.md).
+  TORCH_CHECK(f.scale_group == 0, "chunk_decode_add: the CUDA kernel takes no scale_group (got ", f.scale_group, ")");
   TORCH_CHECK(is_supported_float(out.scalar_type()),
               "chunk_decode_add: dtype must be float32, bfloat16 or float16, got ", out.scalar_type());
 

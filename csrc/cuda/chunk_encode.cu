@@ -323,10 +323,13 @@ __global__ void __launch_bounds__(kThreads) chunk_encode_kernel(const EncodePara
 std::tuple<at::Tensor, at::Tensor> chunk_encode_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
                                                      double divisor, bool add_residual, int64_t chunk_size,
                                                      int64_t k_full, int64_t k_last, int64_t index_codec,
-                                                     int64_t value_codec, const at::Tensor& payload) {
+                                                     int64_t value_codec, int64_t scale_group,
+                                                     const at::Tensor& payload) {
   TORCH_CHECK(grad.is_cuda(), "chunk_encode: grad must be a CUDA tensor");
   const ChunkFormat f = check_chunk_encode(grad, residual, divisor, add_residual, chunk_size, k_full, k_last,
-                                           index_codec, value_codec, payload);
+                                           index_codec, value_codec, scale_group, payload);
+  // sparsecomm/ops/dispatch.py sends such layouts elsewhere (csrc/README.md).
+  TORCH_CHECK(f.scale_group == 0, "chunk_encode: the CUDA kernel takes no scale_group (got ", f.scale_group, ")");
 
   const c10::cuda::CUDAGuard device_guard(grad.device());
   const at::ScalarType decoded_dtype = chunk_decoded_dtype(value_codec);

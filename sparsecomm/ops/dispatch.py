@@ -111,19 +111,24 @@ def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
     """The chunk ops' choice, as :func:`_builtin`'s: on CPU the native kernel; on CUDA the
     native CUDA kernel, else (or with ``SPARSECOMM_KERNELS=triton``) the Triton kernel; the
     reference with ``SPARSECOMM_KERNELS=reference``, on other devices, and for what the
-    kernels do not take (every reference gives the same bits): layouts with a ``scale_group``
-    (all kernels), 16-bit gradients (native encoders), chunks over 8192 entries (Triton). A
-    registered kernel wins, as everywhere."""
+    kernels do not take (every reference gives the same bits): 16-bit gradients (native
+    encoders), a ``scale_group`` on a layout of more than one chunk (all kernels; the hook's
+    exact top-k on the compact wire is one chunk of the whole bucket) or on CUDA (the CUDA
+    kernels), chunks over 8192 entries and a ``scale_group`` (Triton). A registered kernel
+    wins, as everywhere."""
     device_type = tensor.device.type
     registered = _KERNELS.get((op, device_type))
     if registered is not None:
         return registered
     choice = native.requested_kernels()
-    if choice == "reference" or device_type not in ("cpu", "cuda") or getattr(layout, "scale_group", 0):
+    scale_group = getattr(layout, "scale_group", 0)
+    if (choice == "reference" or device_type not in ("cpu", "cuda")
+            or (scale_group and layout.chunk_size != layout.numel)):
         return _REFERENCE[op]
     native_takes = op != "chunk_encode" or tensor.dtype in _NATIVE_CHUNK_GRAD_DTYPES
     if device_type == "cpu":
         return _builtin(op, "cpu") if native_takes else _REFERENCE[op]
+    native_takes = native_takes and not scale_group  # the CUDA kernels take one scale per chunk
     loaded, reason = native.load()
     native_cuda = native_takes and loaded and native.has_kernel(op, "CUDA")
     if choice != "native" and (choice == "triton" or not native_cuda):

@@ -39,8 +39,25 @@ def load() -> tuple[bool, str]:
     except ImportError as error:
         return False, (f"sparsecomm._C could not be imported ({error}); build it with "
                        "`pip install --no-build-isolation -e .` (see csrc/README.md)")
+    _check_codec_ids()
     _register_fakes()
     return True, ""
+
+
+def _check_codec_ids() -> None:
+    """The chunk ops take codecs by id, a position in the Python tables that the C++ enums
+    (csrc/cpu/chunk_format.h) repeat: a codec added or moved on one side only would code
+    every payload with the wrong codec. Raises RuntimeError naming both lists if they differ."""
+    from sparsecomm.compress.index_codecs import INDEX_CODECS
+    from sparsecomm.compress.value_codecs import VALUE_CODECS
+
+    index_names, value_names = torch.ops.sparsecomm.chunk_codecs()
+    for what, python, native_names in (("index", INDEX_CODECS, index_names), ("value", VALUE_CODECS, value_names)):
+        if tuple(native_names) != tuple(python):
+            raise RuntimeError(
+                f"sparsecomm._C was built with the {what} codecs {tuple(native_names)} (ids by position), but "
+                f"sparsecomm.compress has {tuple(python)}: rebuild the extension "
+                f"(`pip install --no-build-isolation -e .`) or make csrc/cpu/chunk_format.h match")
 
 
 @functools.cache
@@ -78,14 +95,15 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("sparsecomm::chunk_encode")
-    def _(grad, residual, divisor, add_residual, chunk_size, k_full, k_last, index_codec, value_codec, payload):
+    def _(grad, residual, divisor, add_residual, chunk_size, k_full, k_last, index_codec, value_codec, scale_group,
+          payload):
         chunks = -(-grad.numel() // chunk_size)
         selected = (chunks - 1) * k_full + k_last
         return (grad.new_empty((selected,), dtype=torch.int64),
                 grad.new_empty((selected,), dtype=_DECODED_DTYPES.get(value_codec, torch.float32)))
 
     @torch.library.register_fake("sparsecomm::chunk_decode_add")
-    def _(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out, zero_out):
+    def _(gathered, chunk_size, k_full, k_last, index_codec, value_codec, scale_group, out, zero_out):
         return None
 
     @torch.library.register_fake("sparsecomm::crc32c")
@@ -103,10 +121,10 @@ def _codec_ids(layout) -> tuple[int, int]:
     return index_codecs.INDEX_CODECS.index(layout.index_codec), value_codecs.VALUE_CODECS.index(layout.value_codec)
 
 
-def _chunk_geometry(layout) -> tuple[int, int, int, int, int]:
-    """(chunk_size, k_full, k_last, index codec id, value codec id) of a ChunkLayout."""
+def _chunk_geometry(layout) -> tuple[int, int, int, int, int, int]:
+    """(chunk_size, k_full, k_last, index codec id, value codec id, scale_group) of a ChunkLayout."""
     geometry = layout.geometry
-    return (layout.chunk_size, geometry.k_full, geometry.k_last, *_codec_ids(layout))
+    return (layout.chunk_size, geometry.k_full, geometry.k_last, *_codec_ids(layout), layout.scale_group)
 
 
 def _ops():
@@ -141,7 +159,8 @@ def unpack_add(indices, values, out, zero_out=True) -> None:
 
 
 def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
-    """Fused error feedback + chunked top-k + codecs into ``payload``; (indices int64, decoded)."""
+    """Fused error feedback + chunked (or, with a scale_group, exact) top-k + codecs into
+    ``payload``; (indices int64, decoded)."""
     return _ops().chunk_encode(grad, residual, float(divisor), add_residual, *_chunk_geometry(layout), payload)
 
 

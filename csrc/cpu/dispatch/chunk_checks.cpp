@@ -19,12 +19,13 @@ std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
 
 ChunkFormat check_chunk_encode(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double divisor,
                                bool add_residual, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                               int64_t index_codec, int64_t value_codec, const at::Tensor& payload) {
+                               int64_t index_codec, int64_t value_codec, int64_t scale_group,
+                               const at::Tensor& payload) {
   TORCH_CHECK(grad.dim() == 1 && grad.is_contiguous() && grad.scalar_type() == at::kFloat,
               "chunk_encode: grad must be a contiguous 1-D float32 tensor, got ", grad.scalar_type(), " ",
               grad.sizes());
   const ChunkFormat f = chunk_format("chunk_encode", grad.numel(), chunk_size, k_full, k_last, index_codec,
-                                     value_codec);
+                                     value_codec, scale_group);
   TORCH_CHECK(!add_residual || residual.has_value(), "chunk_encode: add_residual=True needs a residual");
   if (residual.has_value()) {
     const at::Tensor& r = *residual;
@@ -46,10 +47,11 @@ ChunkFormat check_chunk_encode(const at::Tensor& grad, const std::optional<at::T
 }
 
 ChunkFormat check_chunk_decode_add(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                                   int64_t index_codec, int64_t value_codec, const at::Tensor& out) {
+                                   int64_t index_codec, int64_t value_codec, int64_t scale_group,
+                                   const at::Tensor& out) {
   TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "chunk_decode_add: out must be a contiguous 1-D tensor");
   const ChunkFormat f = chunk_format("chunk_decode_add", out.numel(), chunk_size, k_full, k_last, index_codec,
-                                     value_codec);
+                                     value_codec, scale_group);
   // Back to back (1-D), or one payload per row of a 2-D tensor whose rows may lie farther
   // apart (sealed payloads: sparsecomm/compress/payload_seal.py).
   const bool back_to_back = gathered.dim() == 1 && gathered.is_contiguous() && gathered.numel() % f.nbytes == 0;

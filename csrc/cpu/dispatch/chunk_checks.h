@@ -10,18 +10,20 @@
 
 namespace sparsecomm {
 
-// chunk_encode(grad, residual, divisor, add_residual, geometry, payload): grad a contiguous
+// chunk_encode(grad, residual, divisor, add_residual, layout, payload): grad a contiguous
 // 1-D float32 tensor, residual (if any) matching it without overlapping it, payload exactly
 // the format's bytes, all on grad's device; divisor > 0. Returns the format.
 ChunkFormat check_chunk_encode(const at::Tensor& grad, const std::optional<at::Tensor>& residual, double divisor,
                                bool add_residual, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                               int64_t index_codec, int64_t value_codec, const at::Tensor& payload);
+                               int64_t index_codec, int64_t value_codec, int64_t scale_group,
+                               const at::Tensor& payload);
 
-// chunk_decode_add(gathered, geometry, out): out a contiguous 1-D tensor, gathered whole
+// chunk_decode_add(gathered, layout, out): out a contiguous 1-D tensor, gathered whole
 // payloads of the format (uint8) on out's device: back to back (1-D), or one per row of a
 // 2-D tensor whose rows may lie farther apart (sealed payloads). Returns the format.
 ChunkFormat check_chunk_decode_add(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                                   int64_t index_codec, int64_t value_codec, const at::Tensor& out);
+                                   int64_t index_codec, int64_t value_codec, int64_t scale_group,
+                                   const at::Tensor& out);
 
 // The payloads of a checked gathered: how many, and the bytes from one's start to the next's.
 struct PayloadRows {

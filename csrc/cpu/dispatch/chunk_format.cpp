@@ -3,13 +3,19 @@
 #include "../chunk_format.h"
 
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
 
 namespace sparsecomm {
 namespace {
 
-constexpr int32_t kMaxRiceParameter = 16;
+// index_codecs.MAX_RICE_PARAMETER: gaps of up to 2^31 (one chunk the size of the largest
+// bucket). Chunks of at most 65536 entries never need more than 16.
+constexpr int32_t kMaxRiceParameter = 30;
 constexpr int64_t kAlignment = 8;  // sparsecomm.compress.layout.ALIGNMENT
 
 int64_t packed_nbytes(int64_t count, int64_t bits) { return (count * bits + 7) / 8; }
@@ -36,13 +42,29 @@ int32_t value_bits(int32_t codec) {
   }
 }
 
+// The codec names by id (chunk_format.h), for sparsecomm.ops.native's check at load.
+std::tuple<std::vector<std::string>, std::vector<std::string>> chunk_codecs_op() {
+  return {std::vector<std::string>(std::begin(kIndexCodecNames), std::end(kIndexCodecNames)),
+          std::vector<std::string>(std::begin(kValueCodecNames), std::end(kValueCodecNames))};
+}
+
 }  // namespace
 
+// No tensor arguments: CompositeExplicitAutograd serves calls without a dispatch key.
+TORCH_LIBRARY_IMPL(sparsecomm, CompositeExplicitAutograd, m) { m.impl("chunk_codecs", &chunk_codecs_op); }
+
 ChunkFormat chunk_format(const char* op, int64_t numel, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                         int64_t index_codec, int64_t value_codec) {
+                         int64_t index_codec, int64_t value_codec, int64_t scale_group) {
   TORCH_CHECK(numel >= 1 && numel <= INT32_MAX, op, ": the bucket must hold 1 to 2^31 - 1 entries, got ", numel);
-  TORCH_CHECK(chunk_size >= 2 && chunk_size <= kMaxChunkSize, op, ": chunk_size must be in [2, ", kMaxChunkSize,
-              "], got ", chunk_size);
+  TORCH_CHECK(scale_group >= 0, op, ": scale_group must be >= 0, got ", scale_group);
+  if (scale_group > 0) {  // exact top-k on the compact wire: the whole bucket is one chunk
+    TORCH_CHECK(chunk_size == numel, op, ": a layout with a scale_group (", scale_group,
+                ") must be one chunk of the whole bucket (chunk_size == numel == ", numel, "), got chunk_size ",
+                chunk_size);
+  } else {
+    TORCH_CHECK(chunk_size >= 2 && chunk_size <= kMaxChunkSize, op, ": chunk_size must be in [2, ", kMaxChunkSize,
+                "], got ", chunk_size);
+  }
   TORCH_CHECK(index_codec >= kIndexInt32 && index_codec <= kIndexRice, op,
               ": index_codec must be 0 (int32), 1 (chunk) or 2 (rice), got ", index_codec);
   TORCH_CHECK(value_codec >= kValueFp32 && value_codec <= kValueSign, op,
@@ -58,6 +80,8 @@ ChunkFormat chunk_format(const char* op, int64_t numel, int64_t chunk_size, int6
   f.k_full = k_full;
   f.k_last = k_last;
   f.selected = (f.chunks - 1) * k_full + k_last;
+  f.scale_group = scale_group;
+  f.scale_groups = scale_group > 0 ? (f.selected + scale_group - 1) / scale_group : f.chunks;
   f.index_codec = static_cast<int32_t>(index_codec);
   f.value_codec = static_cast<int32_t>(value_codec);
   int32_t bits = 1;
@@ -75,7 +99,7 @@ ChunkFormat chunk_format(const char* op, int64_t numel, int64_t chunk_size, int6
     case kIndexChunk: index_bytes = packed_nbytes(f.selected, f.index_bits); break;
     default: index_bytes = packed_nbytes((f.chunks - 1) * f.rice_bits_full + f.rice_bits_last, 1);
   }
-  f.index_start = f.scaled ? 2 * f.chunks : 0;
+  f.index_start = f.scaled ? 2 * f.scale_groups : 0;
   f.value_start = f.index_start + index_bytes;
   f.value_end = f.value_start + packed_nbytes(f.selected, f.value_bits);
   f.nbytes = (f.value_end + kAlignment - 1) / kAlignment * kAlignment;

@@ -119,23 +119,30 @@ void unpack_add_cpu(const at::Tensor& indices, const at::Tensor& values, const a
 std::tuple<at::Tensor, at::Tensor> chunk_encode_cpu(const at::Tensor& grad, const c10::optional<at::Tensor>& residual,
                                                     double divisor, bool add_residual, int64_t chunk_size,
                                                     int64_t k_full, int64_t k_last, int64_t index_codec,
-                                                    int64_t value_codec, const at::Tensor& payload) {
+                                                    int64_t value_codec, int64_t scale_group,
+                                                    const at::Tensor& payload) {
   const ChunkFormat f = check_chunk_encode(grad, residual, divisor, add_residual, chunk_size, k_full, k_last,
-                                           index_codec, value_codec, payload);
+                                           index_codec, value_codec, scale_group, payload);
   const at::ScalarType decoded_dtype = chunk_decoded_dtype(value_codec);
   at::Tensor indices = at::empty({f.selected}, grad.options().dtype(at::kLong));
   at::Tensor decoded = at::empty({f.selected}, grad.options().dtype(decoded_dtype));
-  kernels().chunk_encode(grad, residual, static_cast<float>(divisor), add_residual, f, payload, indices, decoded);
+  // A scale_group: exact top-k on the compact wire (one chunk), compact_encode.cpp.
+  ChunkEncodeKernel* kernel = f.scale_group > 0 ? kernels().compact_encode : kernels().chunk_encode;
+  kernel(grad, residual, static_cast<float>(divisor), add_residual, f, payload, indices, decoded);
   return {indices, decoded};
 }
 
 void chunk_decode_add_cpu(const at::Tensor& gathered, int64_t chunk_size, int64_t k_full, int64_t k_last,
-                          int64_t index_codec, int64_t value_codec, const at::Tensor& out, bool zero_out) {
-  const ChunkFormat f = check_chunk_decode_add(gathered, chunk_size, k_full, k_last, index_codec, value_codec, out);
+                          int64_t index_codec, int64_t value_codec, int64_t scale_group, const at::Tensor& out,
+                          bool zero_out) {
+  const ChunkFormat f = check_chunk_decode_add(gathered, chunk_size, k_full, k_last, index_codec, value_codec,
+                                               scale_group, out);
   const PayloadRows payloads = payload_rows(gathered, f);
-  const int64_t corrupt = kernels().chunk_decode_add(gathered, f, payloads.rows, payloads.stride, out, zero_out);
+  ChunkDecodeAddKernel* kernel = f.scale_group > 0 ? kernels().compact_decode_add : kernels().chunk_decode_add;
+  const int64_t corrupt = kernel(gathered, f, payloads.rows, payloads.stride, out, zero_out);
   TORCH_CHECK(corrupt == 0, "chunk_decode_add: ", corrupt,
-              " entries decode to positions outside their chunk: corrupt payload");
+              f.scale_group > 0 ? " entries decode to positions outside the bucket or out of order: corrupt payload"
+                                : " entries decode to positions outside their chunk: corrupt payload");
 }
 
 at::Tensor crc32c_cpu(const at::Tensor& data) {
