@@ -140,12 +140,12 @@ def _refusals(rank, world_size, root):
         except CheckpointRefused as error:
             messages[label] = str(error)
     if rank == 1:
-        job.hook._pending = 1  # a collective in flight on one rank only
+        job.hook.lifecycle.pending = 1  # a collective in flight on one rank only
     try:
         job.manager.save(3, data_position={"step": 3})
     except CheckpointRefused as error:
         messages["in flight"] = str(error)
-    job.hook._pending = 0
+    job.hook.lifecycle.pending = 0
     job.manager.save(3, data_position={"step": 3})
     try:
         job.manager.save(3, data_position={"step": 3})
@@ -169,7 +169,7 @@ def _semantic_refusal(rank, root, case):
     job.train(2, save_at={2})
     job.train(4)
     if case == "nan residual" and rank == 1:
-        next(iter(job.hook._residuals._entries.values()))[0] = float("nan")
+        next(iter(job.hook.memories.residuals._entries.values()))[0] = float("nan")
     if case == "replicas differ" and rank == 1:
         with torch.no_grad():
             job.model[0].weight[0, 0] += 1e-3

@@ -100,7 +100,7 @@ def _staging(job, root, out):
             p.add_(1.0)
     for state in job.optimizer.state.values():
         state["exp_avg"].add_(1.0)
-    next(iter(job.hook._residuals._entries.values())).add_(1.0)
+    next(iter(job.hook.memories.residuals._entries.values())).add_(1.0)
     out["in flight after the changes"] = not handle.done()
     out["blocking seconds"] = handle.blocking_seconds
     out["saved to"] = str(handle.wait())

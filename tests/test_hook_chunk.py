@@ -125,7 +125,7 @@ def test_float_value_codec_is_the_value_dtype():
 
 
 def test_checkpoints_of_other_selectors_do_not_name_the_wire():
-    assert "index_codec" not in sparsecomm.TopKState()._config()
+    assert "index_codec" not in sparsecomm.TopKState().config.checkpoint_dict()
 
 
 # ----- monitors read chunked payloads through their layout ---------------------------------

@@ -88,7 +88,7 @@ def _pickle_worker(rank, world_size, workdir, phase):
     batch = rank_data(rank, 1, (8, 32))[0]
     rebuild_buckets(ddp, state, lambda: (ddp(batch).sum() * 0).backward())
     _train(ddp, rank, 3, first=4)
-    return params(model), refusal, str(state._sample_generator.device)
+    return params(model), refusal, str(state.sample_generator.device)
 
 
 def test_an_unpickled_state_trains_on_in_a_new_process(tmp_path):
@@ -107,12 +107,12 @@ def test_the_sampled_generator_comes_back_on_its_device_or_is_refused():
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         state = TopKState(density=0.05, selector="sampled")
-        state._generator(torch.device("cpu")).manual_seed(5)
+        state.generator(torch.device("cpu")).manual_seed(5)
         saved = state.state_dict()
         assert saved["rank0.sample_generator_device"] == "cpu"
         restored = TopKState(density=0.05, selector="sampled")
         restored.load_state_dict(saved)
-        assert torch.equal(restored._sample_generator.get_state(), saved["rank0.sample_generator"])
+        assert torch.equal(restored.sample_generator.get_state(), saved["rank0.sample_generator"])
         if not torch.cuda.is_available():
             elsewhere = {**saved, "rank0.sample_generator_device": "cuda:0"}
             with pytest.raises(ValueError, match="saved on cuda:0, which this process does not have"):

@@ -72,8 +72,8 @@ def test_sampled_generator_is_restored_on_the_gpu(nccl_group):
     assert saved["rank0.sample_generator_device"].startswith("cuda")
     restored = TopKState(density=0.05, selector="sampled")
     restored.load_state_dict(saved)
-    assert restored._sample_generator.device.type == "cuda"
-    assert torch.equal(restored._sample_generator.get_state(), saved["rank0.sample_generator"])
+    assert restored.sample_generator.device.type == "cuda"
+    assert torch.equal(restored.sample_generator.get_state(), saved["rank0.sample_generator"])
 
 
 def _train_chunk(kernels, value_codec, monkeypatch):

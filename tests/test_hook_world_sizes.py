@@ -67,7 +67,7 @@ def _conservation_and_replicas(rank, world_size):
         if not all(torch.equal(flat, other) for other in _gathered(flat)):
             diverged_at.append(step)
     stats = state.stats()
-    return diverged_at, stats, state._observers[0].last_step
+    return diverged_at, stats, state.observers[0].last_step
 
 
 def _round_trip(rank, world_size):

@@ -153,7 +153,7 @@ def _run_case(rank, case, group):
         try:
             vote.check(step, local_error=local)
         except CorruptionDetected as error:
-            residuals = [v for k, v in state._residuals.state_dict().items()] if state._residuals else []
+            residuals = [v for k, v in state.memories.residuals.state_dict().items()] if state.memories.residuals else []
             return {
                 "step": step,
                 "local": None if not isinstance(local, NonFiniteError) else

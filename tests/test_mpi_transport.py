@@ -71,9 +71,9 @@ def test_transport_in_stats_not_in_config_and_pickled():
     assert state.stats()["transport"] == "mpi"
     assert TopKState().stats()["transport"] == "c10d"
     # Checkpoints stay interchangeable between transports: the config does not name it.
-    assert state._config() == TopKState(selector="sampled")._config()
+    assert state.config.checkpoint_dict() == TopKState(selector="sampled")._config()
     copy = pickle.loads(pickle.dumps(state))
-    assert copy.transport == "mpi" and copy._mpi is None
+    assert copy.transport == "mpi" and copy.mpi is None
 
 
 def test_pickle_from_before_transports_loads_as_c10d():
@@ -82,10 +82,10 @@ def test_pickle_from_before_transports_loads_as_c10d():
     # A pickle of that time: the settings were flat fields of the state, and had no transport.
     config = saved.pop("config")
     saved |= {name: getattr(config, name) for name in CONFIG_FIELDS if name != "transport"}
-    del saved["_mpi"]
+    del saved["mpi"]
     restored = TopKState.__new__(TopKState)
     restored.__setstate__(saved)
-    assert restored.transport == "c10d" and restored._mpi is None
+    assert restored.transport == "c10d" and restored.mpi is None
 
 
 # ----- the transport alone, under mpiexec -------------------------------------------------

@@ -32,7 +32,7 @@ import sparsecomm
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.owner_layout import OwnerLayout
-from sparsecomm.hooks.pipeline import exchange
+from sparsecomm.hooks.wires import allgather as allgather_wire
 from sparsecomm.monitor.fault_injector import BitFlipInjector, flip_bit
 
 from ddp_models import backward_error, mlp, params, rank_data
@@ -240,7 +240,7 @@ class _StepWatch:
 
 
 def _arrives_corrupted(original, rank, watch, trailer):
-    """``exchange.allgather_future`` that flips, on RECEIVER at FAULT_STEP, one value bit of
+    """``allgather_wire.allgather_future`` that flips, on RECEIVER at FAULT_STEP, one value bit of
     SENDER's payload after it arrived: a fault in transit only that receiver sees."""
 
     done = []
@@ -265,17 +265,17 @@ def _arrives_corrupted(original, rank, watch, trailer):
 
 
 def _transit_worker(rank, world_size):
-    original = exchange.allgather_future
+    original = allgather_wire.allgather_future
     out = {"clean": _train(rank, {}), "skipped": _train(rank, {}, skip=FAULT_STEP)}
     # (name, checksum, options, steps): without the agreement the receiver stops at the fault.
     for name, checksum, options, steps in (("off", False, {}, STEPS), ("checksum", True, {}, FAULT_STEP + 1),
                                            ("agreed", True, {"wire_agreement": True}, STEPS)):
         watch = _StepWatch()
-        exchange.allgather_future = _arrives_corrupted(original, rank, watch, trailer=8 if checksum else 0)
+        allgather_wire.allgather_future = _arrives_corrupted(original, rank, watch, trailer=8 if checksum else 0)
         try:
             out[name] = _train(rank, options, checksum=checksum, observers=[watch], steps=steps)
         finally:
-            exchange.allgather_future = original
+            allgather_wire.allgather_future = original
     return out
 
 

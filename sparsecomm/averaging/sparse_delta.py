@@ -29,17 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsecomm import compress, ops
+from sparsecomm import compress
 from sparsecomm.averaging import state_check
 from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm.collectives import allgather_future
-from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.hooks.config import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
-from sparsecomm.hooks.pipeline.layouts import payload_layout
+from sparsecomm.hooks.wires import AllgatherWire, payload_layout
 from sparsecomm.hooks.validation import check_choice, check_int, check_real
 
-SETTINGS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr", "ef_decay")
 STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
          "seconds_encode", "seconds_exchange", "seconds_decode")
 
@@ -79,11 +77,11 @@ class SparseDeltaAverager:
                  register_hook: bool = True):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
-        self.wire = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
-                                   index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
-                                   ef_decay=ef_decay)
+        wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
+                                     index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
+                                     ef_decay=ef_decay)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
-        self.density, self.selector, self.chunk_size = self.wire.density, selector, chunk_size
+        self.density, self.selector, self.chunk_size = wire_config.density, selector, chunk_size
         self.index_codec, self.value_codec = index_codec, value_codec
         self.process_group = process_group
         self.module = ddp_model.module
@@ -92,8 +90,11 @@ class SparseDeltaAverager:
             raise ValueError("ddp_model has no parameter that requires grad: nothing to average")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
-        self.layout = payload_layout(self.wire, self.density, numel, compress.num_selected(numel, self.density),
-                                     torch.float32)
+        layout = payload_layout(wire_config, self.density, numel, compress.num_selected(numel, self.density),
+                                torch.float32)
+        # The hook's all-gather wire: its payload, encoder and decoder (no checksum: the
+        # averager's payloads are not sealed).
+        self.wire = AllgatherWire(wire_config, layout, dist.get_world_size(process_group))
         with torch.no_grad():
             self.anchor = self._flat_weights()  # replicas are equal here: DDP broadcast rank 0's weights
         self.error = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -152,8 +153,9 @@ class SparseDeltaAverager:
         started = time.perf_counter()
         delta = self.anchor - self._flat_weights()
         new_error = self.error * self.ef_decay
-        payload = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=new_error.device)
-        sent = self._encode(delta, new_error, payload)  # new_error <- ef_decay * error + delta - decoded
+        payload = torch.empty(self.wire.layout.nbytes, dtype=torch.uint8, device=new_error.device)
+        # new_error <- ef_decay * error + delta - decoded
+        sent = self.wire.write(delta, new_error, 1.0, True, payload).count
         encoded = time.perf_counter()
         world_size = self.world_size
         gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
@@ -161,7 +163,7 @@ class SparseDeltaAverager:
         exchanged = time.perf_counter()
         gathered = gathered.view(world_size, -1)
         new_anchor = torch.empty_like(self.anchor)
-        self._decode(gathered, new_anchor)
+        self.wire.decode_add(gathered, new_anchor)
         new_anchor.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
         torch.sub(self.anchor, new_anchor, alpha=self.outer_lr, out=new_anchor)
         if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
@@ -175,25 +177,9 @@ class SparseDeltaAverager:
                     elements_total=self.anchor.numel(), seconds_encode=encoded - started,
                     seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
 
-    def _encode(self, delta: torch.Tensor, error: torch.Tensor, payload: torch.Tensor) -> int:
-        """Select and encode ``delta + error`` into ``payload``; ``error`` keeps what was not sent."""
-        if isinstance(self.layout, ChunkLayout):
-            indices, _ = ops.dispatch.chunk_encode(delta, error, 1.0, True, self.layout, payload)
-            return indices.numel()
-        index_view, value_view = self.layout.payload_views(payload)
-        ops.ef_topk_pack(delta, error, 1.0, True, self.layout.capacity, index_view, value_view)
-        return self.layout.capacity
-
-    def _decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` = the sum of every rank's decoded payload, in rank order."""
-        if isinstance(self.layout, ChunkLayout):
-            ops.dispatch.chunk_decode_add(gathered, self.layout, out)
-        else:
-            ops.unpack_payloads(gathered, out, self.layout.capacity, torch.float32)
-
     def _decoded(self, gathered: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(self.anchor)
-        self._decode(gathered, out)
+        self.wire.decode_add(gathered, out)
         return out
 
     def _flat_weights(self) -> torch.Tensor:

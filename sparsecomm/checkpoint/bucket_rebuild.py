@@ -28,12 +28,12 @@ def rebuild_buckets(ddp_model: torch.nn.parallel.DistributedDataParallel, hook_s
     """
     rng = capture_rng(generators)
     was_training = ddp_model.training
-    hook_state._bypass = True
+    hook_state.lifecycle.bypass = True
     try:
         ddp_model.eval()  # no dropout draws; the gradient-ready order is the same
         forward_backward()
     finally:
-        hook_state._bypass = False
+        hook_state.lifecycle.bypass = False
         ddp_model.train(was_training)
         restore_rng(rng, generators)
         ddp_model.zero_grad(set_to_none=True)

@@ -8,6 +8,11 @@ the standard library.
 import math
 
 
+def ring_allreduce_bytes(nbytes: int, p: int) -> int:
+    """Bytes a ring allreduce of ``nbytes`` brings into each rank: 2 (p-1)/p x nbytes (rounded)."""
+    return round(2 * (p - 1) * nbytes / p)
+
+
 def ring_allreduce_seconds(nbytes: float, p: int, *, rate_bytes_per_s: float, alpha_s: float,
                            collectives: float = 1) -> float:
     """Ring allreduce of ``nbytes`` over ``p`` workers, split into ``collectives`` messages' worth of latency."""
@@ -52,7 +57,9 @@ def exchange_bytes_received(exchange: str, payload_bytes: float, dense_bytes: fl
 
 
 def falls_back_to_dense(sparse_bytes_per_rank: float, dense_bytes: float, p: int) -> bool:
-    """The hook's rule: allreduce densely when p payloads together are not smaller than the buffer."""
+    """The hook's dense-fallback rule: allreduce densely when p payloads together are not
+    smaller than the buffer (every wire asks it: ``sparsecomm.hooks.wires``; a wire whose
+    traffic does not grow with p passes p = 1 and the bytes one rank moves)."""
     return p * sparse_bytes_per_rank >= dense_bytes
 
 

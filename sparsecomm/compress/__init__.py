@@ -4,7 +4,7 @@ These are the reference implementations. The hook calls them through the dispatc
 in :mod:`sparsecomm.ops`, where native kernels can replace them; tests use them as the
 oracle.
 """
-from sparsecomm.compress.error_feedback import compensate, select_and_pack, to_wire_dtype
+from sparsecomm.compress.error_feedback import compensate, residual_after_sending, select_and_pack, to_wire_dtype
 from sparsecomm.compress.packing import payload_nbytes, pack_into, unpack_add
 from sparsecomm.compress.randomk import random_indices
 from sparsecomm.compress.sampled_threshold import sampled_threshold_indices
@@ -23,6 +23,7 @@ __all__ = [
     "per_parameter",
     "payload_nbytes",
     "random_indices",
+    "residual_after_sending",
     "sampled_threshold_indices",
     "select_and_pack",
     "to_wire_dtype",

@@ -19,6 +19,7 @@ import torch
 
 from sparsecomm.compress import bitpack, index_codecs, value_codecs
 from sparsecomm.compress.chunking import ChunkGeometry, chunk_topk
+from sparsecomm.compress.error_feedback import residual_after_sending
 from sparsecomm.compress.layout import ALIGNMENT
 
 
@@ -103,11 +104,7 @@ class ChunkLayout:
         pad.zero_()
         decoded = value_codecs.decode(self.value_codec, scales, value_region, group)
         if residual is not None:
-            wide = decoded.to(acc.dtype)
-            kept = torch.where(torch.isfinite(wide), values - wide, values)
-            residual.copy_(acc)
-            residual[indices] = kept
-            residual.masked_fill_(~torch.isfinite(acc), 0.0)
+            residual_after_sending(residual, acc, indices, decoded)
         return indices, decoded
 
     # ----- decode -----------------------------------------------------------------------

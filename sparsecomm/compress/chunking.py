@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from sparsecomm.compress.topk import num_selected
-from sparsecomm.ops.reference import magnitude_key
+from sparsecomm.compress.topk import magnitude_key
 
 MAX_CHUNK_SIZE = 65536
 MIN_CHUNK_SIZE = 2

@@ -41,6 +41,23 @@ def compensate(grad: torch.Tensor, residual: torch.Tensor | None, world_size: in
     return grad
 
 
+def residual_after_sending(residual: torch.Tensor, acc: torch.Tensor, indices: torch.Tensor,
+                           sent: torch.Tensor) -> None:
+    """The error-feedback update, in place: ``residual = acc - sent`` at ``indices`` (``sent``:
+    what the receivers decode there), ``acc`` elsewhere, and +0 wherever acc is not finite.
+
+    ``acc - sent`` is exact in acc's dtype when ``sent`` is acc rounded to a narrower one,
+    so ``sent + residual == acc`` bit for bit. Where ``sent`` is not finite but acc is (a
+    scale that overflowed), nothing usable was sent: the residual keeps acc.
+    """
+    kept = acc[indices]
+    wide = sent.to(acc.dtype)
+    residual.copy_(acc)
+    residual[indices] = torch.where(torch.isfinite(wide), kept - wide, kept)
+    # Non-finite acc, sent or not, leaves +0 (see the non-finite policy above).
+    residual.masked_fill_(~torch.isfinite(acc), 0.0)
+
+
 def divide_(tensor: torch.Tensor, divisor: float) -> torch.Tensor:
     """``tensor /= divisor`` in place, with IEEE division (correctly rounded) on every device.
 
@@ -93,9 +110,5 @@ def select_and_pack(
     values = to_wire_dtype(acc[indices], value_dtype)
     pack_into(payload, indices, values, k)
     if residual_out is not None:
-        residual_out.copy_(acc)
-        # acc - cast(acc) is exact in acc's dtype, so sent + residual == acc bit for bit.
-        residual_out[indices] = acc[indices] - values.to(acc.dtype)
-        # Non-finite acc, sent or not, leaves +0 (see the non-finite policy above).
-        residual_out.masked_fill_(~torch.isfinite(acc), 0.0)
+        residual_after_sending(residual_out, acc, indices, values)
     return indices

@@ -35,6 +35,11 @@ class PayloadLayout:
         return self.capacity * self.value_dtype.itemsize
 
     @property
+    def bytes_per_entry(self) -> int:
+        """Index and value bytes of one entry (the pad aside: it is under 8 bytes a payload)."""
+        return INDEX_BYTES + self.value_dtype.itemsize
+
+    @property
     def nbytes(self) -> int:
         """Bytes of one payload, padded to a multiple of 8."""
         return -(-(self.index_bytes + self.value_bytes) // ALIGNMENT) * ALIGNMENT

@@ -1,4 +1,10 @@
-"""Exact top-k selection by magnitude."""
+"""Exact top-k selection by magnitude: the one rule every selection and kernel follows.
+
+Entries rank by :func:`magnitude_key` (``|x|`` as float32 bits: +-Inf above every finite
+value, NaN above Inf, one key for every NaN, so an overflow is always sent and seen by
+every rank); among equal keys the lower index comes first. The native, CUDA and Triton
+kernels select exactly this set (``csrc/README.md``).
+"""
 import math
 
 import torch
@@ -10,17 +16,31 @@ def num_selected(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(round(density * numel, 6))))
 
 
-def topk_indices(acc: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Indices (int64) of the ``k`` entries of the 1-D tensor ``acc`` with the largest magnitude.
+_KEY_MASK = 0x7FFFFFFF
+_NAN_KEY = 0x7F800001  # every NaN: just above Inf (NaN payload bits are not portable)
 
-    Ties are broken by ``torch.topk``; NaN counts as the largest magnitude, so a NaN in the
-    gradient is sent (and seen by every rank) rather than hidden in a residual.
-    ``generator`` is unused; it keeps one signature for all selectors.
-    """
+
+def magnitude_key(x: torch.Tensor) -> torch.Tensor:
+    """int32 key ordering entries by magnitude: +-Inf above finite, NaN above Inf, one key for all NaN."""
+    return (x.float().view(torch.int32) & _KEY_MASK).clamp_(max=_NAN_KEY)
+
+
+def topk_by_key(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (int64, ascending) of the k largest keys; equal keys: lower index first."""
+    if k >= key.numel():
+        return torch.arange(key.numel(), device=key.device)
+    kth = torch.topk(key, k, sorted=False).values.min()
+    above = torch.nonzero(key > kth).flatten()
+    ties = torch.nonzero(key == kth).flatten()[: k - above.numel()]
+    return torch.sort(torch.cat([above, ties])).values
+
+
+def topk_indices(acc: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Indices (int64, ascending) of the ``k`` entries of the 1-D tensor ``acc`` with the
+    largest magnitude (the rule above). ``generator`` is unused; it keeps one signature for
+    all selectors."""
     del generator
-    if k >= acc.numel():
-        return torch.arange(acc.numel(), device=acc.device)
-    return torch.topk(acc.abs(), k, sorted=False).indices
+    return topk_by_key(magnitude_key(acc), k)
 
 
 def per_parameter(selector, ks: tuple[int, ...], numels: tuple[int, ...]):

@@ -12,16 +12,11 @@ import torch
 from sparsecomm.compress.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, VALUE_CODECS
+from sparsecomm.comm.mpi_allgatherv import TRANSPORTS
 from sparsecomm.hooks.density_schedule import DensitySchedule
+from sparsecomm.hooks.options import option, options
+from sparsecomm.hooks.validation import check_choice, check_real, check_transport, check_value_dtype
 from sparsecomm.links.spec import parse_link
-from sparsecomm.hooks.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_real,
-    check_transport,
-    check_value_dtype,
-)
 
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
@@ -34,77 +29,117 @@ class TopKConfig:
     """What :func:`sparsecomm.topk_hook` does; see :class:`sparsecomm.TopKState` for each field."""
 
     # Hyperparameters users tune.
-    density: float = 0.01
-    error_feedback: bool = True
-    momentum: float = 0.0
-    nesterov: bool = False
-    local_clip_norm: float | None = None
-    warmup_steps: int = 2
-    selector: str = "exact"
-    value_dtype: torch.dtype | None = None
-    residual_dtype: torch.dtype | None = None  # None: float32 for 16-bit buckets, the bucket's dtype otherwise
-    seed: int = 0
-    density_schedule: DensitySchedule | None = None  # density by step, ending at `density`
+    density: float = option(0.01, "fraction of each bucket sent: k = ceil(density x numel) entries", kind="real",
+                            low=0.0, high=1.0, low_open=True)
+    error_feedback: bool = option(True, "keep what was not sent and add it next step", kind="bool")
+    momentum: float = option(
+        0.0, "DGC momentum correction: the hook owns the momentum; build the optimizer with "
+             '`sparsecomm.dgc_optimizer(params, "sgd"/"adamw", lr=...)` (no momentum of its own; '
+             "`register_topk_hook(..., optimizer=opt)` warns on a mismatch)",
+        kind="real", low=0.0, high=1.0, high_open=True, condition="> 0 needs `error_feedback`")
+    nesterov: bool = option(False, "DGC's Nesterov variant of momentum correction", kind="bool",
+                            condition="`True` needs `momentum` > 0")
+    local_clip_norm: float | None = option(
+        None, "DGC local gradient clipping: each parameter's local gradient norm <= value / sqrt(world size) before "
+              "momentum", accepted="`None` or a number > 0")
+    warmup_steps: int = option(2, "dense steps first", kind="int", low=0, condition=">= 2 with `error_feedback`")
+    selector: str = option(
+        "exact", '`"exact"` top-k; `"sampled"` a threshold from a ~1% sample (DGC); `"random"` random-k with shared '
+                 'indices (values allreduced); `"chunk"` the top `ceil(density * chunk_size)` of every chunk '
+                 "([wire.md](wire.md))", kind="choice", choices=SELECTOR_CHOICES)
+    value_dtype: torch.dtype | None = option(
+        None, "dtype of values on the wire; rounding error stays in the residual, out-of-range values saturate",
+        kind="dtype")
+    residual_dtype: torch.dtype | None = option(
+        None, "dtype of the residual and velocity: `None` is float32 for 16-bit buckets (bf16/fp16 models, "
+              "`fp16_compress_wrapper`), the bucket's dtype otherwise ([precision.md](precision.md))", kind="dtype",
+        condition="not with `error_feedback=False`", checkpoint="never")
+    seed: int = option(0, "seeds random-k indices and the sampled selector", kind="int", low=0, arm=False)
+    density_schedule: DensitySchedule | None = option(
+        None, "start denser: the exponential kind is DGC's warm-up (each stage sends ~1/4 of the previous); "
+              '`stats()["density"]` shows the current one',
+        accepted='`None`, `{"kind": "exponential", "steps": N, "stages": S}`, or `[(first_step, density), ...]` '
+                 "ending at `density`")
     # Switches.
-    allow_dense_fallback: bool = True
-    verify_conservation: bool = False
-    k_scope: str = "bucket"
-    transport: str = "c10d"  # "c10d" | "mpi": who all-gathers the sparse payloads
+    allow_dense_fallback: bool = option(True, "`False` forces the sparse path even where it moves more bytes",
+                                        kind="bool", checkpoint="never")
+    verify_conservation: bool = option(False, "check the error-feedback invariant exactly every step", kind="bool",
+                                       condition="`True` needs `error_feedback`", agree=False, checkpoint="never")
+    k_scope: str = option("bucket", '`"bucket"`: top-k of each DDP bucket; `"parameter"`: layer-wise top-k, '
+                                    "independent of the bucket layout", kind="choice", choices=K_SCOPES,
+                          condition='chunked selection and compact codecs need `"bucket"`')
+    transport: str = option(
+        "c10d", '`"c10d"`: all-gather over the process group; `"mpi"`: MPI `Iallgatherv`, where `selector="sampled"` '
+                "sends a different number of entries per rank ([mpi.md](mpi.md))", kind="choice", choices=TRANSPORTS,
+        condition='`"mpi"` needs mpi4py, CPU buckets, a job started by mpiexec', checkpoint="never")
     # What a step that carried an Inf/NaN leaves in the memories: "rollback" nothing (the safe
     # default, whatever loop or scaler skips the step), "drop" its finite part (no copy).
-    on_overflow: str = "rollback"
-    # The wire of selector="chunk": chunk length, and how its indices and values are written.
-    chunk_size: int = 4096
-    index_codec: str = "int32"
-    value_codec: str | None = None  # a quantizing codec; the float ones are value_dtype
-    # How the sparse payloads travel: every rank's to every rank, or through range owners.
-    exchange: str = "allgather"
-    link: str | None = None  # exchange="auto": the link it models, e.g. "1gbit@50us" (None: 10gbit@50us)
+    on_overflow: str = option(
+        "rollback", 'what a step with Inf/NaN gradients leaves in the memories: nothing (`"rollback"`), or its finite '
+                    'part (`"drop"`, the opt-out; [precision.md](precision.md))', kind="choice",
+        choices=OVERFLOW_CHOICES, arm=False, checkpoint="never")
+    # The compact wire (selector="chunk", or exact top-k with codecs): chunk length, and how
+    # its indices and values are written.
+    chunk_size: int = option(4096, 'chunk length of `selector="chunk"`', kind="int", low=MIN_CHUNK_SIZE,
+                             high=MAX_CHUNK_SIZE, condition='with `selector="chunk"` only', checkpoint="wire")
+    index_codec: str = option(
+        "int32", 'how indices are written: `"rice"` Rice-coded gaps (8.5 bits at 1%), `"chunk"` 12-bit chunk-local '
+                 "indices for 4096-chunks", kind="choice", choices=INDEX_CODECS,
+        condition='other than `"int32"`: with `selector="exact"` or `"chunk"`', checkpoint="wire")
+    value_codec: str | None = option(
+        None, "how values are written: the float codecs are `value_dtype`; the quantizing ones carry a bf16 scale per "
+              "chunk (per 64 entries for exact top-k); quantization error stays in the residual, exactly",
+        kind="choice", choices=(None, *VALUE_CODECS), condition='the quantizing ones: with `selector="exact"` or '
+                                                                '`"chunk"`', checkpoint="wire")
+    # How the sparse payloads travel (the wires: sparsecomm.hooks.wires).
+    exchange: str = option(
+        "allgather", '`"allgather"`: every rank receives every payload ((p-1) x k entries); `"owner"` '
+                     '(`selector="exact"`: top-k per range, or `"chunk"`): each rank owns a range of the bucket, sums '
+                     "what the others send it, keeps an owner residual and returns its selection, about 2k entries "
+                     'received whatever the world size; `"shared-index"` (exact or chunked, float values): a '
+                     'rotating leader broadcasts its selection and the values are allreduced; `"auto"`: the cheapest '
+                     "per bucket, modelled on `link` ([exchange.md](exchange.md))",
+        kind="choice", choices=EXCHANGE_CHOICES, checkpoint="if-set")
+    link: str | None = option(None, "the link `exchange=\"auto\"` models (`None`: `10gbit@50us`)",
+                              accepted='`None` or a link name such as `"1gbit@50us"`',
+                              condition='with `exchange="auto"` only', checkpoint="if-set")
     # A CRC-32C sealing every payload of the sparse all-gathers, owner messages and index
     # broadcasts, checked by every receiver before it decodes anything (off: the opt-out).
-    wire_checksum: bool = True
+    wire_checksum: bool = option(
+        True, "seal every payload of the sparse wires (all-gathers, both owner legs, the index broadcast) with a "
+              "CRC-32C, checked by every receiver before decoding; a mismatch raises `WireIntegrityError` before the "
+              "optimizer step ([wire.md](wire.md#integrity-wire_checksum-on-by-default)); `False` opts out",
+        kind="bool", checkpoint="never")
     # With the checksum: one allreduce per step so that a fault only some receivers saw makes
     # every rank raise in the same step (off: those raise, the others apply the intact bytes).
-    wire_agreement: bool = False
+    wire_agreement: bool = option(False, "one 8-byte allreduce per step, so that a fault only some receivers saw "
+                                         "makes every rank raise in the same step", kind="bool",
+                                  condition="`True` needs `wire_checksum`", checkpoint="never")
 
     @classmethod
     def build(cls, *, density_schedule=None, **settings) -> "TopKConfig":
         """A validated config from :class:`TopKState`'s keyword arguments (TypeError/ValueError
-        naming the argument otherwise)."""
+        naming the argument otherwise). Each simple setting is checked by its option (the
+        table above); the ones that depend on others are resolved here."""
         s = dict(settings)
-        selector = check_choice("selector", s.get("selector", cls.selector), SELECTOR_CHOICES)
+        specs = options(cls)
+        selector = specs["selector"].check("selector", s.get("selector", cls.selector))
         value_dtype, value_codec = _resolve_value_codec(s.get("value_codec"), check_value_dtype(s.get("value_dtype")),
                                                         selector)
-        density = check_real("density", s.get("density", cls.density), 0.0, 1.0, low_open=True, high_open=False)
+        density = specs["density"].check("density", s.get("density", cls.density))
         clip = s.get("local_clip_norm")
-        config = cls(
-            density=density,
-            error_feedback=check_bool("error_feedback", s.get("error_feedback", cls.error_feedback)),
-            momentum=check_real("momentum", s.get("momentum", cls.momentum), 0.0, 1.0, low_open=False,
-                                high_open=True),
-            nesterov=check_bool("nesterov", s.get("nesterov", cls.nesterov)),
-            local_clip_norm=None if clip is None else check_real("local_clip_norm", clip, 0.0, math.inf,
-                                                                 low_open=True, high_open=True),
-            warmup_steps=check_int("warmup_steps", s.get("warmup_steps", cls.warmup_steps), 0),
-            selector=selector,
-            value_dtype=value_dtype,
-            residual_dtype=check_value_dtype(s.get("residual_dtype"), name="residual_dtype"),
-            seed=check_int("seed", s.get("seed", cls.seed), 0),
-            density_schedule=_resolve_schedule(density_schedule, density),
-            allow_dense_fallback=check_bool("allow_dense_fallback", s.get("allow_dense_fallback", True)),
-            verify_conservation=check_bool("verify_conservation", s.get("verify_conservation", False)),
-            k_scope=check_choice("k_scope", s.get("k_scope", cls.k_scope), K_SCOPES),
-            transport=check_transport(s.get("transport", cls.transport),
-                                      check_choice("selector", s.get("selector", cls.selector), SELECTOR_CHOICES)),
-            on_overflow=check_choice("on_overflow", s.get("on_overflow", cls.on_overflow), OVERFLOW_CHOICES),
-            chunk_size=check_int("chunk_size", s.get("chunk_size", cls.chunk_size), MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
-            index_codec=check_choice("index_codec", s.get("index_codec", cls.index_codec), INDEX_CODECS),
-            value_codec=value_codec,
-            exchange=check_choice("exchange", s.get("exchange", cls.exchange), EXCHANGE_CHOICES),
-            link=_check_link(s.get("link")),
-            wire_checksum=check_bool("wire_checksum", s.get("wire_checksum", cls.wire_checksum)),
-            wire_agreement=check_bool("wire_agreement", s.get("wire_agreement", cls.wire_agreement)),
-        )
+        resolved = {
+            "density": density, "selector": selector, "value_dtype": value_dtype, "value_codec": value_codec,
+            "local_clip_norm": None if clip is None else check_real("local_clip_norm", clip, 0.0, math.inf,
+                                                                    low_open=True, high_open=True),
+            "density_schedule": _resolve_schedule(density_schedule, density),
+            "transport": check_transport(s.get("transport", cls.transport), selector),
+            "link": _check_link(s.get("link")),
+        }
+        for name, spec in specs.items():
+            if name not in resolved:
+                resolved[name] = spec.check(name, s.get(name, getattr(cls, name)))
+        config = cls(**resolved)
         config._check_combinations()
         return config
 
@@ -150,8 +185,7 @@ class TopKConfig:
         if self.error_feedback and self.warmup_steps < 2:
             raise ValueError(
                 f"warmup_steps must be >= 2 when error_feedback=True, got {self.warmup_steps}: "
-                "DDP rebuilds its buckets after the first iteration, so the hook reduces "
-                "densely until then"
+                "the first steps are reduced densely"
             )
         if self.momentum > 0 and not self.error_feedback:
             raise ValueError(f"momentum={self.momentum} (momentum correction) requires error_feedback=True")
@@ -164,26 +198,18 @@ class TopKConfig:
             raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
 
     def checkpoint_dict(self) -> dict:
-        """The settings a checkpoint must match to be restored into this config."""
-        return {
-            "density": self.density,
-            "density_schedule": self.density_schedule.to_list(),
-            "error_feedback": self.error_feedback,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
-            "local_clip_norm": self.local_clip_norm,
-            "warmup_steps": self.warmup_steps,
-            "selector": self.selector,
-            "value_dtype": None if self.value_dtype is None else str(self.value_dtype),
-            "seed": self.seed,
-            "k_scope": self.k_scope,
-            # Only where they mean something, so checkpoints of the other selectors stay as they were.
-            **({"chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec}
-               if self.selector == "chunk" or self.compact_wire else {}),
-            **({"exchange": self.exchange} if self.exchange != TopKConfig.exchange else {}),
-            **({"link": self.link} if self.link is not None else {}),
-            # Not wire_checksum, wire_agreement: they change what travels, not what the memories hold.
-        }
+        """The settings a checkpoint must match to be restored into this config (those whose
+        option says so: the wire's only where it means something, so checkpoints of the other
+        selectors stay as they were; not what travels, only what the memories hold)."""
+        wire = self.selector == "chunk" or self.compact_wire
+        saved = {}
+        for name, spec in options(TopKConfig).items():
+            value = getattr(self, name)
+            if spec.checkpoint == "always" or (spec.checkpoint == "wire" and wire) or (
+                    spec.checkpoint == "if-set" and value != getattr(TopKConfig, name)):
+                saved[name] = value.to_list() if name == "density_schedule" else (
+                    str(value) if isinstance(value, torch.dtype) else value)
+        return saved
 
     def memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
         """dtype of the residual and velocity of a bucket of ``bucket_dtype``."""
@@ -197,8 +223,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(TopKConfig))
 
 def _resolve_value_codec(value_codec, value_dtype, selector: str):
     """(value_dtype, value_codec): a float codec is the same thing as a value_dtype (one of
-    them may be given, or both if they agree); the quantizing codecs need selector='chunk',
-    whose chunks carry their scales."""
+    them may be given, or both if they agree); the quantizing codecs need selector 'exact' or
+    'chunk', whose scale groups (64 entries, or a chunk) carry their scales."""
     if value_codec is None:
         return value_dtype, None
     check_choice("value_codec", value_codec, VALUE_CODECS)

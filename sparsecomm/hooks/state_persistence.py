@@ -6,6 +6,7 @@ grad scaler's scale the memories are in), what a load checks before it changes a
 (:mod:`sparsecomm.hooks.state_dict_check`), and what a pickle leaves behind (what belongs
 to the process: the group, communicators, observers, the DDP model).
 """
+import copy
 import warnings
 
 import torch
@@ -13,10 +14,11 @@ import torch
 from sparsecomm.hooks import state_dict_check
 from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
 from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.parameter_memory import ParameterMemory
+from sparsecomm.hooks.observers import Observers
 from sparsecomm.hooks.pipeline import exchange_choice
 from sparsecomm.hooks.stats import HookStats
 from sparsecomm.hooks.step_journal import StepJournal
+from sparsecomm.hooks.wires import WireCache
 
 STATE_DICT_FORMAT = 1
 
@@ -25,9 +27,6 @@ class PersistentState:
     """state_dict / load_state_dict / pickling of a TopKState."""
 
     __slots__ = ()
-
-    def _config(self) -> dict:
-        return self.config.checkpoint_dict()
 
     def state_dict(self) -> dict:
         """This rank's state, with every per-rank entry under ``rank{r}.``.
@@ -44,30 +43,31 @@ class PersistentState:
         The last step is settled first (a skipped step is undone), so the dict is what
         the next step starts from.
         """
-        if self._pending:
+        pending = self.lifecycle.pending
+        if pending:
             raise RuntimeError(
-                f"TopKState.state_dict() with {self._pending} collective(s) in flight: the "
+                f"TopKState.state_dict() with {pending} collective(s) in flight: the "
                 "residuals are mid-update; save between steps (after optimizer.step())"
             )
-        self._settle()
-        rank, world_size = self._rank_and_world_size()
+        self.settle()
+        rank, world_size = self.rank_and_world_size()
         prefix = f"rank{rank}."
-        sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self._config(),
-              "memory_scale": None if self._scale is None else self._scale.memory_scale}
+        sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self.config.checkpoint_dict(),
+              "memory_scale": None if self.scale is None else self.scale.memory_scale}
         sd[f"{prefix}stats"] = dict(self._stats.totals)
-        memories = [("residual", self._residuals, self.config.error_feedback),
-                    ("velocity", self._velocities, self.config.momentum > 0),
-                    ("owner_residual", self._owner_residuals, self._has_owner_memory())]
+        memories = [("residual", self.memories.residuals, self.config.error_feedback),
+                    ("velocity", self.memories.velocities, self.config.momentum > 0),
+                    ("owner_residual", self.memories.owner_residuals, self._has_owner_memory())]
         for kind, memory, used in memories:
             entries = memory.state_dict()
             if used:
-                for name, (numel, dtype) in self._param_shapes.items():
-                    entries.setdefault(name, torch.zeros(numel, dtype=self._memory_dtype(dtype)))
+                for name, (numel, dtype) in self.names.shapes.items():
+                    entries.setdefault(name, torch.zeros(numel, dtype=self.config.memory_dtype(dtype)))
             for name, tensor in sorted(entries.items()):
                 sd[f"{prefix}{kind}.{name}"] = tensor
-        if self._sample_generator is not None:
-            sd[f"{prefix}sample_generator"] = self._sample_generator.get_state()
-            sd[f"{prefix}sample_generator_device"] = str(self._sample_generator.device)
+        if self.sample_generator is not None:
+            sd[f"{prefix}sample_generator"] = self.sample_generator.get_state()
+            sd[f"{prefix}sample_generator_device"] = str(self.sample_generator.device)
         return sd
 
     def load_state_dict(self, state_dict: dict, *, strict: bool = True) -> None:
@@ -86,9 +86,9 @@ class PersistentState:
         scaler come back in the units of this state's scaler (or unscaled without one).
         The sampled selector's generator comes back on the device it was saved from.
         """
-        if self._pending:
-            raise RuntimeError(f"TopKState.load_state_dict() with {self._pending} collective(s) in flight")
-        rank, world_size = self._rank_and_world_size()
+        if self.lifecycle.pending:
+            raise RuntimeError(f"TopKState.load_state_dict() with {self.lifecycle.pending} collective(s) in flight")
+        rank, world_size = self.rank_and_world_size()
         parsed = state_dict_check.parse(state_dict, rank, STATE_DICT_FORMAT)  # malformed: always refused
         problems = []
         if parsed.saved_world_size != world_size:
@@ -100,15 +100,15 @@ class PersistentState:
                 f"state_dict holds the state of rank(s) {parsed.ranks}, this is rank {rank}: "
                 "every rank's residual differs; save and load each rank's own state dict"
             )
-        if parsed.config != self._config():
+        if parsed.config != self.config.checkpoint_dict():
             diffs = {
                 key: (parsed.config.get(key), value)
-                for key, value in self._config().items()
+                for key, value in self.config.checkpoint_dict().items()
                 if parsed.config.get(key) != value
             }
             problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
         if not problems:
-            problems += state_dict_check.mismatches(parsed, self._param_shapes, self.config.error_feedback,
+            problems += state_dict_check.mismatches(parsed, self.names.shapes, self.config.error_feedback,
                                                     self.config.momentum > 0, rank, self._has_owner_memory())
         memories = parsed.memories
         generator_state = parsed.per_rank.get("sample_generator")
@@ -124,27 +124,26 @@ class PersistentState:
                 stacklevel=2,
             )
             memories = {"residual": {}, "velocity": {}, "owner_residual": {}}
-        self._residuals.load_state_dict(memories["residual"])
-        self._velocities.load_state_dict(memories["velocity"])
-        self._owner_residuals.load_state_dict(memories["owner_residual"])
-        self._owner_ranges, self._owner_buffers = {}, {}
+        self.memories.residuals.load_state_dict(memories["residual"])
+        self.memories.velocities.load_state_dict(memories["velocity"])
+        self.memories.owner_residuals.load_state_dict(memories["owner_residual"])
+        self.memories.owner_ranges = {}
         self._load_memory_scale(None if reset else parsed.memory_scale)
-        self._sample_generator = None
+        self.sample_generator = None
         if generator_state is not None and not reset:
-            self._sample_generator = torch.Generator(device=generator_device).set_state(generator_state)
+            self.sample_generator = torch.Generator(device=generator_device).set_state(generator_state)
         self.step = parsed.step
         self._stats = HookStats(parsed.per_rank.get("stats", {}))
         self._stats.totals["residual_reset"] = reset or bool(self._stats.totals.get("residual_reset"))
-        self._buffers = {}
+        self.wires = WireCache()
         self._forget_step()
 
     def _load_memory_scale(self, saved_scale: float | None) -> None:
         """Memories saved in units of a scaler's ``saved_scale``: keep them in this state's units."""
-        if self._scale is not None:
-            self._scale.memory_scale = 1.0 if saved_scale is None else float(saved_scale)
+        if self.scale is not None:
+            self.scale.memory_scale = 1.0 if saved_scale is None else float(saved_scale)
         elif saved_scale is not None and saved_scale != 1.0:
-            for memory in (self._residuals, self._velocities, self._owner_residuals):
-                memory.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
+            self.memories.scale_(1.0 / saved_scale)  # no scaler here: unscaled units
 
     def _has_owner_memory(self) -> bool:
         config = self.config
@@ -153,73 +152,57 @@ class PersistentState:
 
     def _forget_step(self) -> None:
         """Memories were replaced: nothing of the last step is left to settle or undo."""
-        self._settled, self._step_open, self._agreed = True, False, False
-        if self._journal is not None:
-            self._journal.forget()
-        if self._unused is not None:
-            self._unused.forget()
+        self.lifecycle.forget()
+        if self.journal is not None:
+            self.journal.forget()
+        if self.unused is not None:
+            self.unused.forget()
 
     def __getstate__(self) -> dict:
         """Everything but what belongs to this process: the process group, the ids of its
-        parameters, communicators, observers, the DDP model (as PowerSGDState drops its group)."""
-        if self._pending:
+        parameters, communicators, observers, buffers, the DDP model (as PowerSGDState drops
+        its group)."""
+        if self.lifecycle.pending:
             raise RuntimeError(
-                f"cannot pickle a TopKState with {self._pending} collective(s) in flight: "
+                f"cannot pickle a TopKState with {self.lifecycle.pending} collective(s) in flight: "
                 "save between steps, after backward() and optimizer.step() returned"
             )
-        self._settle()
+        self.settle()
         state = {name: getattr(self, name) for name in self.__slots__ if name != "process_group"}
-        state["_mpi"] = None  # a communicator and a thread of this process
-        state["_observers"] = []  # observers belong to this process (monitors, injectors)
-        state["_rank"] = None
-        state["_param_names"] = {}  # keyed by id(): meaningless in another process
-        state["_bound_module_id"] = None
-        state["_unused"] = None  # holds the DDP model; bind() again in the new process
-        state["_scale"] = None if self._scale is None else self._scale.memory_scale  # the scaler is the loop's
-        if self._sample_generator is not None:
-            state["_sample_generator"] = (self._sample_generator.get_state(), str(self._sample_generator.device))
-        state["_buffers"] = {}
-        state["_owner_buffers"] = {}
-        state["_index_buffers"] = {}
-        state["_seals"] = None  # futures of this process; the next step starts a new one
-        state["_scratch"] = None
-        state["_journal"] = None if self._journal is None else StepJournal()
+        state["mpi"] = None  # a communicator and a thread of this process
+        state["observers"] = Observers()  # observers belong to this process (monitors, injectors)
+        state["names"] = copy.copy(self.names)
+        state["names"].forget_process()  # keyed by id(): meaningless in another process
+        state["memories"] = copy.copy(self.memories)
+        state["memories"].scratch = None
+        state["wires"] = WireCache()  # buffers; "auto" decides again
+        state["unused"] = None  # holds the DDP model; bind() again in the new process
+        state["scale"] = None if self.scale is None else self.scale.memory_scale  # the scaler is the loop's
+        if self.sample_generator is not None:
+            state["sample_generator"] = (self.sample_generator.get_state(), str(self.sample_generator.device))
+        state["seals"] = None  # futures of this process; the next step starts a new one
+        state["journal"] = None if self.journal is None else StepJournal()
         return state
 
     def __setstate__(self, state: dict) -> None:
-        generator = state.pop("_sample_generator")
-        memory_scale = state.pop("_scale", None)
-        if "_names_from_module" not in state:  # pickles from before ids were dropped
-            state["_names_from_module"] = state.get("_bound_module_id") is not None
-            state["_param_names"], state["_bound_module_id"] = {}, None
-        state = _PICKLE_DEFAULTS | state  # pickles from before these fields existed
-        state.setdefault("_owner_residuals", ParameterMemory())
+        generator = state.pop("sample_generator")
+        memory_scale = state.pop("scale", None)
+        state.setdefault("mpi", None)
         if "config" not in state:  # pickles from before the settings moved into one TopKConfig
             settings = {name: state.pop(name) for name in CONFIG_FIELDS if name in state}
             state["config"] = TopKConfig(**settings)
-        if not isinstance(state["_stats"], HookStats):
-            state["_stats"] = HookStats(state["_stats"])
         for name, value in state.items():
             setattr(self, name, value)
         self.process_group = None
-        self._scale = None
-        self._agreed = False  # a new process: compare the ranks again at the first call
+        self.scale = None
+        self.lifecycle.agreed = False  # a new process: compare the ranks again at the first call
         # The memories are in units of the old scaler's scale; with no scaler here they
         # are brought to unscaled units (pass the new scaler with set_grad_scaler()).
         self._load_memory_scale(memory_scale)
-        self._sample_generator = None
+        self.sample_generator = None
         if generator is not None:
             generator_state, device = generator if isinstance(generator, tuple) else (generator, "cpu")
-            self._sample_generator = torch.Generator(device=_usable_device(device)).set_state(generator_state)
-
-
-# Fields that pickles of older versions do not have, with the value that keeps their behaviour.
-_PICKLE_DEFAULTS = {
-    "_mpi": None, "_journal": None,
-    "_names_from_module": False, "_scratch": None, "_step_open": False, "_settled": True, "_agreed": False,
-    "_unused": None, "_fallback_bound": None, "_warned_all_dense": False, "_owner_ranges": {},
-    "_owner_buffers": {}, "_index_buffers": {}, "_exchange_choices": {}, "_seals": None,
-}
+            self.sample_generator = torch.Generator(device=_usable_device(device)).set_state(generator_state)
 
 
 def _usable_device(device: str, problems: list | None = None) -> str:

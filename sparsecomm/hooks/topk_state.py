@@ -1,5 +1,7 @@
-"""The top-k hook's state (:func:`sparsecomm.topk_hook`): its config, per-rank memories,
-steps, counters and observers. Checkpoints and pickles: :mod:`sparsecomm.hooks.state_persistence`."""
+"""The top-k hook's state (:func:`sparsecomm.topk_hook`): its config, and its parts, one
+file each: parameter names (``parameter_names``), per-rank memories (``memories``), where
+the step is (``step_lifecycle``), the wires with their buffers (``wires``), observers
+(``observers``); counters (``stats``). Checkpoints and pickles: :mod:`sparsecomm.hooks.state_persistence`."""
 import warnings
 
 import torch
@@ -8,20 +10,20 @@ import torch.distributed as dist
 from sparsecomm.comm import mpi_allgatherv
 from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
 from sparsecomm.hooks.config import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES, TopKConfig  # noqa: F401  (re-exported)
-from sparsecomm.hooks.events import HookEvent
 from sparsecomm.hooks.grad_scaler import ScaleTracker
+from sparsecomm.hooks.memories import HookMemories
+from sparsecomm.hooks.observers import Observers
 from sparsecomm.hooks.optimizer import warn_on_double_momentum
-from sparsecomm.hooks.parameter_memory import ParameterMemory
-from sparsecomm.hooks.pipeline.integrity import StepSeals, trailer_bytes
+from sparsecomm.hooks.parameter_names import ParameterNames
+from sparsecomm.hooks.pipeline.integrity import StepSeals
+from sparsecomm.hooks.pipeline.plan import MAX_BUCKET_NUMEL  # noqa: F401  (re-exported)
 from sparsecomm.hooks.rank_agreement import check_ranks_agree
 from sparsecomm.hooks.state_persistence import STATE_DICT_FORMAT, PersistentState  # noqa: F401  (re-exported)
 from sparsecomm.hooks.stats import HookStats
 from sparsecomm.hooks.step_journal import StepJournal
+from sparsecomm.hooks.step_lifecycle import StepLifecycle
 from sparsecomm.hooks.unused_parameters import UnusedParameterAccounting
-
-# Int32 indices on the wire bound the size of one bucket.
-MAX_BUCKET_NUMEL = 2**31 - 1
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+from sparsecomm.hooks.wires import WireCache
 
 
 class DenseFallbackWarning(UserWarning):
@@ -56,8 +58,9 @@ class TopKState(PersistentState):
        error feedback. ``local_clip_norm`` adds DGC's local gradient clipping: before
        entering the velocity, each parameter's gradient on each rank is scaled down to an
        L2 norm of at most ``local_clip_norm / sqrt(world_size)``.
-    4. ``warmup_steps``: dense steps at the start. At least 2 with error feedback,
-       because DDP rebuilds its buckets after the first iteration.
+    4. ``warmup_steps``: dense steps at the start (at least 2 with error feedback). The
+       memories are keyed by parameter name, so DDP's rebuild of its buckets after the
+       first iteration loses nothing; the warm-up gives the optimizer dense first steps.
     5. ``selector``: ``"exact"`` top-k, ``"sampled"`` (threshold estimated from a ~1%
        sample, DGC style; one pass over the bucket instead of a sort), ``"random"``
        (random-k: same indices on all ranks, values allreduced; the cheap baseline), or
@@ -180,38 +183,21 @@ class TopKState(PersistentState):
 
     __slots__ = (
         "config",  # TopKConfig: every setting, frozen (state.density etc. read it)
-        # The fields below are internal state.
+        # The fields below are internal state, in parts (one file each).
         "process_group",
         "step",
-        "_param_names",  # id(parameter) -> name (ids belong to this process)
-        "_param_shapes",  # name -> (numel, dtype) of the bound module's parameters
-        "_bound_module_id",  # id of the module the names came from, None if unbound
-        "_names_from_module",  # True once names came from a module (an unpickled state must be re-bound)
-        "_residuals",  # ParameterMemory of error-feedback residuals
-        "_velocities",  # ParameterMemory of momentum-correction velocities
-        "_owner_residuals",  # ParameterMemory of the owner exchange's second-level residuals
-        "_owner_ranges",  # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
-        "_owner_buffers",  # bucket index -> OwnerBuffers (exchange="owner")
-        "_index_buffers",  # bucket index -> the leader's index broadcast buffer (exchange="shared-index")
-        "_seals",  # StepSeals of the current step (wire_checksum): its sealed buckets and the faults found
-        "_exchange_choices",  # (numel, density, dtypes, world size) -> the exchange "auto" picked
-        "_buffers",  # bucket index -> (payload layout, payload, gathered): reused every step
-        "_scratch",  # float32 scratch of the largest 16-bit bucket (wide memories), or None
-        "_sample_generator",  # per-rank generator for the sampled selector
-        "_stats",  # HookStats
-        "_bypass",  # True while rebuild_buckets() runs a pass that must change nothing
-        "_observers",  # callables receiving HookEvents (monitors, fault injectors)
-        "_pending",  # collectives issued whose result has not been delivered yet
-        "_rank",  # this process's rank in the group, cached on first use
-        "_mpi",  # MPIAllgatherv, built by the first hook call when transport == "mpi"
-        "_step_open",  # a bucket of the current step arrived and its last one has not
-        "_settled",  # the last finished step's overflow, unused parameters, scale are dealt with
-        "_agreed",  # the ranks' settings were compared (first hook call)
-        "_journal",  # StepJournal (on_overflow="rollback", the default), else None
-        "_scale",  # ScaleTracker of the grad_scaler, else None
-        "_unused",  # UnusedParameterAccounting of the bound DDP model, else None
-        "_fallback_bound",  # largest density that would have gone sparse this step, for the warning
-        "_warned_all_dense",  # DenseFallbackWarning was given
+        "names",  # ParameterNames: the names that key the memories
+        "memories",  # HookMemories: residuals, velocities, owner residuals (by parameter name)
+        "lifecycle",  # StepLifecycle: buckets in flight, settled, agreed, the fallback warning
+        "wires",  # WireCache: every bucket's wire with its buffers; exchange="auto"'s choices
+        "observers",  # Observers: callables receiving HookEvents (monitors, fault injectors)
+        "seals",  # StepSeals of the current step (wire_checksum): its sealed buckets and the faults found
+        "journal",  # StepJournal (on_overflow="rollback", the default), else None
+        "scale",  # ScaleTracker of the grad_scaler, else None
+        "unused",  # UnusedParameterAccounting of the bound DDP model, else None
+        "sample_generator",  # per-rank generator for the sampled selector
+        "_stats",  # HookStats (read with stats(), added to with count())
+        "mpi",  # MPIAllgatherv, built by the first hook call when transport == "mpi" (mpi_transport()), else None
     )
 
     def __init__(
@@ -249,7 +235,7 @@ class TopKState(PersistentState):
                 f"process_group must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(process_group).__name__}"
             )
-        self._scale = None if grad_scaler is None else ScaleTracker(grad_scaler)
+        self.scale = None if grad_scaler is None else ScaleTracker(grad_scaler)
         self.config = TopKConfig.build(
             density=density, error_feedback=error_feedback, momentum=momentum, warmup_steps=warmup_steps,
             selector=selector, value_dtype=value_dtype, residual_dtype=residual_dtype, seed=seed,
@@ -261,40 +247,23 @@ class TopKState(PersistentState):
         )
         self.process_group = process_group
         self.step = 0
-        self._param_names: dict[int, str] = {}
-        self._param_shapes: dict[str, tuple[int, torch.dtype]] = {}
-        self._bound_module_id: int | None = None
-        self._names_from_module = False
-        self._residuals = ParameterMemory()
-        self._velocities = ParameterMemory()
-        self._owner_residuals = ParameterMemory()
-        self._owner_ranges: dict[int, tuple] = {}
-        self._owner_buffers: dict[int, object] = {}
-        self._index_buffers: dict[int, torch.Tensor] = {}
-        self._seals = StepSeals()
-        self._exchange_choices: dict[tuple, str] = {}
-        self._buffers: dict[int, tuple] = {}
-        self._scratch = None
-        self._sample_generator: torch.Generator | None = None
+        self.names = ParameterNames()
+        self.memories = HookMemories()
+        self.lifecycle = StepLifecycle()
+        self.wires = WireCache()
+        self.observers = Observers()
+        self.seals = StepSeals()
+        self.journal = StepJournal() if self.config.on_overflow == "rollback" else None
+        self.unused = None
+        self.sample_generator: torch.Generator | None = None
         self._stats = HookStats()
-        self._bypass = False
-        self._observers = []
-        self._pending = 0
-        self._rank = None
-        self._mpi = None
-        self._step_open = False
-        self._settled = True
-        self._agreed = False
-        self._journal = StepJournal() if self.config.on_overflow == "rollback" else None
-        self._unused = None
-        self._fallback_bound = None
-        self._warned_all_dense = False
+        self.mpi = None
         if module is not None:
             self.bind(module)
         if self.config.transport == "mpi" and dist.is_initialized():
             # Fail at construction when we can (every rank reaches the same verdict here).
             comm = mpi_allgatherv.import_mpi().COMM_WORLD
-            mpi_allgatherv.check_matches_process_group(self._group(), comm, compare_ranks=False)
+            mpi_allgatherv.check_matches_process_group(self.group(), comm, compare_ranks=False)
 
     def __getattr__(self, name):
         # state.density, state.selector, ...: the settings live in the frozen config.
@@ -315,14 +284,14 @@ class TopKState(PersistentState):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         ddp = module if _is_ddp(module) else None
         inner = module.module if ddp is not None else module
-        if self._bound_module_id is not None and self._bound_module_id != id(inner):
+        if self.names.module_id is not None and self.names.module_id != id(inner):
             raise ValueError(
                 "this TopKState is already bound to another module; use one TopKState per DDP model"
             )
-        if self._bound_module_id is None and self._param_names:
+        if self.names.module_id is None and self.names.by_id:
             raise ValueError("bind() must be called before the hook first runs")
-        shapes = {name: (p.numel(), p.dtype) for name, p in inner.named_parameters()}
-        foreign = sorted(set(self._residuals.names()) - set(shapes))
+        shapes = {name for name, _ in inner.named_parameters()}
+        foreign = sorted(set(self.memories.residuals.names()) - shapes)
         if foreign:
             raise ValueError(
                 f"this TopKState holds residuals of {len(foreign)} parameter(s) the module does not have "
@@ -334,32 +303,8 @@ class TopKState(PersistentState):
             elif self.process_group is not ddp.process_group:
                 raise ValueError("state.process_group differs from the DDP model's process group")
             if UnusedParameterAccounting.applies_to(ddp):
-                self._unused = UnusedParameterAccounting(ddp)
-        self._bound_module_id = id(inner)
-        self._names_from_module = True
-        self._param_names = {id(p): name for name, p in inner.named_parameters()}
-        self._param_shapes = shapes
-
-    def _bucket_layout(self, bucket: dist.GradBucket) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        names, numels = [], []
-        for param in bucket.parameters():
-            name = self._param_names.get(id(param))
-            if name is None:
-                if self._bound_module_id is not None:
-                    raise ValueError(
-                        "the hook saw a parameter that is not in the module bound to this "
-                        "TopKState: register the state on the DDP model it was bound to"
-                    )
-                if self._names_from_module:
-                    raise ValueError(
-                        "this TopKState was unpickled (or copied) from a state bound to a model: bind it to "
-                        "this process's model first, with state.bind(ddp_model) or "
-                        "sparsecomm.register_topk_hook(ddp_model, state), so its residuals find their parameters"
-                    )
-                name = self._param_names[id(param)] = f"param{len(self._param_names)}"
-            names.append(name)
-            numels.append(param.numel())
-        return tuple(names), tuple(numels)
+                self.unused = UnusedParameterAccounting(ddp)
+        self.names.bind(inner)
 
     # ----- observers ---------------------------------------------------------------------
 
@@ -373,124 +318,110 @@ class TopKState(PersistentState):
         compensate the bucket in place first (same results, bit for bit, but slower);
         ``stats()["fused_calls"]`` counts the sparse calls that took the fused path.
         """
-        if not callable(observer):
-            raise TypeError(f"observer must be callable, got {type(observer).__name__}")
-        self._observers.append(observer)
+        self.observers.add(observer)
 
     def remove_observer(self, observer) -> None:
-        self._observers.remove(observer)
+        self.observers.remove(observer)
 
     @property
     def pending_collectives(self) -> int:
         """Buckets sent but not yet delivered: non-zero means the step is not finished."""
-        return self._pending
-
-    def _emit(self, stage, bucket, names, numels, dense, step=None, layout=None, **tensors) -> None:
-        if not self._observers:
-            return
-        if self._rank is None:
-            self._rank = dist.get_rank(self._group())
-        step = self.step if step is None else step
-        event = HookEvent(stage, step, self._rank, bucket.index(), names, numels, dense, tensors, layout)
-        for observer in self._observers:
-            observer(event)
-
-    def _observers_need_acc(self) -> bool:
-        return any(getattr(observer, "needs_acc", True) for observer in self._observers)
+        return self.lifecycle.pending
 
     # ----- process group ---------------------------------------------------------------
 
-    def _group(self) -> dist.ProcessGroup:
+    def group(self) -> dist.ProcessGroup:
+        """The group the hook reduces over (``process_group``, else the default group)."""
         if self.process_group is not None:
             return self.process_group
         if not dist.is_initialized():
             raise RuntimeError("TopKState needs torch.distributed to be initialised (init_process_group)")
         return dist.group.WORLD
 
-    def _rank_and_world_size(self) -> tuple[int, int]:
-        group = self._group()
+    def rank_and_world_size(self) -> tuple[int, int]:
+        group = self.group()
         return dist.get_rank(group), dist.get_world_size(group)
 
-    def _mpi_transport(self) -> mpi_allgatherv.MPIAllgatherv:
+    def mpi_transport(self) -> mpi_allgatherv.MPIAllgatherv:
         """The MPI transport, built and checked on the first hook call (before any collective)."""
-        if self._mpi is None:
+        if self.mpi is None:
             MPI = mpi_allgatherv.import_mpi()
             # Includes an all-gather over MPI (every rank's first hook call), so all ranks
             # raise alike.
-            mpi_allgatherv.check_matches_process_group(self._group(), MPI.COMM_WORLD)
-            self._mpi = mpi_allgatherv.MPIAllgatherv(MPI.COMM_WORLD)
-        return self._mpi
+            mpi_allgatherv.check_matches_process_group(self.group(), MPI.COMM_WORLD)
+            self.mpi = mpi_allgatherv.MPIAllgatherv(MPI.COMM_WORLD)
+        return self.mpi
 
-    # ----- steps -------------------------------------------------------------------------
+    # ----- steps (the hook body calls these) ---------------------------------------------
 
-    def _begin_step(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def begin_step(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """The first bucket of a step arrived: settle the last step, then check the ranks agree."""
-        self._settle()
-        if not self._agreed:
+        self.settle()
+        steps = self.lifecycle
+        if not steps.agreed:
             check_ranks_agree(self, group, device)  # one small all-gather, in the hook body
-            self._agreed = True
-        if self._journal is not None:
-            self._journal.start_step(self._sample_generator)
-        self._seals = StepSeals(self.config.wire_agreement)
-        self._fallback_bound = None
-        self._step_open = True
-        self._settled = False
+            steps.agreed = True
+        if self.journal is not None:
+            self.journal.start_step(self.sample_generator)
+        self.seals = StepSeals(self.config.wire_agreement)
+        steps.fallback_bound = None
+        steps.open = True
+        steps.settled = False
 
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
         """The last bucket of the step was issued (its collectives may still be in flight)."""
         self.step += 1
-        self._step_open = False
+        self.lifecycle.open = False
 
-    def _close_step_view(self) -> None:
+    def close_step_view(self) -> None:
         """Every collective of the step completed: its counters become ``stats()["last_step"]``."""
         self._stats.close_step(self.step - 1)
-        last = self._stats.last_step
+        last, steps = self._stats.last_step, self.lifecycle
         buckets = last["sparse_calls"] + last["warmup_calls"] + last["fallback_calls"]
-        if (not self._warned_all_dense and self._fallback_bound is not None and buckets
+        if (not steps.warned_all_dense and steps.fallback_bound is not None and buckets
                 and last["fallback_calls"] == buckets):
-            self._warned_all_dense = True
-            _, world_size = self._rank_and_world_size()
+            steps.warned_all_dense = True
+            _, world_size = self.rank_and_world_size()
             warnings.warn(
                 f"topk_hook: every bucket of step {last['step']} was reduced densely: with {world_size} ranks "
                 f"an all-gather of the top {self.current_density():g} of each bucket would send more bytes than a "
-                f"dense allreduce. Sparse reduction needs density < {self._fallback_bound:.3g} here (about "
+                f"dense allreduce. Sparse reduction needs density < {steps.fallback_bound:.3g} here (about "
                 f"1/(2 x world size) for float32); lower density, or pass allow_dense_fallback=False to force "
                 "the sparse path",
                 DenseFallbackWarning,
                 stacklevel=2,
             )
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Finish the last step's bookkeeping once every rank knows how it ended.
 
         Runs at the start of the next step (and before a state_dict or skip_step()):
         undoes a skipped step (rollback), gives unused parameters their sent entries back,
         and brings the memories to the scaler's current scale. Idempotent.
         """
-        if self._settled or self._pending:
+        steps = self.lifecycle
+        if steps.settled or steps.pending:
             return
-        self._settled = True
+        steps.settled = True
         skipped = False
-        if self._journal is not None:
-            skipped = self._journal.skip_requested or self._journal.overflowed() or (
-                self._scale is not None and self._scale.decreased())
+        if self.journal is not None:
+            skipped = self.journal.skip_requested or self.journal.overflowed() or (
+                self.scale is not None and self.scale.decreased())
             if skipped:
-                self._sample_generator = self._journal.undo(self._sample_generator)
+                self.sample_generator = self.journal.undo(self.sample_generator)
                 self.step -= 1  # the step never happened, as for the optimizer
                 self._stats.count(skipped_steps=1)
-        if self._unused is not None:
+        if self.unused is not None:
             if skipped:
-                self._unused.forget()
+                self.unused.forget()
             else:
-                restored = self._unused.give_back(self._residuals, self._param_names)
+                restored = self.unused.give_back(self.memories.residuals, self.names.by_id)
                 if restored:
                     self._stats.count(unused_restored=restored)
-        if self._scale is not None:
-            factor = self._scale.factor()
+        if self.scale is not None:
+            factor = self.scale.factor()
             if factor is not None:
-                self._residuals.scale_(factor)
-                self._velocities.scale_(factor)
-                self._owner_residuals.scale_(factor)
+                self.memories.scale_(factor)
 
     def skip_step(self) -> None:
         """The loop skipped the step that just finished (for reasons the hook cannot see,
@@ -500,31 +431,29 @@ class TopKState(PersistentState):
         ``on_overflow="rollback"`` (the memories are copied before each step); Inf/NaN
         steps and steps a ``grad_scaler`` skipped are undone without it.
         """
-        if self._journal is None:
+        if self.journal is None:
             raise ValueError(
                 "skip_step() needs TopKState(on_overflow='rollback') (the default; this state has 'drop'): only "
                 "then does the hook keep copies of its memories from before the step; reset_residuals() restarts "
                 "them instead"
             )
-        if self._pending:
-            raise RuntimeError(f"skip_step() with {self._pending} collective(s) in flight: call it after backward()")
-        if self._step_open or self._settled:
+        steps = self.lifecycle
+        if steps.pending:
+            raise RuntimeError(f"skip_step() with {steps.pending} collective(s) in flight: call it after backward()")
+        if steps.open or steps.settled:
             raise RuntimeError("skip_step(): no finished step to skip (call it after backward(), before the next one)")
-        self._journal.skip_requested = True
-        self._settle()
+        self.journal.skip_requested = True
+        self.settle()
 
     def reset_residuals(self) -> None:
         """Zero every residual and velocity (error feedback restarts from nothing)."""
-        if self._pending:
-            raise RuntimeError(f"reset_residuals() with {self._pending} collective(s) in flight")
-        self._residuals.clear()
-        self._velocities.clear()
-        self._owner_residuals.clear()
-        self._owner_ranges = {}
-        if self._journal is not None:
-            self._journal.forget()
-        if self._unused is not None:
-            self._unused.forget()
+        if self.lifecycle.pending:
+            raise RuntimeError(f"reset_residuals() with {self.lifecycle.pending} collective(s) in flight")
+        self.memories.clear()
+        if self.journal is not None:
+            self.journal.forget()
+        if self.unused is not None:
+            self.unused.forget()
 
     # ----- stats -----------------------------------------------------------------------
 
@@ -562,7 +491,8 @@ class TopKState(PersistentState):
         """The density this step sends (the schedule's value at ``self.step``)."""
         return self.config.density_schedule(self.step)
 
-    def _count(self, **increments) -> None:
+    def count(self, **increments) -> None:
+        """Add to the counters of ``stats()`` (the hook's steps and its wires call it)."""
         self._stats.count(**increments)
 
     def set_grad_scaler(self, grad_scaler) -> None:
@@ -570,53 +500,23 @@ class TopKState(PersistentState):
         the memories are taken to be unscaled and follow the scaler from the next step. A
         state built with ``on_overflow="drop"`` keeps it: steps the scaler skips are then
         not undone in the memories."""
-        if self._pending:
-            raise RuntimeError(f"set_grad_scaler() with {self._pending} collective(s) in flight")
-        self._scale = ScaleTracker(grad_scaler)
-        self._scale.memory_scale = 1.0
+        if self.lifecycle.pending:
+            raise RuntimeError(f"set_grad_scaler() with {self.lifecycle.pending} collective(s) in flight")
+        self.scale = ScaleTracker(grad_scaler)
+        self.scale.memory_scale = 1.0
 
-    # ----- hot-path helpers ------------------------------------------------------------
-
-    def _memory_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
-        """dtype of the residual and velocity of a bucket of ``bucket_dtype``."""
-        return self.config.memory_dtype(bucket_dtype)
-
-    def _wide_copy(self, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``buffer`` converted to ``dtype`` in the shared scratch (used within one hook call only)."""
-        if self._scratch is None or self._scratch.numel() < buffer.numel() or self._scratch.dtype != dtype \
-                or self._scratch.device != buffer.device:
-            size = max(buffer.numel(), 0 if self._scratch is None else self._scratch.numel())
-            self._scratch = torch.empty(size, dtype=dtype, device=buffer.device)
-        wide = self._scratch[: buffer.numel()]
-        wide.copy_(buffer)
-        return wide
-
-    def _wire_buffers(self, bucket_index: int, layout, world_size: int, device):
-        """(payload, gather buffer) of a bucket, allocated once per payload layout. The payload
-        buffer has room for the layout's bytes and the checksum's trailer after them
-        (``wire_checksum``); the gather buffer for world_size of those."""
-        cached = self._buffers.get(bucket_index)
-        if cached is not None and cached[0] == layout and cached[1].device == device:
-            return cached[1], cached[2]
-        nbytes = layout.nbytes + trailer_bytes(self.config)
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        gathered = torch.empty(world_size * nbytes, dtype=torch.uint8, device=device)
-        self._buffers[bucket_index] = (layout, payload, gathered)
-        return payload, gathered
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self._sample_generator is None or self._sample_generator.device != device:
-            if self._sample_generator is not None:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The sampled selector's per-rank generator (seeded from ``seed`` and the rank)."""
+        if self.sample_generator is None or self.sample_generator.device != device:
+            if self.sample_generator is not None:
                 raise RuntimeError(
-                    f"the sampled selector's generator lives on {self._sample_generator.device} (restored from a "
+                    f"the sampled selector's generator lives on {self.sample_generator.device} (restored from a "
                     f"checkpoint or pickle) but the gradients are on {device}: restore the state on the device it "
                     "was saved from"
                 )
-            rank, _ = self._rank_and_world_size()
-            self._sample_generator = torch.Generator(device=device).manual_seed(
-                self.config.seed * 1_000_003 + rank
-            )
-        return self._sample_generator
+            rank, _ = self.rank_and_world_size()
+            self.sample_generator = torch.Generator(device=device).manual_seed(self.config.seed * 1_000_003 + rank)
+        return self.sample_generator
 
 
 def _is_ddp(module) -> bool:

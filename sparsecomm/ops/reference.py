@@ -12,17 +12,8 @@ sees the overflow), and leave +0 in the residual whether they were sent or not: 
 import torch
 
 from sparsecomm.compress.crc32c import crc32c  # noqa: F401  (the twin of the native crc32c)
-from sparsecomm.compress.error_feedback import divide_, to_wire_dtype
-
-_KEY_MASK = 0x7FFFFFFF
-
-
-_NAN_KEY = 0x7F800001  # every NaN: just above Inf (NaN payload bits are not portable)
-
-
-def magnitude_key(x: torch.Tensor) -> torch.Tensor:
-    """int32 key ordering entries by magnitude: +-Inf above finite, NaN above Inf, one key for all NaN."""
-    return (x.float().view(torch.int32) & _KEY_MASK).clamp_(max=_NAN_KEY)
+from sparsecomm.compress.error_feedback import divide_, residual_after_sending, to_wire_dtype
+from sparsecomm.compress.topk import magnitude_key, topk_by_key  # noqa: F401  (the selection rule)
 
 
 def compensated(grad: torch.Tensor, residual: torch.Tensor | None, divisor: float, add_residual: bool) -> torch.Tensor:
@@ -31,16 +22,6 @@ def compensated(grad: torch.Tensor, residual: torch.Tensor | None, divisor: floa
     if add_residual:
         acc.add_(residual)
     return acc
-
-
-def topk_by_key(key: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (int64, ascending) of the k largest keys; equal keys: lower index first."""
-    if k >= key.numel():
-        return torch.arange(key.numel(), device=key.device)
-    kth = torch.topk(key, k, sorted=False).values.min()
-    above = torch.nonzero(key > kth).flatten()
-    ties = torch.nonzero(key == kth).flatten()[: k - above.numel()]
-    return torch.sort(torch.cat([above, ties])).values
 
 
 def _emit(acc, residual, selected, indices_out, values_out, index_offset):
@@ -53,9 +34,7 @@ def _emit(acc, residual, selected, indices_out, values_out, index_offset):
     indices_out[m:] = 0
     values_out[m:] = 0
     if residual is not None:
-        residual.copy_(acc)
-        residual[selected] = acc[selected] - values.to(acc.dtype)
-        residual.masked_fill_(~torch.isfinite(acc), 0.0)
+        residual_after_sending(residual, acc, selected, values)
 
 
 def _check_vectors(name, tensors, grad):

@@ -1,4 +1,4 @@
-"""Stage 2: acc = grad / world_size (+ local clipping) (+ momentum) + residual.
+"""Step 2: acc = grad / world_size (+ local clipping) (+ momentum) + residual.
 
 Divided first, as torch's allreduce hook does, so fp16 sums do not overflow. With the
 fused kernel (no momentum, no clipping, no observer that reads acc) this stage is done by
@@ -16,9 +16,9 @@ def memories(call, with_residual: bool):
     state, config = call.state, call.state.config
     velocity = residual = None
     if config.momentum > 0:
-        velocity = state._velocities.bucket_tensor(call.index, call.names, call.numels, call.grad)
+        velocity = state.memories.velocities.bucket_tensor(call.index, call.names, call.numels, call.grad)
     if with_residual:
-        residual = state._residuals.bucket_tensor(call.index, call.names, call.numels, call.grad)
+        residual = state.memories.residuals.bucket_tensor(call.index, call.names, call.numels, call.grad)
     return velocity, residual
 
 
@@ -29,7 +29,15 @@ def fused(state) -> bool:
     (see TopKState.add_observer); everything else takes the fast path.
     """
     config = state.config
-    return config.momentum == 0 and config.local_clip_norm is None and not state._observers_need_acc()
+    return config.momentum == 0 and config.local_clip_norm is None and not (
+        state.observers.callbacks and state.observers.need_acc())
+
+
+def kernel_arguments(world_size: int, residual: torch.Tensor | None, fused: bool) -> tuple[float, bool]:
+    """(divisor, add_residual) for a kernel that takes ``grad``: fused, it forms
+    ``acc = grad / world_size + residual`` itself in the same pass as the selection;
+    otherwise ``grad`` already holds acc (compensated in place), to be taken as it is."""
+    return (float(world_size), residual is not None) if fused else (1.0, False)
 
 
 def compensate(call, velocity, residual) -> None:

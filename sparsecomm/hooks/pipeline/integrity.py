@@ -84,7 +84,7 @@ def agree(state, group, step: int, device: torch.device, fut: torch.futures.Futu
     (MAX of one int64: the first fault this rank found, encoded, or 0). Returns ``fut``, or,
     when some rank found a fault, a future holding the same WireIntegrityError on every rank
     (the step is then rolled back)."""
-    seals = state._seals
+    seals = state.seals
     if not seals.agree or not seals.futures:
         return fut  # nothing to agree on (the same on every rank: the plans are the same)
     for sealed in seals.futures:
@@ -99,8 +99,8 @@ def agree(state, group, step: int, device: torch.device, fut: torch.futures.Futu
     key = int(verdict.item())
     if key == 0:
         return fut
-    if state._journal is not None:
-        state._journal.skip_requested = True  # undone at the next step's start, as TopKState.skip_step()
+    if state.journal is not None:
+        state.journal.skip_requested = True  # undone at the next step's start, as TopKState.skip_step()
     failed = torch.futures.Future()
     failed.set_exception(error(state, step, *_fault(key, world_size)))
     return failed
@@ -127,7 +127,7 @@ def describe(kind: int, rank: int, sender: int) -> str:
 
 def error(state, step: int, bucket: int, what: str) -> WireIntegrityError:
     """The integrity error of ``bucket`` at ``step`` (the first fault found, by bucket)."""
-    undo = ("its memories go back to before this step if training goes on" if state._journal is not None else
+    undo = ("its memories go back to before this step if training goes on" if state.journal is not None else
             "its memories keep this step's changes (on_overflow='drop'): restart from a checkpoint")
     return WireIntegrityError(
         f"topk_hook: wire integrity, step {step}, bucket {bucket}: {what} (wire_checksum=True). The bytes changed "
@@ -139,7 +139,7 @@ def error(state, step: int, bucket: int, what: str) -> WireIntegrityError:
 def fail(call, step: int, what: str) -> None:
     """Raise the integrity error of ``call``'s bucket at ``step`` now, from this rank's own
     verdict, and roll the step back as :func:`agree` does."""
-    if call.state._journal is not None:
-        call.state._journal.skip_requested = True
+    if call.state.journal is not None:
+        call.state.journal.skip_requested = True
     raise error(call.state, step, call.index, what)
 

@@ -1,41 +1,45 @@
-"""Stage 1: what one bucket's reduction will be, decided before anything is touched.
+"""Step 1: what one bucket's reduction will be, decided before anything is touched.
 
-Dense (warm-up, or fallback when the sparse payload would not be smaller than the dense
-buffer) or sparse; how many entries (k, per parameter or per bucket); the dtypes (memories
-float32 for 16-bit buckets); where acc is formed (the bucket itself, or a float32 copy).
+Dense (warm-up, or fallback when the sparse wire would not move fewer bytes than a dense
+allreduce) or sparse; how many entries (k, per parameter or per bucket); the wire
+(:mod:`sparsecomm.hooks.wires`); the dtypes (memories float32 for 16-bit buckets); where acc
+is formed (the bucket itself, or a float32 copy).
 """
 import torch
 
 from sparsecomm import compress
-from sparsecomm.compress.chunk_layout import ChunkLayout
-from sparsecomm.compress.layout import PayloadLayout
-from sparsecomm.compress.owner_layout import OwnerLayout
-from sparsecomm.hooks.pipeline import exchange_choice, shared_index
-from sparsecomm.hooks.pipeline.integrity import trailer_bytes
-from sparsecomm.hooks.pipeline.layouts import payload_layout
+from sparsecomm.hooks import wires
+from sparsecomm.hooks.pipeline import exchange_choice
 
 MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one bucket
 
 
 class BucketCall:
-    """One bucket's reduction: what every stage needs to know about it.
+    """One bucket's reduction: what every step needs to know about it.
 
     ``grad`` is where acc is formed: the bucket buffer itself, or a float32 copy of it when
     the memories are wider than the bucket (16-bit models). ``out`` is the bucket buffer,
-    which receives the reduced result. ``layout`` is the payload's (None on dense paths
-    and for random-k, which sends bare values).
+    which receives the reduced result. ``wire`` is how it travels (a ``DenseWire`` on dense
+    paths). ``owner_memory`` and ``audit`` are set by the hook body for the owner exchange
+    and ``verify_conservation``.
     """
 
     __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k",
-                 "value_dtype", "warmup", "dense", "with_residual", "layout", "exchange")
+                 "value_dtype", "warmup", "wire", "with_residual", "owner_memory", "audit")
 
     def __init__(self, state, bucket, names, numels, group, world_size):
         self.state, self.bucket, self.index = state, bucket, bucket.index()
         self.names, self.numels, self.group, self.world_size = names, numels, group, world_size
+        self.owner_memory = self.audit = None
+
+    @property
+    def dense(self) -> bool:
+        return self.wire.dense
 
     def emit(self, stage, dense, step=None, **tensors) -> None:
-        self.state._emit(stage, self.bucket, self.names, self.numels, dense, step=step,
-                         layout=None if dense else self.layout, **tensors)
+        if self.state.observers.callbacks:  # (nothing to build for nobody)
+            self.state.observers.emit(self.state, stage, self.bucket, self.names, self.numels, dense, step=step,
+                                      layout=None if dense else self.wire.layout, **tensors)
 
 
 def check_bucket(config, buffer: torch.Tensor) -> torch.dtype:
@@ -55,42 +59,35 @@ def check_bucket(config, buffer: torch.Tensor) -> torch.dtype:
 
 
 def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtype) -> BucketCall:
-    """Fill in ``call``: dense or sparse, k, dtypes, the tensor acc is formed in, the layout."""
-    state, config = call.state, call.state.config
+    """Fill in ``call``: k, dtypes, the wire (dense or sparse), the tensor acc is formed in."""
+    state, config, numel = call.state, call.state.config, buffer.numel()
     call.warmup = state.step < config.warmup_steps
     call.value_dtype = config.value_dtype or buffer.dtype
     density = state.current_density()
     call.ks, call.k = selection_sizes(config, density, call.numels)
-    call.exchange = config.exchange
-    if config.exchange == "auto":
-        call.exchange = exchange_choice.choose(state, buffer.numel(), density, buffer.dtype, call.value_dtype,
-                                               call.world_size, call.k)
-    if call.exchange == "dense":  # auto modelled the allreduce as the fastest: a choice, not a byte fallback
-        call.layout, call.dense = None, True
-    else:
-        call.layout = payload_layout(config, density, buffer.numel(), call.k, call.value_dtype, call.world_size,
-                                     call.exchange)
-        if call.layout is not None:
-            call.k = call.layout.capacity
-        elif call.exchange == "shared-index":
-            call.k = shared_index.geometry(config, buffer.numel(), density).selected
-        smaller = sparse_is_smaller(config, buffer.numel(), call.k, buffer.dtype, call.value_dtype, call.world_size,
-                                    call.layout, density, call.exchange)
-        call.dense = call.warmup or (config.allow_dense_fallback and not smaller)
-        if call.dense and not call.warmup:  # the warning names the density that would have gone sparse
-            bound = sparse_density_bound(config, buffer.dtype, call.value_dtype, call.world_size, call.layout,
-                                         call.exchange)
-            state._fallback_bound = max(bound, state._fallback_bound or 0.0)
-    if not call.dense and buffer.numel() > MAX_BUCKET_NUMEL:
-        raise ValueError(f"bucket {call.index} has {buffer.numel()} elements; int32 indices allow at most "
+    exchange = config.exchange
+    if exchange == "auto":
+        exchange = exchange_choice.choose(state, numel, density, buffer.dtype, call.value_dtype, call.world_size,
+                                          call.k)
+    dense = call.warmup or exchange == "dense"  # "dense": auto modelled the allreduce as fastest, not a fallback
+    if exchange != "dense":
+        wire = wires.build(config, exchange, numel, density, call.k, call.value_dtype, call.world_size)
+        call.k = wire.capacity
+        if not call.warmup and config.allow_dense_fallback and not wire.smaller_than_dense(numel, buffer.dtype):
+            dense = True
+            # The warning names the density that would have gone sparse.
+            state.lifecycle.note_fallback(wire.density_bound(buffer.dtype))
+    if dense:
+        wire = wires.DenseWire(config, call.world_size, call.warmup)
+    call.wire = state.wires.reuse(call.index, wire)
+    if not dense and numel > MAX_BUCKET_NUMEL:
+        raise ValueError(f"bucket {call.index} has {numel} elements; int32 indices allow at most "
                          f"{MAX_BUCKET_NUMEL}: lower bucket_cap_mb")
     # During warm-up no residual exists yet: do not allocate one for a layout DDP discards.
-    call.with_residual = config.error_feedback and (not call.warmup or len(state._residuals) > 0)
+    call.with_residual = config.error_feedback and (not call.warmup or len(state.memories.residuals) > 0)
     wide = (call.with_residual or config.momentum > 0) and memory_dtype != buffer.dtype
-    call.grad = state._wide_copy(buffer, memory_dtype) if wide else buffer
+    call.grad = state.memories.wide_copy(buffer, memory_dtype) if wide else buffer
     call.out = buffer
-    if call.dense:
-        call.layout = None
     return call
 
 
@@ -104,34 +101,3 @@ def selection_sizes(config, density: float, numels: tuple[int, ...]) -> tuple[tu
     if config.k_scope == "parameter" or config.selector == "random":
         return ks, sum(ks)
     return ks, compress.num_selected(sum(numels), density)
-
-
-def sparse_is_smaller(config, numel: int, k: int, buffer_dtype, value_dtype, world_size: int, layout=None,
-                      density: float | None = None, exchange: str = "allgather") -> bool:
-    dense_bytes = numel * buffer_dtype.itemsize
-    if config.selector == "random":
-        return k * value_dtype.itemsize < dense_bytes
-    if exchange == "shared-index":  # an allreduce of k values, plus the leader's indices once
-        values = shared_index.allreduced_values(config, k) * value_dtype.itemsize
-        return values + shared_index.index_nbytes(config, numel, density) < dense_bytes
-    if isinstance(layout, OwnerLayout):
-        # Received per rank: (p-1) x (own message + reply slot) ~ 2 (p-1) slot, against a
-        # ring allreduce's 2 (p-1)/p x dense.
-        return world_size * layout.slot_nbytes < dense_bytes
-    nbytes = (layout or PayloadLayout(k, value_dtype)).nbytes + trailer_bytes(config)  # sealed (wire_checksum)
-    return world_size * nbytes < dense_bytes
-
-
-def sparse_density_bound(config, buffer_dtype, value_dtype, world_size: int, layout=None,
-                         exchange: str = "allgather") -> float:
-    """The density below which a bucket's sparse reduction sends fewer bytes than dense
-    (for chunked payloads, at the bytes per entry of this bucket's layout)."""
-    if config.selector == "random":
-        return buffer_dtype.itemsize / value_dtype.itemsize
-    if exchange == "shared-index":
-        index_bytes = 4 if config.index_codec == "int32" else 1.5  # at most 12-bit chunk indices, ~1 byte rice
-        return buffer_dtype.itemsize / (value_dtype.itemsize + index_bytes)
-    if isinstance(layout, OwnerLayout):  # p x slot ~ the whole selection, whatever p is
-        return buffer_dtype.itemsize / layout.bytes_per_entry
-    entry_bytes = layout.bytes_per_entry if isinstance(layout, ChunkLayout) else 4 + value_dtype.itemsize
-    return buffer_dtype.itemsize / (world_size * entry_bytes)

@@ -1,18 +1,16 @@
-"""Stage 4: after packing, bring the memories and the records up to date.
+"""Step 4: after encoding, bring the memories and the records up to date.
 
 Momentum factor masking (DGC: sent velocity starts over), no non-finite value left in the
 velocity, the packed event for observers, the conservation audit, what was sent (for
-parameters DDP may drop as unused), and the call's counters.
+parameters DDP may drop as unused); and, once the exchange is issued, the call's counters
+from the wire's own byte counts.
 """
-import time
-
 import torch
 
 from sparsecomm.hooks.unused_parameters import SentRecord
-from sparsecomm.hooks.pipeline import decode
 
 
-def after_packing(call, packed, velocity, residual, audit) -> None:
+def after_packing(call, packed, velocity, residual) -> None:
     state = call.state
     if velocity is not None:
         velocity[packed.indices.long()] = 0  # momentum factor masking (DGC): sent velocity starts over
@@ -22,23 +20,25 @@ def after_packing(call, packed, velocity, residual, audit) -> None:
             velocity.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     call.emit("packed", False, acc=None if packed.fused else call.grad, residual=residual, indices=packed.indices,
               payload=packed.send, values=packed.values)
-    if audit is not None:
-        audit.check(decode.sent(packed, residual), residual, call.index, state.step)
-    if state._unused is not None and residual is not None:
-        state._unused.record(call.index, SentRecord(call.names, call.numels, packed.indices, packed.values))
+    if call.audit is not None:
+        call.audit.check(call.wire.sent_dense(packed, residual), residual, call.index, state.step)
+    if state.unused is not None and residual is not None:
+        state.unused.record(call.index, SentRecord(call.names, call.numels, packed.indices, packed.values))
 
 
-def count_sparse_call(call, packed, bytes_received: int, started: float) -> None:
-    """Count one sparse call; host time since ``started`` is select + pack."""
-    numel = call.out.numel()
-    call.state._count(
+def count_sparse_call(call, packed, seconds_select_pack: float) -> None:
+    """Count one sparse call: its elements, and the bytes its wire sent and received."""
+    numel, wire = call.out.numel(), call.wire
+    calls = {f"{wire.name}_calls": 1} if wire.name else {}
+    call.state.count(
         sparse_calls=1,
         fused_calls=int(packed.fused),
         elements_total=numel,
         elements_sparse=numel,
         elements_sent=packed.count,
         bytes_dense=numel * call.out.element_size(),
-        bytes_sent=packed.wire.numel() * packed.wire.element_size(),
-        bytes_received=bytes_received,
-        seconds_select_pack=time.perf_counter() - started,
+        bytes_sent=wire.bytes_sent(call, packed),
+        bytes_received=wire.bytes_received(call, packed),
+        seconds_select_pack=seconds_select_pack,
+        **calls,
     )

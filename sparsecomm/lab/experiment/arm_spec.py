@@ -38,6 +38,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from sparsecomm.hooks.config import TopKConfig
+from sparsecomm.hooks.options import options
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 HOOK_PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
@@ -64,10 +66,7 @@ FIXED_PRESETS = {
 """Presets with options of their own (their run hash covers them, as a defined arm's does)."""
 PRESETS = (*HOOK_PRESETS, *FIXED_PRESETS)
 REDUCERS = ("allreduce", "fp16", "bf16", "powersgd", "topk", "sparse-delta", "local")
-TOPK_OPTIONS = ("density", "error_feedback", "momentum", "warmup_steps", "selector", "value_dtype", "allow_dense_fallback",
-                "verify_conservation", "k_scope", "density_schedule", "nesterov", "local_clip_norm", "transport",
-                "residual_dtype", "chunk_size", "index_codec", "value_codec", "exchange", "link", "wire_checksum",
-                "wire_agreement")
+TOPK_OPTIONS = tuple(name for name, spec in options(TopKConfig).items() if spec.arm)
 """TopKState keywords an arm may set. Not here: process_group and module (the run's),
 seed (the run's seed), grad_scaler and on_overflow (tasks run without a loss scaler, under the
 default on_overflow="rollback")."""
