@@ -100,7 +100,9 @@ int64_t emit_selected(const CandidateList& list, const Selection& s, size_t l, T
   constexpr int64_t kPrefetchDistance = 32;  // residual writes are scattered: overlap the misses
   int64_t equal_left = s.take_equal[l];
   for (int64_t j = 0; j < list.size; ++j) {
-    if (residual && j + kPrefetchDistance < list.size) __builtin_prefetch(residual + list.index[j + kPrefetchDistance], 1);
+    if (residual && mode != Residual::untouched && j + kPrefetchDistance < list.size) {
+      __builtin_prefetch(residual + list.index[j + kPrefetchDistance], 1);
+    }
     const float a = list.value[j];
     const uint32_t masked = magnitude_key(a) & s.mask;
     if (!(masked > s.prefix || (masked == s.prefix && equal_left-- > 0))) {
