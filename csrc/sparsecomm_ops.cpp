@@ -21,8 +21,6 @@ TORCH_LIBRARY(sparsecomm, m) {
   // The same with a given threshold: one pass; returns how many entries were sent.
   m.def("ef_threshold_pack(Tensor grad, Tensor(a!)? residual, float divisor, bool add_residual, "
         "float threshold, Tensor(b!) indices_out, Tensor(c!) values_out, int index_offset) -> Tensor");
-  // A threshold whose count is within max_relative_error of k (radix histogram).
-  m.def("topk_threshold(Tensor x, int k, float max_relative_error) -> (Tensor, Tensor)");
   // Scatter-add of world_size payloads into the dense bucket.
   m.def("unpack_add(Tensor indices, Tensor values, Tensor(a!) out, bool zero_out) -> ()");
   // selector="chunk", and exact top-k on the compact wire: fused error feedback + top-k +

@@ -271,29 +271,6 @@ def test_ef_threshold_pack_matches_reference_with_and_without_overflow(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", (200_003, 2**21 + 3), ids=("histogram-passes", "sampled"))
-def test_topk_threshold_count_is_within_five_percent_and_exact(dtype, n):
-    x, _ = _inputs(n, dtype, seed=4)
-    key = reference.magnitude_key(x)
-    for k in (50, n // 100, n // 10, n):
-        threshold, count = native.topk_threshold(x, k, 0.05)
-        assert int(count) == int((key >= reference.magnitude_key(threshold.reshape(1))).sum())
-        closest = int(reference.topk_threshold(x, k, 0.05)[1])
-        if abs(closest - k) <= 0.05 * k:
-            assert abs(int(count) - k) <= 0.05 * k, (k, int(count))
-        else:  # bf16/fp16 ties at the k-th defeat the bound: the closest count, as the reference
-            assert int(count) == closest, (k, int(count), closest)
-
-
-@needs_native
-def test_topk_threshold_reports_the_closest_count_when_ties_defeat_the_bound():
-    x = torch.cat([torch.full((100,), 5.0), torch.ones(900)])
-    threshold, count = native.topk_threshold(x, 150, 0.05)  # only 100 or 1000 are reachable
-    assert int(count) == 100 and 1.0 < float(threshold) <= 5.0
-
-
-@needs_native
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("value_dtype", (torch.float32, torch.float16))
 def test_unpack_add_matches_index_add_in_rank_order(out_dtype, value_dtype):
@@ -335,7 +312,6 @@ def test_unpack_add_rejects_indices_outside_the_bucket():
          "dtype must be float32, bfloat16 or float16"),
         (lambda: native.ef_topk_pack(torch.ones(5), torch.ones(4), 1.0, True, 2, torch.empty(2, dtype=torch.int32),
                                      torch.empty(2), 0), "residual must be a contiguous 1-D tensor matching grad"),
-        (lambda: native.topk_threshold(torch.ones(5), 0, 0.05), "k must be in \\[1, 5\\], got 0"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_accepted_range(call, message):
@@ -359,7 +335,6 @@ def test_opcheck():
             (grad, residual.clone(), 2.0, True, 10, torch.empty(10, dtype=torch.int32), torch.empty(10), 0))
     opcheck(torch.ops.sparsecomm.ef_threshold_pack.default,
             (grad, residual.clone(), 2.0, True, 1.0, torch.empty(400, dtype=torch.int32), torch.empty(400), 0))
-    opcheck(torch.ops.sparsecomm.topk_threshold.default, (grad, 10, 0.05))
     opcheck(torch.ops.sparsecomm.unpack_add.default,
             (torch.randint(0, 1000, (2, 10), dtype=torch.int32).unique(dim=1)[:, :5].contiguous(),
              torch.ones(2, 5), torch.zeros(1000), True))
@@ -438,25 +413,6 @@ def test_values_beyond_fp16_saturate_on_the_wire_and_the_excess_stays(dtype):
 
 def dtype_round(x: float, dtype) -> float:
     return torch.tensor(x, dtype=torch.float64).to(dtype).item()
-
-
-@needs_native
-def test_topk_threshold_with_ties_on_a_large_input():
-    x = torch.randint(-3, 4, (2**21 + 3,)).float()  # 7 magnitudes: every k lands in ties
-    key = reference.magnitude_key(x)
-    for k in (100, 20_000, 1_000_000):
-        threshold, count = native.topk_threshold(x, k, 0.05)
-        expected_threshold, expected_count = reference.topk_threshold(x, k, 0.05)
-        assert int(count) == int((key >= reference.magnitude_key(threshold.reshape(1))).sum())
-        assert int(count) == int(expected_count)  # the closest non-empty count, as the reference
-
-
-@needs_native
-def test_topk_threshold_never_answers_with_an_empty_selection():
-    x = torch.ones(1000)  # all equal: the only non-empty choice selects all 1000
-    threshold, count = native.topk_threshold(x, 10, 0.05)
-    assert int(count) == 1000 and float(threshold) <= 1.0
-    assert int(reference.topk_threshold(x, 10, 0.05)[1]) == 1000
 
 
 @needs_native

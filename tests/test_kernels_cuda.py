@@ -22,17 +22,15 @@ among NaNs go to the lowest indices as the contract says. The tests give every N
 
 Skipped, with the reason, when there is no GPU or the extension has no CUDA kernels.
 """
-import math
-
 import pytest
 import torch
 
 from sparsecomm.compress.packing import pack_into, payload_nbytes
-from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, threshold_non_finite_cases,
-                          topk_non_finite_cases, with_non_finite)
+from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, topk_non_finite_cases,
+                          with_non_finite)
 from sparsecomm.ops import payload_views, reference
 
-OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
+OPS = ("ef_topk_pack", "unpack_add")  # ef_threshold_pack has a CPU kernel only (its caller runs on CPU)
 
 
 def _unavailable() -> str | None:
@@ -255,17 +253,6 @@ def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(grad_dtype, wire_dtype
         assert sent_non_finite == min(k, int((~torch.isfinite(acc)).sum())), name
 
 
-@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("wire_dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("n", [10_007, 2**20 + 3], ids=_ids)
-def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(grad_dtype, wire_dtype, n):
-    """Inf/NaN beyond the capacity, below a NaN threshold or at capacity 0 leave +0 too."""
-    for name, count, threshold, capacity in threshold_non_finite_cases(n):
-        grad = with_non_finite(n, grad_dtype, count, seed=count)
-        residual = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1).to(grad_dtype)
-        _check_threshold(grad, residual, 3.0, True, threshold, capacity, wire_dtype, offset=5)
-
-
 @pytest.mark.parametrize("grad_dtype,wire_dtype", NARROW_WIRE_PAIRS, ids=_ids)
 def test_ef_topk_pack_saturates_on_narrow_wire(grad_dtype, wire_dtype):
     """Finite values beyond the wire's range are sent as +-max(V) (bf16 -> fp16: clamped in float)."""
@@ -313,128 +300,6 @@ def test_ef_topk_pack_rejects_bad_arguments():
         op(grad.view(10, 10), None, 1.0, False, 5, idx, val, 0)
     with pytest.raises(RuntimeError, match="index_offset"):
         op(grad, residual, 1.0, True, 5, idx, val, 2**31 - 50)
-
-
-# --------------------------------------------------------------------------- ef_threshold_pack
-
-def _check_threshold(grad, residual, divisor, add_residual, threshold, capacity, wire_dtype, offset=0):
-    ridx = torch.full((capacity,), -1, dtype=torch.int32)
-    rval = torch.full((capacity + 3,), 9.0, dtype=wire_dtype)
-    rres = residual.clone() if residual is not None else None
-    rcount = reference.ef_threshold_pack(grad.clone(), rres, divisor, add_residual, threshold, ridx, rval, offset)
-    g = grad.to(CUDA, copy=True)
-    r = residual.to(CUDA, copy=True) if residual is not None else None
-    idx = torch.full((capacity,), -1, dtype=torch.int32, device=CUDA)
-    val = torch.full((capacity + 3,), 9.0, dtype=wire_dtype, device=CUDA)
-    count = _ops().ef_threshold_pack(g, r, float(divisor), add_residual, float(threshold), idx, val, offset)
-    assert count.device.type == torch.device(CUDA).type and count.dtype == torch.int64 and count.dim() == 0
-    m = int(count)
-    assert m == int(rcount), f"count {m} vs {int(rcount)}"
-    _assert_same(g, grad, "grad must not be modified")
-    idx, val = idx.cpu(), val.cpu()
-    order = torch.argsort(idx[:m].long())
-    _assert_same(idx[:m][order], ridx[:m], "indices (sorted)")
-    _assert_same(val[:m][order], rval[:m], "values (by index)")
-    _assert_same(idx[m:], ridx[m:], "index padding")
-    _assert_same(val[m:], rval[m:], "value padding and untouched tail")
-    if residual is not None:
-        _assert_same(r, rres, "residual", nan_ok=False)
-        check_non_finite_rule(reference.compensated(grad, residual, divisor, add_residual), idx[:m].long() - offset,
-                              val[:m], r)
-    return m, idx
-
-
-def _threshold_cases():
-    cases = []
-    for n in (1, 7, 1000, 2**16 + 3):
-        for threshold in (0.0, 1.0, -2.5, float("inf"), float("nan")):
-            for capacity in sorted({0, 1, max(1, n // 100), n}):
-                cases.append((n, threshold, capacity))
-    return cases
-
-
-@pytest.mark.parametrize("grad_dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("wire_dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("n,threshold,capacity", _threshold_cases(), ids=_ids)
-def test_ef_threshold_pack_matches_reference(grad_dtype, wire_dtype, n, threshold, capacity):
-    grad, residual = _data(n, grad_dtype, seed=n, kind="special" if n % 2 else "randn")
-    for divisor, add_residual, has_residual, offset in EF_VARIANTS:
-        _check_threshold(grad, residual if has_residual else None, divisor, add_residual, threshold, capacity,
-                         wire_dtype, offset)
-
-
-@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)],
-                         ids=_ids)
-def test_ef_threshold_pack_large(grad_dtype, wire_dtype):
-    grad, residual = _data(BIG, grad_dtype, seed=2)
-    for threshold, capacity in ((2.5, BIG // 100), (2.5, BIG // 1000), (0.0, BIG)):
-        m, idx = _check_threshold(grad, residual, 3.0, True, threshold, capacity, wire_dtype)
-        # This backend writes the payload in ascending index order (not required by the contract).
-        assert bool((idx[1:m].long() > idx[: max(m - 1, 0)].long()).all())
-
-
-def test_ef_threshold_pack_empty_grad():
-    idx = torch.full((4,), -1, dtype=torch.int32, device=CUDA)
-    val = torch.full((4,), 9.0, device=CUDA)
-    count = _ops().ef_threshold_pack(torch.empty(0, device=CUDA), None, 1.0, False, 1.0, idx, val, 0)
-    assert int(count) == 0 and bool((idx == 0).all()) and bool((val == 0).all())
-
-
-# --------------------------------------------------------------------------- topk_threshold
-
-def _closest_count(key, k):
-    """(count at the k-th key, count strictly above it): the achievable counts next to k."""
-    kth = torch.topk(key, k, sorted=False).values.min()
-    return int((key >= kth).sum()), int((key > kth).sum())
-
-
-def _check_topk_threshold(x, k, errors):
-    """For each bound: the count is the true count for the threshold, within the bound if achievable."""
-    key = reference.magnitude_key(x)
-    at_kth, above = _closest_count(key, k)
-    options = [at_kth] + ([above] if above > 0 else [])
-    best = min(abs(c - k) for c in options)
-    x_device = x.to(CUDA)
-    counts = []
-    for err in errors:
-        threshold, count = _ops().topk_threshold(x_device, k, float(err))
-        device_type = torch.device(CUDA).type
-        assert threshold.device.type == device_type and threshold.dtype == torch.float32 and threshold.dim() == 0
-        assert count.device.type == device_type and count.dtype == torch.int64 and count.dim() == 0
-        bar = int(reference.magnitude_key(threshold.cpu().reshape(1)))
-        count = int(count)
-        assert count == int((key >= bar).sum()), f"err={err}: count must be the true count for the threshold"
-        if best <= err * k:
-            assert abs(count - k) <= err * k, f"err={err}: count {count} misses the bound (achievable: {options})"
-        else:
-            assert abs(count - k) == best, f"err={err}: count {count}, closest achievable {options}"
-        counts.append(count)
-    return counts
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("n", [1, 7, 1000, 2**16 + 3, BIG], ids=_ids)
-@pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros"])
-def test_topk_threshold_bound_and_true_count(dtype, n, kind):
-    if n == BIG and (dtype != torch.float32 or kind != "randn"):
-        pytest.skip("one large case is enough")
-    x, _ = _data(n, dtype, seed=n + 1, kind=kind)
-    for k in _k_values(n):
-        _check_topk_threshold(x, k, (0.0, 0.05, 0.5))
-
-
-def test_topk_threshold_all_equal():
-    x = torch.full((10_000,), 0.5)
-    assert _check_topk_threshold(x, 10, (0.05,)) == [10_000]  # nothing closer is achievable
-    assert _check_topk_threshold(x, 10_000, (0.0,)) == [10_000]
-
-
-def test_topk_threshold_feeds_ef_threshold_pack():
-    x, residual = _data(2**16 + 3, torch.float32, seed=5)
-    threshold, count = _ops().topk_threshold(x.to(CUDA), 655, 0.05)
-    capacity = 700
-    m, _ = _check_threshold(x, residual, 1.0, False, float(threshold), capacity, torch.float32)
-    assert m == min(int(count), capacity)
 
 
 # --------------------------------------------------------------------------- unpack_add
@@ -497,10 +362,7 @@ def test_unpack_add_large():
 def _all_ops(grad, residual, indices, values, out, payload_idx, payload_val):
     k = indices.numel()
     _ops().ef_topk_pack(grad, residual, 3.0, True, k, indices, values, 0)
-    count = _ops().ef_threshold_pack(grad, residual, 3.0, True, 2.0, indices, values, 0)
-    threshold, tcount = _ops().topk_threshold(grad, k, 0.05)
     _ops().unpack_add(payload_idx, payload_val, out, True)
-    return count, threshold, tcount
 
 
 def _sync_inputs(n=1 << 20, k=10_000, rows=3):
@@ -542,7 +404,6 @@ def test_ops_capture_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         k = indices.numel()
         _ops().ef_topk_pack(grad, residual, 3.0, True, k, indices, values, 0)
-        threshold, tcount = _ops().topk_threshold(grad, k, 0.05)
         _ops().unpack_add(payload_idx, payload_val, out, True)
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
@@ -559,9 +420,6 @@ def test_ops_capture_in_a_cuda_graph():
         _assert_same(indices.cpu()[order], ridx, "graph replay: indices")
         _assert_same(values.cpu()[order], rval, "graph replay: values")
         _assert_same(residual, rres, "graph replay: residual")
-        key = reference.magnitude_key(new_grad)
-        assert int(tcount) == int((key >= int(reference.magnitude_key(threshold.cpu().reshape(1)))).sum())
-        assert math.isclose(int(tcount), k, rel_tol=0.05)
 
 
 # --------------------------------------------------------------------------- chunk_encode / chunk_decode_add

@@ -38,8 +38,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 import sparsecomm.ops  # noqa: E402
-from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, threshold_non_finite_cases,
-                          topk_non_finite_cases, with_non_finite)
+from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, topk_non_finite_cases,
+                          with_non_finite)
 from sparsecomm.ops import reference  # noqa: E402
 
 _PKG = "sparsecomm.ops.triton"
@@ -349,149 +349,6 @@ def test_ef_topk_pack_rejects_bad_arguments(cpu_backend):
         ops.ef_topk_pack(grad, None, 1, False, 3, idx[:2], val)
 
 
-# --------------------------------------------------------------------------- ef_threshold_pack
-
-def _check_threshold(ops, device, grad, residual, divisor, add_residual, threshold, cap, wire_dtype, offset=0,
-                     values_extra=0):
-    results = []
-    for impl, dev in ((ops.ef_threshold_pack, device), (reference.ef_threshold_pack, torch.device("cpu"))):
-        res = None if residual is None else residual.clone().to(dev)
-        idx = torch.full((cap,), -1, dtype=torch.int32, device=dev)
-        val = torch.full((cap + values_extra,), 7.0, dtype=wire_dtype, device=dev)
-        thr = threshold.to(dev) if isinstance(threshold, torch.Tensor) else threshold
-        count = impl(grad.to(dev), res, divisor, add_residual, thr, idx, val, offset)
-        assert count.dtype == torch.int64 and count.dim() == 0 and count.device == dev
-        results.append((int(count), idx.cpu(), val.cpu(), res))
-    (count, idx, val, res), (rcount, ridx, rval, rres) = results
-    assert count == rcount
-    _assert_same(torch.stack(_by_index(idx[:count], val[:count].float())),
-                 torch.stack(_by_index(ridx[:count], rval[:count].float())), "payload")
-    _assert_same(idx[count:], ridx[count:], "index padding")
-    _assert_same(val[count:], rval[count:], "value padding (and slots beyond the capacity)")
-    if residual is not None:
-        _assert_same(res, rres, "residual", nan_ok=False)
-        check_non_finite_rule(reference.compensated(grad, residual, divisor, add_residual), idx[:count].long() - offset,
-                              val[:count], res)
-    return count
-
-
-@pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS[:4] + DTYPE_PAIRS[5:6],
-                         ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("n", [1, 7, 1000, MULTI])
-def test_ef_threshold_pack_matches_reference(backend, grad_dtype, wire_dtype, n):
-    ops, device = backend
-    n = _size(ops, device, n)
-    grad = _grad(n, grad_dtype, seed=n, kind="nonfinite" if n == 1000 else "randn")
-    residual = (0.5 * _grad(n, torch.float32, seed=n + 1)).to(grad_dtype)
-    for mode, (has_residual, add_residual) in enumerate(EF_MODES):
-        res = residual if has_residual else None
-        # Numbers (key on the host) and 0-d tensors on grad's device (key read by the kernels).
-        for t, threshold in enumerate((0.4, torch.tensor(-0.4), 0.0, float("inf"),
-                                       torch.tensor(0.25, dtype=torch.bfloat16))):
-            expected = int(reference.magnitude_key(reference.compensated(grad, res, 3, add_residual)).ge(
-                reference.magnitude_key(torch.tensor([float(threshold)]))).sum())
-            caps = [0, max(expected // 2, 1), expected, expected + 5]
-            # Every mode x threshold (the compiled variants: residual flags, threshold read from
-            # a pointer or not), each with two of the four capacities in turn, so that every
-            # mode and every threshold also meets every capacity.
-            for cap in {caps[(mode + t) % 4], caps[(mode + t + 2) % 4]}:
-                _check_threshold(ops, device, grad, res, 3, add_residual, threshold, cap, wire_dtype,
-                                 offset=3, values_extra=2)
-
-
-@pytest.mark.parametrize("grad_dtype,wire_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
-def test_ef_threshold_pack_non_finite_acc_leaves_zero_residual(backend, grad_dtype, wire_dtype):
-    """Inf/NaN beyond the capacity, below a NaN threshold, or at capacity 0 are not sent and
-    still leave +0; with 3 programs, the later ones (past the capacity, which send nothing)
-    hold some of them (MANY_PROGRAM_PAIRS)."""
-    ops, device = backend
-    for n, programs in _non_finite_geometries(ops, grad_dtype, wire_dtype):
-        with programs:
-            for name, count, threshold, cap in threshold_non_finite_cases(n):
-                grad = with_non_finite(n, grad_dtype, count, seed=count)
-                residual = (0.1 * _grad(n, torch.float32, seed=1)).to(grad_dtype)
-                _check_threshold(ops, device, grad, residual, 3, True, threshold, cap, wire_dtype, offset=2)
-
-
-def test_ef_threshold_pack_overflow_across_programs(backend):
-    """Capacity smaller than the selection: the lowest indices are sent, the rest stay in the residual."""
-    ops, device = backend
-    n = MANY
-    grad = _grad(n, torch.float32, seed=21)
-    residual = torch.zeros(n)
-    above = int((grad.abs() >= 1.0).sum())
-    with _small_programs(ops):
-        for cap in (1, above // 3, above - 1, above, above + 100):
-            count = _check_threshold(ops, device, grad, residual, 1, True, 1.0, cap, torch.bfloat16)
-            assert count == min(cap, above)
-
-
-# --------------------------------------------------------------------------- topk_threshold
-
-def _check_topk_threshold(ops, device, x, k, err=0.05):
-    threshold, count = ops.topk_threshold(x.to(device), k, err)
-    assert threshold.dtype == torch.float32 and threshold.dim() == 0 and threshold.device == device
-    assert count.dtype == torch.int64 and count.dim() == 0 and count.device == device
-    key = reference.magnitude_key(x)
-    true_count = int((key >= reference.magnitude_key(threshold.cpu().reshape(1))).sum())
-    assert int(count) == true_count, "reported count must be the true count for the threshold"
-    ref_count = _closest_count(key, k, err)
-    slack = err * k
-    if abs(ref_count - k) <= slack:
-        assert abs(int(count) - k) <= slack, (int(count), k)
-    else:  # ties straddle the k-th: the closest achievable count (the reference's rule)
-        assert int(count) == ref_count
-    return int(count)
-
-
-def _closest_count(key, k, err):
-    """The count ``reference.topk_threshold`` aims at: the next key up only if it selects something."""
-    kth = torch.topk(key, k).values.min()
-    count, above = int((key >= kth).sum()), int((key > kth).sum())
-    if count - k > err * k and above > 0 and k - above < count - k:
-        return above
-    return count
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("n", [1, 7, 1000, MULTI])
-def test_topk_threshold_bound_and_exact_count(backend, dtype, n):
-    ops, device = backend
-    n = _size(ops, device, n)
-    for kind in ("randn", "ties", "nonfinite") if n >= 1000 else ("randn",):
-        x = _grad(n, dtype, seed=n, kind=kind)
-        for k in sorted({1, max(1, n // 100), max(1, n // 10), n // 2 or 1, n}):
-            _check_topk_threshold(ops, device, x, k)
-            if kind == "randn" and dtype == torch.float32:
-                assert _check_topk_threshold(ops, device, x, k, err=0.0) == k
-
-
-def test_topk_threshold_all_equal_and_many_programs(backend):
-    ops, device = backend
-    x = _grad(1000, torch.float32, seed=0, kind="equal")
-    for k in (1, 400, 500, 600, 1000):  # achievable: 0 (selects nothing, never chosen) and 1000
-        assert _check_topk_threshold(ops, device, x, k) == 1000
-    with _small_programs(ops):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = _grad(MANY, dtype, seed=4, kind="randn")
-            for k in (1, 12, 58, MANY):
-                _check_topk_threshold(ops, device, x, k)
-
-
-def test_topk_threshold_output_feeds_ef_threshold_pack(backend):
-    """The 0-d threshold tensor goes straight into ef_threshold_pack (no host round trip)."""
-    ops, device = backend
-    grad = _grad(4099, torch.float32, seed=2)
-    acc = grad / 3  # on the CPU: true division, as the kernels compute it
-    threshold, count = ops.topk_threshold(acc.to(device), 41)
-    cap = 64
-    idx = torch.empty(cap, dtype=torch.int32, device=device)
-    val = torch.empty(cap, dtype=torch.float32, device=device)
-    sent = ops.ef_threshold_pack(grad.to(device), torch.zeros(4099, device=device), 3, True, threshold, idx, val)
-    assert int(sent) == min(int(count), cap)
-
-
 # --------------------------------------------------------------------------- unpack_add
 
 def _gathered(rows, k, n, value_dtype, seed, pad_row=None, real_zero=False):
@@ -569,9 +426,7 @@ def _sm90_specs(ops):
     fp16 wire (saturation, integer bf16 rounding), the others with fp32 / fp16."""
     radix = _radix(ops)
     topk = ops.ef_topk_pack.__globals__
-    thr = ops.ef_threshold_pack.__globals__
     unpack = ops.unpack_add.__globals__
-    tt = ops.topk_threshold.__globals__
     i32, f32 = "i32", "fp32"
     ef = dict(n=i32, divisor=f32, tiles=i32)
     return [
@@ -583,25 +438,14 @@ def _sm90_specs(ops):
         (radix.hist_refine_kernel, dict(g_ptr="*bf16", src_ptr="*bf16", state_ptr="*i32", hist_ptr="*i32",
                                         blockhist_ptr="*i32", blockgt_ptr="*i32", **ef),
          dict(LEVEL=3, FROM_SRC=True, SKIP_IF_DONE=False, PER_BLOCK=True, BLOCK=4096), 8),
-        *[(radix.select_kernel, dict(hist_ptr="*i32", state_ptr="*i32", k=i32, slack=i32),
-           dict(LEVEL=level, THRESHOLD_MODE=mode), 8) for level in (1, 2, 3) for mode in (False, True)],
+        *[(radix.select_kernel, dict(hist_ptr="*i32", state_ptr="*i32", k=i32), dict(LEVEL=level), 8)
+          for level in (1, 2, 3)],
         (topk["_block_counts_kernel"], dict(state_ptr="*i32", blockhist_ptr="*i32", blockgt_ptr="*i32",
                                             counts_ptr="*i32", nprog=i32), {}, 1),
         (topk["_emit_kernel"], dict(g_ptr="*bf16", src_ptr="*bf16", state_ptr="*i32", counts_ptr="*i32",
                                     incl_ptr="*i32", idx_out_ptr="*i32", val_out_ptr="*fp16", n=i32, k=i32,
                                     divisor=f32, index_offset=i32, tiles=i32, nprog=i32),
          dict(FROM_SRC=True, WRITE_RESIDUAL=True, LIMIT=65504.0, BLOCK=4096), 8),
-        (thr["_count_kernel"], dict(g_ptr="*fp32", r_ptr="*fp32", thr_ptr="*fp32", counts_ptr="*i32", n=i32,
-                                    divisor=f32, bar_key=i32, tiles=i32),
-         dict(HAS_RESIDUAL=True, ADD_RESIDUAL=True, THR_FROM_PTR=True, BLOCK=4096), 8),
-        (thr["_pad_kernel"], dict(incl_ptr="*i32", idx_out_ptr="*i32", val_out_ptr="*bf16", count_out_ptr="*i64",
-                                  cap=i32, nprog=i32), dict(BLOCK=1024), 4),
-        (thr["_emit_kernel"], dict(g_ptr="*fp32", src_ptr="*fp32", thr_ptr="*fp32", counts_ptr="*i32",
-                                   incl_ptr="*i32", idx_out_ptr="*i32", val_out_ptr="*bf16", n=i32, cap=i32,
-                                   divisor=f32, bar_key=i32, index_offset=i32, tiles=i32),
-         dict(FROM_SRC=False, WRITE_RESIDUAL=False, THR_FROM_PTR=False, LIMIT=3.3895313892515355e38,
-              BLOCK=4096), 8),
-        (tt["_outputs_kernel"], dict(state_ptr="*i32", thr_out_ptr="*fp32", count_out_ptr="*i64"), {}, 1),
         (unpack["_add_row_kernel"], dict(idx_ptr="*i32", val_ptr="*bf16", out_ptr="*fp16", k=i32, n=i32),
          dict(BLOCK=1024), 4),
         (unpack["_plus_zero_kernel"], dict(idx_ptr="*i32", val_ptr="*fp32", out_ptr="*bf16", k=i32, n=i32,
@@ -645,17 +489,12 @@ def test_no_host_synchronisation_on_cuda():
     val = torch.empty(k, dtype=torch.bfloat16, device=device)
     # Warm up (compilation and the first launches may synchronise).
     ops.ef_topk_pack(grad, residual, 3, True, k, idx, val)
-    threshold, _ = ops.topk_threshold(grad, k)
-    ops.ef_threshold_pack(grad, residual, 3, True, threshold, idx, val)
     ops.unpack_add(idx.view(1, k), val.view(1, k), grad.clone())
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         ops.ef_topk_pack(grad, residual, 3, True, k, idx, val)
-        threshold, _ = ops.topk_threshold(grad, k)
-        ops.ef_threshold_pack(grad, residual, 3, True, threshold, idx, val)
-        ops.ef_threshold_pack(grad, residual, 3, True, 0.5, idx, val)
         ops.unpack_add(torch.stack([idx, idx]), torch.stack([val, val]), grad.clone(), True)
     finally:
         torch.cuda.set_sync_debug_mode(previous)

@@ -7,7 +7,6 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
-#include <utility>
 
 #include "chunk_format.h"
 #include "cpu_levels.h"
@@ -22,8 +21,6 @@ using EfThresholdPackKernel = int64_t(const at::Tensor& grad, const c10::optiona
                                       float divisor, bool add_residual, float threshold,
                                       const at::Tensor& indices_out, const at::Tensor& values_out,
                                       int64_t index_offset);
-// Returns (threshold key, count of entries with a key at or above it).
-using TopkThresholdKernel = std::pair<uint32_t, int64_t>(const at::Tensor& x, int64_t k, double max_relative_error);
 // Returns how many indices lay outside the bucket (skipped: the caller raises).
 using UnpackAddKernel = int64_t(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out,
                                 bool zero_out);
@@ -44,7 +41,6 @@ using Crc32cKernel = void(const at::Tensor& data, const at::Tensor& out);
 struct CpuKernels {
   EfTopkPackKernel* ef_topk_pack;
   EfThresholdPackKernel* ef_threshold_pack;
-  TopkThresholdKernel* topk_threshold;
   UnpackAddKernel* unpack_add;
   ChunkEncodeKernel* chunk_encode;
   ChunkDecodeAddKernel* chunk_decode_add;
@@ -57,7 +53,6 @@ struct CpuKernels {
   namespace LEVEL_NAMESPACE {                           \
   EfTopkPackKernel ef_topk_pack;                        \
   EfThresholdPackKernel ef_threshold_pack;              \
-  TopkThresholdKernel topk_threshold;                   \
   UnpackAddKernel unpack_add;                           \
   ChunkEncodeKernel chunk_encode;                       \
   ChunkDecodeAddKernel chunk_decode_add;                \
@@ -65,8 +60,8 @@ struct CpuKernels {
   ChunkDecodeAddKernel compact_decode_add;              \
   Crc32cKernel crc32c;                                  \
   inline CpuKernels kernels() {                         \
-    return {&ef_topk_pack, &ef_threshold_pack, &topk_threshold, &unpack_add, &chunk_encode, &chunk_decode_add, \
-            &compact_encode, &compact_decode_add, &crc32c};                                                   \
+    return {&ef_topk_pack, &ef_threshold_pack, &unpack_add, &chunk_encode, &chunk_decode_add, &compact_encode, \
+            &compact_decode_add, &crc32c};                                                                     \
   }                                                     \
   }
 

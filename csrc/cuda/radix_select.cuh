@@ -118,8 +118,8 @@ inline void check_no_overlap(const char* op, const char* a_name, const at::Tenso
   TORCH_CHECK(!overlap, op, ": ", a_name, " and ", b_name, " overlap in memory (aliasing is not allowed)");
 }
 
-// Argument checks shared by ef_topk_pack and ef_threshold_pack (raised before any launch);
-// each op adds its own k / capacity checks. Returns the residual or nullptr.
+// Argument checks of ef_topk_pack (raised before any launch); the op adds its own k check.
+// Returns the residual or nullptr.
 inline const at::Tensor* check_pack_arguments(const char* op, const at::Tensor& grad,
                                               const c10::optional<at::Tensor>& residual, bool add_residual,
                                               double divisor, int64_t index_offset, const at::Tensor& indices_out,

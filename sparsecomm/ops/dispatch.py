@@ -28,8 +28,9 @@ _REFERENCE: dict[str, Callable] = {
     **{op: getattr(reference, op) for op in native.OPS},
 }
 # Ops with Triton twins (sparsecomm/ops/triton) chosen by _builtin; the chunk ops' are
-# chosen by _chunk_implementation (they depend on the layout too).
-_TRITON_OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add")
+# chosen by _chunk_implementation (they depend on the layout too). ef_threshold_pack has a
+# CPU kernel only: its one caller, the MPI transport's variable-size wire, runs on CPU.
+_TRITON_OPS = ("ef_topk_pack", "unpack_add")
 # (op name, device type) -> implementation registered by the user or a test
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
@@ -89,11 +90,6 @@ def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_
     """Dispatching :func:`sparsecomm.ops.reference.ef_threshold_pack`."""
     return implementation("ef_threshold_pack", grad.device.type)(grad, residual, divisor, add_residual, threshold,
                                                                  indices_out, values_out, index_offset)
-
-
-def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
-    """Dispatching :func:`sparsecomm.ops.reference.topk_threshold`."""
-    return implementation("topk_threshold", x.device.type)(x, k, max_relative_error)
 
 
 def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, zero_out: bool = True) -> None:

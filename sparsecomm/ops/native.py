@@ -12,8 +12,7 @@ import warnings
 
 import torch
 
-OPS = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add", "chunk_encode", "chunk_decode_add",
-       "crc32c")
+OPS = ("ef_topk_pack", "ef_threshold_pack", "unpack_add", "chunk_encode", "chunk_decode_add", "crc32c")
 KERNELS_ENV = "SPARSECOMM_KERNELS"
 KERNEL_CHOICES = ("auto", "native", "triton", "reference")
 CPU_CAPABILITY_ENV = "SPARSECOMM_CPU_CAPABILITY"
@@ -86,10 +85,6 @@ def _register_fakes() -> None:
     def _(grad, residual, divisor, add_residual, threshold, indices_out, values_out, index_offset):
         return grad.new_empty((), dtype=torch.int64)
 
-    @torch.library.register_fake("sparsecomm::topk_threshold")
-    def _(x, k, max_relative_error):
-        return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
-
     @torch.library.register_fake("sparsecomm::unpack_add")
     def _(indices, values, out, zero_out):
         return None
@@ -146,11 +141,6 @@ def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_
     """Fused error feedback + selection by threshold + packing (one pass); returns the count."""
     return _ops().ef_threshold_pack(grad, residual, float(divisor), add_residual, float(threshold),
                                                   indices_out, values_out, index_offset)
-
-
-def topk_threshold(x, k, max_relative_error=0.05):
-    """(threshold, count) with |count - k| <= max_relative_error * k where the data allows."""
-    return _ops().topk_threshold(x, k, float(max_relative_error))
 
 
 def unpack_add(indices, values, out, zero_out=True) -> None:

@@ -77,25 +77,6 @@ def ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_
     return torch.tensor(selected.numel(), dtype=torch.int64, device=grad.device)
 
 
-def topk_threshold(x: torch.Tensor, k: int, max_relative_error: float = 0.05):
-    """A threshold whose count of entries at or above it is within the error bound of k.
-
-    The reference is exact: the k-th largest magnitude (count exceeds k only by ties);
-    if the ties break the bound, the next key above is taken when it is closer to k.
-    """
-    if not 1 <= k <= x.numel():
-        raise ValueError(f"topk_threshold: k must be in [1, {x.numel()}], got {k}")
-    key = magnitude_key(x.flatten())
-    kth = torch.topk(key, k, sorted=False).values.min()
-    count = int((key >= kth).sum())
-    if count - k > max_relative_error * k and bool((key > kth).any()):
-        above = int((key > kth).sum())
-        if k - above < count - k:
-            kth, count = key[key > kth].min(), above
-    threshold = kth.to(torch.int32).reshape(1).view(torch.float32).reshape(())
-    return threshold.to(x.device), torch.tensor(count, dtype=torch.int64, device=x.device)
-
-
 def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, zero_out: bool = True) -> None:
     """Scatter-add every row of (indices, values) into ``out``, in row (rank) order."""
     if indices.dim() != 2 or indices.shape != values.shape:

@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <tuple>
 
@@ -85,18 +84,6 @@ at::Tensor ef_threshold_pack_cpu(const at::Tensor& grad, const c10::optional<at:
   return at::scalar_tensor(sent, grad.options().dtype(at::kLong));
 }
 
-std::tuple<at::Tensor, at::Tensor> topk_threshold_cpu(const at::Tensor& x, int64_t k, double max_relative_error) {
-  TORCH_CHECK(x.dim() == 1 && x.is_contiguous(), "topk_threshold: x must be a contiguous 1-D tensor");
-  TORCH_CHECK(k >= 1 && k <= x.numel(), "topk_threshold: k must be in [1, ", x.numel(), "], got ", k);
-  TORCH_CHECK(max_relative_error >= 0, "topk_threshold: max_relative_error must be >= 0, got ", max_relative_error);
-  const auto [key, count] = kernels().topk_threshold(x, k, max_relative_error);
-  float threshold;
-  static_assert(sizeof(threshold) == sizeof(key));
-  std::memcpy(&threshold, &key, sizeof(threshold));
-  return {at::scalar_tensor(threshold, x.options().dtype(at::kFloat)),
-          at::scalar_tensor(count, x.options().dtype(at::kLong))};
-}
-
 void unpack_add_cpu(const at::Tensor& indices, const at::Tensor& values, const at::Tensor& out, bool zero_out) {
   TORCH_CHECK(indices.dim() == 2 && values.dim() == 2 && indices.sizes() == values.sizes(),
               "unpack_add: indices and values must both be [world_size, k], got ", indices.sizes(), " and ",
@@ -161,7 +148,6 @@ at::Tensor crc32c_cpu(const at::Tensor& data) {
 TORCH_LIBRARY_IMPL(sparsecomm, CPU, m) {
   m.impl("ef_topk_pack", &ef_topk_pack_cpu);
   m.impl("ef_threshold_pack", &ef_threshold_pack_cpu);
-  m.impl("topk_threshold", &topk_threshold_cpu);
   m.impl("unpack_add", &unpack_add_cpu);
   m.impl("chunk_encode", &chunk_encode_cpu);
   m.impl("chunk_decode_add", &chunk_decode_add_cpu);

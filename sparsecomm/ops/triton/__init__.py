@@ -3,9 +3,6 @@
 Same Python signatures as :mod:`sparsecomm.ops.reference` (the oracle)::
 
     ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_out, index_offset=0) -> None
-    ef_threshold_pack(grad, residual, divisor, add_residual, threshold, indices_out, values_out,
-                      index_offset=0) -> 0-d int64 tensor
-    topk_threshold(x, k, max_relative_error=0.05) -> (0-d float32 tensor, 0-d int64 tensor)
     unpack_add(indices, values, out, zero_out=True) -> None
     chunk_encode(grad, residual, divisor, add_residual, layout, payload) -> (indices int64, decoded values)
     chunk_decode_add(gathered, layout, out, zero_out=True) -> None
@@ -29,8 +26,7 @@ imported: ``@triton.jit`` picks compiled or interpreted functions at definition 
 """
 import os
 
-__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_threshold_pack", "ef_topk_pack",
-           "topk_threshold", "unpack_add"]
+__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_topk_pack", "unpack_add"]
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -41,15 +37,13 @@ except Exception as error:  # ImportError, or a broken install raising something
 
 if _IMPORT_ERROR is None:
     try:
-        from sparsecomm.ops.triton.ef_threshold_pack import ef_threshold_pack
         from sparsecomm.ops.triton.ef_topk_pack import ef_topk_pack
         from sparsecomm.ops.triton.radix import interpreting
-        from sparsecomm.ops.triton.topk_threshold import topk_threshold
         from sparsecomm.ops.triton.unpack_add import unpack_add
     except Exception as error:  # e.g. a Triton too old for tl.histogram(mask=...)
         _IMPORT_ERROR = f"the Triton kernels could not be defined ({type(error).__name__}: {error})"
 
-# The chunk kernels separately: a problem there leaves the other four usable.
+# The chunk kernels separately: a problem there leaves the other two usable.
 _CHUNK_IMPORT_ERROR: str | None = _IMPORT_ERROR
 if _CHUNK_IMPORT_ERROR is None:
     try:
@@ -69,8 +63,6 @@ def _unavailable(name, reason):
 
 if _IMPORT_ERROR is not None:
     ef_topk_pack = _unavailable("ef_topk_pack", _IMPORT_ERROR)
-    ef_threshold_pack = _unavailable("ef_threshold_pack", _IMPORT_ERROR)
-    topk_threshold = _unavailable("topk_threshold", _IMPORT_ERROR)
     unpack_add = _unavailable("unpack_add", _IMPORT_ERROR)
 
     def interpreting() -> bool:

@@ -102,7 +102,7 @@ def ef_topk_pack(grad, residual, divisor, add_residual, k, indices_out, values_o
     has_residual = residual is not None
     src = residual if has_residual else grad
     radix.radix_select(grad, src, ws, n, k, divisor, from_src=False, add_residual=bool(add_residual),
-                       write_residual=has_residual, threshold_mode=False, slack=0, per_block=True,
+                       write_residual=has_residual, per_block=True,
                        block=block, tiles=tiles, nprog=nprog)
     views = radix.regions(ws, nprog)
     state, counts, blockgt, blockhist = views["state"], views["counts"], views["blockgt"], views["blockhist"]

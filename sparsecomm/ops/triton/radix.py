@@ -16,15 +16,14 @@ fixed sequence of kernels with grid sizes that depend on ``n`` only.
 
 State layout (int32, ``STATE_SLOTS`` entries), one group of four per level::
 
-    [4*(L-1) + 0]  prefix    digits selected so far (exact mode: minus 1 once ``done``)
+    [4*(L-1) + 0]  prefix    digits selected so far (minus 1 once ``done``)
     [4*(L-1) + 1]  krem      rank of the k-th key inside the selected bin
     [4*(L-1) + 2]  done      the selection is complete (no need to refine further)
-    [4*(L-1) + 3]  base      (threshold mode) number of keys above the selected bin
-    [12], [13]              (threshold mode) chosen threshold key and its count
-    [8], [9]                 (exact mode, after level 3) kth key K and ``need``: how many
-                             entries with key == K are selected (the lowest indices)
+    [4*(L-1) + 3]  (unused, 0)
+    [8], [9]                 (after level 3) kth key K and ``need``: how many entries with
+                             key == K are selected (the lowest indices)
 
-Exact mode "done" trick: when a whole bin is taken (rank == bin count) the selection is
+"done" trick: when a whole bin is taken (rank == bin count) the selection is
 "every key whose digits so far are > prefix - 1"; the next levels extend that prefix with
 all-ones digits, so the final state is (K, need=0) meaning "key > K".
 
@@ -35,8 +34,6 @@ bf16 conversion here is done with integer bit operations (:func:`to_f32`,
 Block & scalar-bool ``&`` yields an int32 mask in the interpreter (rejected by tl.load), so
 masks are built from block comparisons only (e.g. ``n = tl.where(done == 0, n, 0)``).
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -374,33 +371,22 @@ def hist_refine_kernel(g_ptr, src_ptr, state_ptr, hist_ptr, blockhist_ptr, block
 
 
 @triton.jit
-def select_kernel(hist_ptr, state_ptr, k, slack,
-                  LEVEL: tl.constexpr, THRESHOLD_MODE: tl.constexpr):
+def select_kernel(hist_ptr, state_ptr, k, LEVEL: tl.constexpr):
     """One program: find the bin of the k-th largest key at this level; update the state.
 
-    Exact mode (top-k): levels 1-2 store (prefix, krem, done); level 3 stores the k-th key
-    ``K`` and ``need`` (entries with key == K to take, lowest indices first).
-
-    Threshold mode (``topk_threshold``): a level stops the refinement as soon as the bottom
-    of the selected bin (count = keys at or above it) or the bottom of the next bin up
-    (count = keys above the selected bin) is within ``slack`` of k; level 3 decides with
-    the exact k-th key like the reference (the next key up only when strictly closer).
+    Levels 1-2 store (prefix, krem, done); level 3 stores the k-th key ``K`` and ``need``
+    (entries with key == K to take, lowest indices first).
     """
     NBINS: tl.constexpr = 128 if LEVEL == 3 else 4096
     BITS: tl.constexpr = 7 if LEVEL == 3 else 12
-    SHIFT: tl.constexpr = 19 if LEVEL == 1 else (7 if LEVEL == 2 else 0)
-    # Largest prefix whose successor still fits in 31 bits.
-    MAX_PREFIX: tl.constexpr = (1 << (31 - SHIFT)) - 1
     if LEVEL == 1:
         prefix_in = tl.full([], 0, tl.int32)
         krem_in = tl.full([], 0, tl.int32) + k
         done_in = tl.full([], 0, tl.int32)
-        base_in = tl.full([], 0, tl.int32)
     else:
         prefix_in = tl.load(state_ptr + 4 * (LEVEL - 2))
         krem_in = tl.load(state_ptr + 4 * (LEVEL - 2) + 1)
         done_in = tl.load(state_ptr + 4 * (LEVEL - 2) + 2)
-        base_in = tl.load(state_ptr + 4 * (LEVEL - 2) + 3)
     bins = tl.arange(0, NBINS)
     h = tl.load(hist_ptr + bins)
     at_or_above = block_cumsum(h, REVERSE=True)
@@ -413,54 +399,25 @@ def select_kernel(hist_ptr, state_ptr, k, slack,
     prefix = (prefix_in << BITS) | b
     finished = done_in != 0
     out = state_ptr + 4 * (LEVEL - 1)
-    if THRESHOLD_MODE:
-        ga = base_in + a
-        d_hi = ga + hb - k          # >= 0: count at the bottom of the bin, minus k
-        d_lo = k - ga               # > 0: k minus count above the bin
-        lo_ok = (prefix < MAX_PREFIX) & (ga > 0)  # the next bin up only if it selects something
-        if LEVEL == 3:
-            stop = tl.full([], 1, tl.int1)
-            use_lo = lo_ok & (d_hi > slack) & (d_lo < d_hi)
-        else:
-            ok_hi = d_hi <= slack
-            ok_lo = lo_ok & (d_lo <= slack)
-            stop = ok_hi | ok_lo
-            use_lo = ok_lo & ((ok_hi == 0) | (d_lo < d_hi))
-        thr = tl.where(use_lo, (prefix + 1) << SHIFT, prefix << SHIFT)
-        cnt = tl.where(use_lo, ga, ga + hb)
-        old_thr = tl.load(state_ptr + 12)
-        old_cnt = tl.load(state_ptr + 13)
-        new_done = finished | stop
-        write_new = stop & (done_in == 0)
-        thr = tl.where(write_new, thr, old_thr)
-        cnt = tl.where(write_new, cnt, old_cnt)
-        tl.store(state_ptr + 12, thr)
-        tl.store(state_ptr + 13, cnt)
-        if LEVEL < 3:
-            tl.store(out, prefix)
-            tl.store(out + 1, krem)
-            tl.store(out + 2, new_done.to(tl.int32))
-            tl.store(out + 3, ga)
+    if LEVEL < 3:
+        full = krem == hb
+        now_done = finished | full
+        prefix_out = tl.where(finished, (prefix_in << BITS) | (NBINS - 1),
+                              tl.where(full, prefix - 1, prefix))
+        tl.store(out, prefix_out)
+        tl.store(out + 1, tl.where(now_done, 0, krem))
+        tl.store(out + 2, now_done.to(tl.int32))
+        tl.store(out + 3, 0)
     else:
-        if LEVEL < 3:
-            full = krem == hb
-            now_done = finished | full
-            prefix_out = tl.where(finished, (prefix_in << BITS) | (NBINS - 1),
-                                  tl.where(full, prefix - 1, prefix))
-            tl.store(out, prefix_out)
-            tl.store(out + 1, tl.where(now_done, 0, krem))
-            tl.store(out + 2, now_done.to(tl.int32))
-            tl.store(out + 3, 0)
-        else:
-            kth = tl.where(finished, (prefix_in << BITS) | (NBINS - 1), prefix)
-            need = tl.where(finished, 0, krem)
-            tl.store(state_ptr + 8, kth)
-            tl.store(state_ptr + 9, need)
+        kth = tl.where(finished, (prefix_in << BITS) | (NBINS - 1), prefix)
+        need = tl.where(finished, 0, krem)
+        tl.store(state_ptr + 8, kth)
+        tl.store(state_ptr + 9, need)
 
 
 def radix_select(g: torch.Tensor, src: torch.Tensor, ws: torch.Tensor, n: int, k: int, divisor: float,
-                 *, from_src: bool, add_residual: bool, write_residual: bool, threshold_mode: bool,
-                 slack: int, per_block: bool, block: int, tiles: int, nprog: int) -> None:
+                 *, from_src: bool, add_residual: bool, write_residual: bool, per_block: bool, block: int,
+                 tiles: int, nprog: int) -> None:
     """Launch the three histogram passes and select kernels (results in the workspace state).
 
     ``src`` is the tensor later passes read (the residual holding ``acc``, or ``x``); when
@@ -472,20 +429,13 @@ def radix_select(g: torch.Tensor, src: torch.Tensor, ws: torch.Tensor, n: int, k
     hist1_kernel[grid](g, src, views["h1"], n, divisor, tiles, FROM_SRC=from_src, ADD_RESIDUAL=add_residual,
                        WRITE_RESIDUAL=write_residual, BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
     from_src_later = from_src or write_residual
-    select_kernel[(1,)](views["h1"], state, k, slack, LEVEL=1, THRESHOLD_MODE=threshold_mode,
-                        num_warps=NUM_WARPS, enable_fp_fusion=False)
+    select_kernel[(1,)](views["h1"], state, k, LEVEL=1, num_warps=NUM_WARPS, enable_fp_fusion=False)
     hist_refine_kernel[grid](g, src, state, views["h2"], blockhist, blockgt, n, divisor, tiles, LEVEL=2,
                              FROM_SRC=from_src_later, SKIP_IF_DONE=True, PER_BLOCK=False, BLOCK=block,
                              num_warps=NUM_WARPS, enable_fp_fusion=False)
-    select_kernel[(1,)](views["h2"], state, k, slack, LEVEL=2, THRESHOLD_MODE=threshold_mode,
-                        num_warps=NUM_WARPS, enable_fp_fusion=False)
+    select_kernel[(1,)](views["h2"], state, k, LEVEL=2, num_warps=NUM_WARPS, enable_fp_fusion=False)
     hist_refine_kernel[grid](g, src, state, views["h3"], blockhist, blockgt, n, divisor, tiles, LEVEL=3,
                              FROM_SRC=from_src_later, SKIP_IF_DONE=not per_block, PER_BLOCK=per_block,
                              BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
-    select_kernel[(1,)](views["h3"], state, k, slack, LEVEL=3, THRESHOLD_MODE=threshold_mode,
-                        num_warps=4, enable_fp_fusion=False)
+    select_kernel[(1,)](views["h3"], state, k, LEVEL=3, num_warps=4, enable_fp_fusion=False)
 
-
-def threshold_slack(k: int, max_relative_error: float) -> int:
-    """Largest integer |count - k| allowed by the bound (computed on the host, in float64)."""
-    return max(0, int(math.floor(max_relative_error * k)))

@@ -1,4 +1,0 @@
-// topk_threshold for the baseline instruction set (see compile_level.h).
-#define SPARSECOMM_CPU_LEVEL SPARSECOMM_CPU_DEFAULT
-#define SPARSECOMM_CPU_KERNEL "../topk_threshold.cpp"
-#include "compile_level.h"
