@@ -298,7 +298,10 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                 index_start=i32, value_start=i32, value_end=i32, nbytes=i32, capacity=i32, chunks=i32, k_full=i32,
                 r_full=i32, r_last=i32, search_steps=i32)
     add = dict(row_ptr="*u8", index_ptr="*i32", chunk_size=i32, chunks=i32, last_length=i32, k_full=i32,
-               capacity=i32, index_start=i32, value_start=i32, value_end=i32)
+               capacity=i32, scale_group=i32, index_start=i32, value_start=i32, value_end=i32)
+    compact = encode["compact_encode"].__globals__
+    group = dict(idx_ptr="*i32", val_ptr="*fp32", payload_ptr="*u8", idx_out_ptr="*i64", vcode_ptr="*i32",
+                 capacity=i32, scale_group=i32)
     specs = [
         (encode["_select_kernel"], dict(g_ptr="*fp32", r_ptr="*fp32", dec_out_ptr="*fp32", **select),
          dict(HAS_RESIDUAL=True, ADD_RESIDUAL=True, INDEX_CODEC=2, VALUE_CODEC=7, LIMIT=0.0, BLOCK=8192), 16),
@@ -309,8 +312,13 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         (encode["_rice_starts_kernel"], dict(icode_ptr="*i32", start_ptr="*i64", gap_ptr="*i32", chunks=i32,
                                              k_full=i32, k_last=i32, r_full=i32, r_last=i32, bits_full=i32),
          dict(KBLOCK=64), 4),
-        (encode["_pack_kernel"], pack, dict(INDEX_CODEC=2, INDEX_BITS=1, VALUE_BITS=4, BLOCK=1024), 4),
-        (encode["_pack_kernel"], pack, dict(INDEX_CODEC=1, INDEX_BITS=12, VALUE_BITS=1, BLOCK=1024), 4),
+        (encode["pack_kernel"], pack, dict(INDEX_CODEC=2, INDEX_BITS=1, VALUE_BITS=4, BLOCK=1024), 4),
+        (encode["pack_kernel"], pack, dict(INDEX_CODEC=1, INDEX_BITS=12, VALUE_BITS=1, BLOCK=1024), 4),
+        (encode["pack_kernel"], pack, dict(INDEX_CODEC=1, INDEX_BITS=27, VALUE_BITS=2, BLOCK=1024), 4),
+        (compact["_group_kernel"], dict(group, r_ptr="*fp32", dec_out_ptr="*fp32"),
+         dict(HAS_RESIDUAL=True, VALUE_CODEC=5, LIMIT=0.0, GROUP=64), 4),
+        (compact["_group_kernel"], dict(group, r_ptr="*bf16", dec_out_ptr="*fp16"),
+         dict(HAS_RESIDUAL=True, VALUE_CODEC=2, LIMIT=65504.0, GROUP=64), 4),
         (decode["_rice_decode_kernel"], dict(gathered_ptr="*u8", index_ptr="*i32", row_stride=i32, index_start=i32,
                                              index_bytes=i32, chunk_size=i32, chunks=i32, last_length=i32,
                                              k_full=i32, k_last=i32, r_full=i32, r_last=i32, bits_full=i32,
@@ -329,6 +337,48 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         ptx = compiled.asm["ptx"]
         assert "div.full" not in ptx and "div.approx" not in ptx, f"{kernel.__name__}: inexact division"
         assert ".ftz" not in ptx, f"{kernel.__name__}: flushes subnormals"
+
+
+# --------------------------------------------------------------------------- exact top-k on the compact wire
+
+def _compact(n, density, index_codec, value_codec):
+    return ChunkLayout(n, n, density, index_codec, value_codec, scale_group=64)
+
+
+@pytest.mark.parametrize("index_codec,value_codec", PAIRS)
+def test_compact_wire_every_codec_pair_matches_the_reference(backend, index_codec, value_codec):
+    """One chunk of the whole bucket, a scale per 64 payload entries (compact_encode.py): 1003
+    entries at 10% (k = 101: neither a multiple of 64), ties, zeros, subnormals, +-Inf/NaN."""
+    ops, device = backend
+    layout = _compact(1003, 0.1, index_codec, value_codec)
+    mode = EF_MODES[PAIRS.index((index_codec, value_codec)) % len(EF_MODES)]
+    gathered = torch.cat([_check_layout(ops, device, layout, torch.float32, True, [mode]),
+                          _check_layout(ops, device, layout, torch.float32, False, [mode], seed=7)])
+    _check_decode_add(ops, device, layout, gathered, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("value_codec", ["bf16", "fp16", "int4", "sign"])
+def test_compact_wire_16_bit_gradients_match_the_reference(backend, dtype, value_codec):
+    ops, device = backend
+    layout = _compact(377, 0.3, "rice", value_codec)  # k = 114
+    scale = 1e4 if dtype == torch.bfloat16 else 1.0
+    gathered = _check_layout(ops, device, layout, dtype, True, EF_MODES[:1] + EF_MODES[2:], scale=scale)
+    _check_decode_add(ops, device, layout, gathered, dtype)
+
+
+@pytest.mark.parametrize("geometry", [(64, 1.0), (1, 0.5), (700, 0.5)], ids=lambda g: "n={}-d={}".format(*g))
+def test_compact_wire_geometries_and_ties(backend, geometry):
+    ops, device = backend
+    n, density = geometry
+    for index_codec, value_codec in (("chunk", "int2"), ("rice", "sign"), ("int32", "fp8")):
+        layout = _compact(n, density, index_codec, value_codec)
+        _check_decode_add(ops, device, layout, _check_layout(ops, device, layout, torch.float32, n >= 8, EF_MODES[:1]),
+                          torch.float32, zero_outs=(False,))
+    grad = torch.ones(700)
+    grad[1::2] = -1.0  # all ties: the lowest indices
+    indices = _encode(ops, device, _compact(700, 0.1, "chunk", "int4"), grad, None, 1.0, False)[1]
+    assert torch.equal(indices, torch.arange(70))
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -364,6 +414,10 @@ def test_dispatch_on_cuda(fake_cuda, monkeypatch):
         is reference.chunk_encode
     assert pick("chunk_encode", _cuda_like(), ChunkLayout(10_000, 4096, 0.01, "rice", "int4", scale_group=64)) \
         is reference.chunk_encode
+    # Exact top-k on the compact wire (a scale_group, one chunk): Triton (compact_encode.py).
+    compact = ChunkLayout(10_000, 10_000, 0.01, "rice", "int4", scale_group=64)
+    assert pick("chunk_encode", _cuda_like(torch.float16), compact) is triton_ops.chunk_encode
+    assert pick("chunk_decode_add", _cuda_like(), compact) is triton_ops.chunk_decode_add
     assert pick("chunk_encode", _cuda_like(torch.float64), layout) is reference.chunk_encode
     # A native CUDA kernel wins (float32 gradients), unless SPARSECOMM_KERNELS=triton.
     state["native_cuda"] = True
@@ -372,6 +426,7 @@ def test_dispatch_on_cuda(fake_cuda, monkeypatch):
     assert pick("chunk_encode", _cuda_like(torch.bfloat16), layout) is triton_ops.chunk_encode
     assert pick("chunk_encode", _cuda_like(), ChunkLayout(70_000, 65536, 0.01, "rice", "int4")) \
         is native.chunk_encode
+    assert pick("chunk_encode", _cuda_like(), compact) is triton_ops.chunk_encode  # no CUDA kernel takes it
     monkeypatch.setenv(native.KERNELS_ENV, "triton")
     assert pick("chunk_encode", _cuda_like(), layout) is triton_ops.chunk_encode
     monkeypatch.setenv(native.KERNELS_ENV, "native")

@@ -109,9 +109,9 @@ def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
     reference with ``SPARSECOMM_KERNELS=reference``, on other devices, and for what the
     kernels do not take (every reference gives the same bits): 16-bit gradients (native
     encoders), a ``scale_group`` on a layout of more than one chunk (all kernels; the hook's
-    exact top-k on the compact wire is one chunk of the whole bucket) or on CUDA (the CUDA
-    kernels), chunks over 8192 entries and a ``scale_group`` (Triton). A registered kernel
-    wins, as everywhere."""
+    exact top-k on the compact wire is one chunk of the whole bucket), a ``scale_group`` on
+    CUDA (the CUDA kernels: Triton takes it), chunks over 8192 entries without a
+    ``scale_group`` (Triton). A registered kernel wins, as everywhere."""
     device_type = tensor.device.type
     registered = _KERNELS.get((op, device_type))
     if registered is not None:

@@ -16,8 +16,9 @@ The chunk kernels (``selector="chunk"``, :mod:`~sparsecomm.ops.triton.chunk_enco
 :mod:`~sparsecomm.ops.triton.chunk_decode_add`) take every index codec (int32, chunk, rice),
 every value codec and float32/bfloat16/float16 gradients, for layouts with one scale per
 chunk (``scale_group == 0``) and chunks of at most 8192 entries (one program per chunk, the
-chunk in one block); :func:`chunk_unsupported` says why a layout is not taken, and the
-dispatch sends those layouts to the reference.
+chunk in one block), and for exact top-k on the compact wire (a ``scale_group``, one chunk of
+the whole bucket: :mod:`~sparsecomm.ops.triton.compact_encode`); :func:`chunk_unsupported`
+says why a layout is not taken, and the dispatch sends those layouts to the reference.
 
 Importing this package never fails: without a usable Triton the op functions raise
 ImportError when called, and :func:`available` says why. Kernels run on CUDA tensors, and

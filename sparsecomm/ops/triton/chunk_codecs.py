@@ -91,8 +91,10 @@ def layout_numbers(layout) -> LayoutNumbers:
 def unsupported(layout) -> str | None:
     """Why the Triton chunk kernels do not take ``layout`` (None: they do)."""
     if getattr(layout, "scale_group", 0):
-        return "scale_group > 0 (scales per group of entries, not per chunk)"
-    if layout.chunk_size > MAX_CHUNK_SIZE:
+        # Exact top-k on the compact wire: compact_encode.py selects over the whole bucket.
+        if layout.chunk_size != layout.numel:
+            return "scale_group > 0 on a layout of more than one chunk"
+    elif layout.chunk_size > MAX_CHUNK_SIZE:
         return f"chunk_size {layout.chunk_size} > {MAX_CHUNK_SIZE} (one chunk per program, in one block)"
     if layout.index_codec not in SUPPORTED_INDEX_CODECS:
         return f"index codec {layout.index_codec!r}"

@@ -5,8 +5,9 @@ Semantics: csrc/README.md (oracle: :func:`sparsecomm.ops.reference.chunk_decode_
 ``ChunkLayout.views`` + one ``index_add_`` per row): every element receives
 ``out[i] = T(float(out[i]) + float(T(decoded)))`` row after row, bitwise the reference (NaN
 at the same places; the bits of a NaN sum are unspecified). Index codecs int32, chunk and
-rice; every value codec; ``scale_group == 0``; chunks of at most 8192 entries; ``out``
-float32, bfloat16 or float16.
+rice; every value codec; chunks of at most 8192 entries, or, with a ``scale_group`` (exact
+top-k on the compact wire), one chunk of the whole bucket whose scales go by groups of
+payload entries; ``out`` float32, bfloat16 or float16.
 
 Kernels (grids from the layout and the number of rows)::
 
@@ -20,7 +21,8 @@ Kernels (grids from the layout and the number of rows)::
                                             row complete before the next starts): one lane
                                             per entry decodes its index (int32 / chunk field,
                                             or the scratch) and its value (float bits, or the
-                                            code and its chunk's scale), then load-add-store
+                                            code and its chunk's or group's scale), then
+                                            load-add-store
 
 Race freedom: inside one payload the indices are unique (one chunk's positions are
 distinct, chunks are disjoint), so the plain load-add-store of a row never has two lanes on
@@ -86,7 +88,7 @@ def _rice_decode_kernel(gathered_ptr, index_ptr, row_stride, index_start, index_
 
 
 @triton.jit
-def _add_row_kernel(row_ptr, index_ptr, out_ptr, chunk_size, chunks, last_length, k_full, capacity,
+def _add_row_kernel(row_ptr, index_ptr, out_ptr, chunk_size, chunks, last_length, k_full, capacity, scale_group,
                     index_start, value_start, value_end,
                     INDEX_CODEC: tl.constexpr, INDEX_BITS: tl.constexpr, VALUE_CODEC: tl.constexpr,
                     VALUE_BITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -114,9 +116,10 @@ def _add_row_kernel(row_ptr, index_ptr, out_ptr, chunk_size, chunks, last_length
         v32 = (code.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     elif VALUE_CODEC == 2:
         v32 = code.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        lo = tl.load(row_ptr + 2 * c, mask=m, other=0).to(tl.int32)
-        hi = tl.load(row_ptr + 2 * c + 1, mask=m, other=0).to(tl.int32)
+    else:  # the scale of the entry's chunk, or of its group of payload entries
+        group = tl.where(scale_group > 0, e // tl.maximum(scale_group, 1), c)
+        lo = tl.load(row_ptr + 2 * group, mask=m, other=0).to(tl.int32)
+        hi = tl.load(row_ptr + 2 * group + 1, mask=m, other=0).to(tl.int32)
         s = (((hi << 8) | lo) << 16).to(tl.float32, bitcast=True)
         v32 = decode_code(code.to(tl.int32), s, VALUE_CODEC)
     v = to_f32(from_f32(v32, T))  # decoded.to(out.dtype)
@@ -169,6 +172,6 @@ def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
     for row, payload in enumerate(rows):
         row_index = payload if index is None else index[row * f.capacity : (row + 1) * f.capacity]
         _add_row_kernel[grid](payload, row_index, out, f.chunk_size, f.chunks, f.last_length, f.k_full, f.capacity,
-                              f.index_start, f.value_start, f.value_end, INDEX_CODEC=f.index_codec,
+                              getattr(layout, "scale_group", 0), f.index_start, f.value_start, f.value_end, INDEX_CODEC=f.index_codec,
                               INDEX_BITS=max(f.index_bits, 1), VALUE_CODEC=f.value_codec, VALUE_BITS=f.value_bits,
                               BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)

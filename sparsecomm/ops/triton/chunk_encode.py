@@ -6,8 +6,9 @@ Semantics: csrc/README.md (oracle: :func:`sparsecomm.ops.reference.chunk_encode`
 the same payload bytes, residual, indices and decoded values (NaN payload bits aside: any
 NaN matches any NaN, as for the other Triton kernels). Grad dtypes float32, bfloat16 and
 float16; index codecs int32, chunk and rice; every value codec; one scale per chunk
-(``scale_group == 0``) and chunks of at most ``MAX_CHUNK_SIZE`` (8192) entries. The dispatch
-sends other layouts to the reference.
+(``scale_group == 0``) and chunks of at most ``MAX_CHUNK_SIZE`` (8192) entries; a layout with
+a ``scale_group`` (one chunk of the whole bucket) goes to :mod:`~sparsecomm.ops.triton.compact_encode`.
+The dispatch sends other layouts to the reference.
 
 Kernel sequence (grids follow from the layout; nothing is read back to the host)::
 
@@ -24,7 +25,7 @@ Kernel sequence (grids follow from the layout; nothing is read back to the host)
                                  int32 scratch
     _rice_starts_kernel[chunks]  rice only: per entry its gap and the bit where its code starts
                                  (a cumsum of the code widths inside the chunk)
-    _pack_kernel       [bytes/B] one lane per payload byte after the scales: the byte of the
+    pack_kernel        [bytes/B] (chunk_pack.py) one lane per payload byte after the scales: the byte of the
                                  index region, value region or zero padding, assembled from
                                  the codes of every field it holds (fixed-width fields:
                                  entries byte*8 // bits on; rice: a binary search of the code
@@ -41,12 +42,10 @@ import triton.language as tl
 
 from sparsecomm.compress import value_codecs
 from sparsecomm.ops.triton import chunk_codecs, radix
-from sparsecomm.ops.triton.chunk_codecs import (block_max, block_min, chunk_scale, decode_code, fields_byte,
-                                                value_code)
+from sparsecomm.ops.triton.chunk_codecs import block_max, block_min, chunk_scale, decode_code, value_code
+from sparsecomm.ops.triton.chunk_pack import PACK_BLOCK, pack_kernel
+from sparsecomm.ops.triton.compact_encode import compact_encode
 from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, from_f32, magnitude_key, to_f32, to_wire
-
-_PACK_BLOCK = 1024
-
 
 @triton.jit
 def _select_kernel(g_ptr, r_ptr, payload_ptr, idx_out_ptr, dec_out_ptr, vcode_ptr, icode_ptr,
@@ -150,61 +149,6 @@ def _rice_starts_kernel(icode_ptr, start_ptr, gap_ptr, chunks, k_full, k_last, r
     tl.store(gap_ptr + e, gap, mask=m)
 
 
-@triton.jit
-def _rice_byte(start_ptr, gap_ptr, byte, mask, capacity, chunks, k_full, r_full, r_last, search_steps):
-    """Byte ``byte`` (region-relative) of the Rice index region from the code starts and gaps."""
-    bit0 = byte * 8
-    lo = tl.full(byte.shape, 0, tl.int64)
-    hi = tl.full(byte.shape, 0, tl.int64) + capacity
-    # The last code starting at or before bit0 (start[0] = 0 <= bit0).
-    for _ in range(search_steps):
-        mid = (lo + hi) >> 1
-        active = mask & (hi - lo > 1)
-        s = tl.load(start_ptr + mid, mask=active, other=0)
-        lo = tl.where(active & (s <= bit0), mid, lo)
-        hi = tl.where(active & (s > bit0), mid, hi)
-    out = tl.full(byte.shape, 0, tl.int64)
-    for j in tl.static_range(9):  # codes are >= 1 bit: at most 8 start inside the byte
-        f = lo + j
-        ok = mask & (f < capacity)
-        start = tl.load(start_ptr + f, mask=ok, other=0)
-        gap = tl.load(gap_ptr + f, mask=ok, other=0).to(tl.int64)
-        chunk = tl.minimum(f // k_full, chunks - 1)
-        r = tl.where(chunk == chunks - 1, r_last, r_full).to(tl.int64)
-        q = gap >> r
-        low = gap & ((1 << r) - 1)
-        rel = start - bit0
-        # q one-bits from the start, a zero, then the r low bits of the gap, LSB first.
-        first_one = tl.minimum(tl.maximum(rel, 0), 8)
-        end_one = tl.minimum(tl.maximum(rel + q, 0), 8)
-        ones = (1 << end_one) - (1 << first_one)
-        low_at = rel + q + 1
-        low_part = tl.where(low_at >= 0, low << tl.minimum(tl.maximum(low_at, 0), 8),
-                            low >> tl.minimum(tl.maximum(-low_at, 0), 63))
-        low_part = tl.where(low_at < 8, low_part & 0xFF, 0)
-        out = out | tl.where(ok, ones | low_part, 0)
-    return out
-
-
-@triton.jit
-def _pack_kernel(payload_ptr, icode_ptr, vcode_ptr, start_ptr, gap_ptr,
-                 index_start, value_start, value_end, nbytes, capacity, chunks, k_full, r_full, r_last,
-                 search_steps, INDEX_CODEC: tl.constexpr, INDEX_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    p = index_start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = p < nbytes
-    in_index = m & (p < value_start)
-    in_value = m & (p >= value_start) & (p < value_end)
-    if INDEX_CODEC == 2:
-        index_byte = _rice_byte(start_ptr, gap_ptr, p - index_start, in_index, capacity, chunks, k_full,
-                                r_full, r_last, search_steps)
-    else:
-        index_byte = fields_byte(icode_ptr, p - index_start, capacity, in_index, INDEX_BITS)
-    value_byte = fields_byte(vcode_ptr, p - value_start, capacity, in_value, VALUE_BITS)
-    byte = tl.where(in_index, index_byte, tl.where(in_value, value_byte, 0))  # the rest: zero padding
-    tl.store(payload_ptr + p, byte.to(tl.uint8), mask=m)
-
-
 def _check(grad, residual, add_residual, layout, payload):
     radix.check_vectors("chunk_encode", grad, residual=residual)
     if add_residual and residual is None:
@@ -226,8 +170,11 @@ def _check(grad, residual, add_residual, layout, payload):
 
 def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
     """``selector="chunk"``: the compensated acc encoded by ``layout`` (a ChunkLayout) into
-    ``payload``; residual updated. Returns (bucket-relative indices int64, decoded values)."""
+    ``payload``; residual updated. Returns (bucket-relative indices int64, decoded values).
+    A layout with a scale_group (exact top-k on the compact wire) goes to compact_encode.py."""
     _check(grad, residual, add_residual, layout, payload)
+    if getattr(layout, "scale_group", 0):
+        return compact_encode(grad, residual, divisor, add_residual, layout, payload)
     f = chunk_codecs.layout_numbers(layout)
     device = grad.device
     value_dtype = value_codecs.FLOAT_CODECS.get(layout.value_codec, torch.float32)
@@ -253,9 +200,9 @@ def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
                                          num_warps=chunk_codecs.num_warps_for(kblock), enable_fp_fusion=False)
     else:
         starts, gaps = indices, index_codes  # unused
-    grid = (triton.cdiv(f.nbytes - f.index_start, _PACK_BLOCK),)
-    _pack_kernel[grid](payload, index_codes, value_codes, starts, gaps, f.index_start, f.value_start, f.value_end,
+    grid = (triton.cdiv(f.nbytes - f.index_start, PACK_BLOCK),)
+    pack_kernel[grid](payload, index_codes, value_codes, starts, gaps, f.index_start, f.value_start, f.value_end,
                        f.nbytes, f.capacity, f.chunks, f.k_full, f.rice_r_full, f.rice_r_last,
                        max(1, f.capacity.bit_length()), INDEX_CODEC=f.index_codec, INDEX_BITS=max(f.index_bits, 1),
-                       VALUE_BITS=f.value_bits, BLOCK=_PACK_BLOCK, num_warps=4, enable_fp_fusion=False)
+                       VALUE_BITS=f.value_bits, BLOCK=PACK_BLOCK, num_warps=4, enable_fp_fusion=False)
     return indices, decoded
