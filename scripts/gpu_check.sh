@@ -51,13 +51,13 @@ grep -E "warning" "$build_log" | grep -E "csrc/cuda" | sort -u | head -n 20 || t
 "$PYTHON" - <<'PY'
 import torch
 import sparsecomm._C  # noqa: F401
-ops = ("ef_topk_pack", "ef_threshold_pack", "topk_threshold", "unpack_add", "chunk_encode", "chunk_decode_add")
+ops = ("ef_topk_pack", "unpack_add", "chunk_encode", "chunk_decode_add")
 print("CUDA kernels:", {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsecomm::{op}", "CUDA") for op in ops})
 PY
 
 status=0
 stamp "tests"
-"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_kernels_triton_chunk.py tests/test_hook_cuda.py || status=$?
+"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_kernels_triton_chunk.py tests/test_kernels_compact.py tests/test_hook_cuda.py || status=$?
 
 stamp "benchmark"
 "$PYTHON" experiments/bench_kernels.py --device cuda --sizes 1e6 25e6 100e6 --densities 0.001 0.01 || status=$?

@@ -104,7 +104,7 @@ class ChunkLayout:
         pad.zero_()
         decoded = value_codecs.decode(self.value_codec, scales, value_region, group)
         if residual is not None:
-            residual_after_sending(residual, acc, indices, decoded)
+            residual_after_sending(residual, acc, indices, decoded, keep_unusable=True)
         return indices, decoded
 
     # ----- decode -----------------------------------------------------------------------

@@ -41,19 +41,21 @@ def compensate(grad: torch.Tensor, residual: torch.Tensor | None, world_size: in
     return grad
 
 
-def residual_after_sending(residual: torch.Tensor, acc: torch.Tensor, indices: torch.Tensor,
-                           sent: torch.Tensor) -> None:
+def residual_after_sending(residual: torch.Tensor, acc: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor,
+                           *, keep_unusable: bool = False) -> None:
     """The error-feedback update, in place: ``residual = acc - sent`` at ``indices`` (``sent``:
     what the receivers decode there), ``acc`` elsewhere, and +0 wherever acc is not finite.
 
     ``acc - sent`` is exact in acc's dtype when ``sent`` is acc rounded to a narrower one,
-    so ``sent + residual == acc`` bit for bit. Where ``sent`` is not finite but acc is (a
-    scale that overflowed), nothing usable was sent: the residual keeps acc.
+    so ``sent + residual == acc`` bit for bit. ``keep_unusable`` (the scaled codecs'
+    contract): where ``sent`` is not finite but acc is (a group's scale overflowed), nothing
+    usable was sent, and the residual keeps acc; without it (the float wires' contract,
+    ``csrc/README.md``) the residual there is ``acc - sent``, the overflow's sign.
     """
     kept = acc[indices]
     wide = sent.to(acc.dtype)
     residual.copy_(acc)
-    residual[indices] = torch.where(torch.isfinite(wide), kept - wide, kept)
+    residual[indices] = torch.where(torch.isfinite(wide), kept - wide, kept) if keep_unusable else kept - wide
     # Non-finite acc, sent or not, leaves +0 (see the non-finite policy above).
     residual.masked_fill_(~torch.isfinite(acc), 0.0)
 
