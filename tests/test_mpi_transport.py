@@ -71,7 +71,7 @@ def test_transport_in_stats_not_in_config_and_pickled():
     assert state.stats()["transport"] == "mpi"
     assert TopKState().stats()["transport"] == "c10d"
     # Checkpoints stay interchangeable between transports: the config does not name it.
-    assert state.config.checkpoint_dict() == TopKState(selector="sampled")._config()
+    assert state.config.checkpoint_dict() == TopKState(selector="sampled").config.checkpoint_dict()
     copy = pickle.loads(pickle.dumps(state))
     assert copy.transport == "mpi" and copy.mpi is None
 
