@@ -18,6 +18,7 @@ import torch
 
 from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.compress import index_codecs
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP
 from sparsecomm.compress.value_codecs import VALUE_CODECS
@@ -219,6 +220,35 @@ def test_a_corrupt_payload_raises_and_writes_nothing_outside_the_bucket(index_co
     with pytest.raises(RuntimeError, match="corrupt payload"):
         native.chunk_decode_add(payload, layout, backing[8 : 8 + n])
     assert not backing[:8].any() and not backing[8 + n :].any()
+
+
+@pytest.mark.parametrize("index_codec", ["int32", "chunk"])
+def test_positions_out_of_order_or_repeated_add_what_the_reference_adds(index_codec):
+    """A fixed-width index region altered on the way (wire_checksum=False) can list positions
+    inside the bucket out of order, or one twice: the reference adds them all (index_add_), and
+    so must the kernel, bit for bit; refusing them would make one receiver of an owner exchange
+    raise where the others go on. Three rows: one reversed, one with a repeated position (and
+    so one missing), one intact; sizes past one index block of the kernel (2^14 entries)."""
+    n = 200_003
+    layout = _layout(n, 0.1, index_codec, "int4")  # k = 20_001: two index blocks
+    rows = []
+    for seed, alter in ((0, "reverse"), (1, "repeat"), (2, None)):
+        payload = _encode(reference, layout, _data(n, seed, False), None, 1.0, False)[0]
+        region = payload[layout.scale_bytes : layout.scale_bytes + layout.index_bytes]
+        indices = index_codecs.decode(index_codec, region, layout.geometry)
+        if alter == "reverse":
+            indices = indices.flip(0)
+        elif alter == "repeat":
+            indices[17_000] = indices[3]  # across index blocks
+        region.copy_(index_codecs.encode(index_codec, indices, layout.geometry))
+        rows.append(payload)
+    gathered = torch.cat(rows)
+    for zero_out in (True, False):
+        start = torch.randn(n)
+        want, got = start.clone(), start.clone()
+        reference.chunk_decode_add(gathered, layout, want, zero_out)
+        native.chunk_decode_add(gathered, layout, got, zero_out)
+        assert torch.equal(_bits(want), _bits(got)), f"zero_out={zero_out}"
 
 
 @pytest.mark.parametrize("index_codec,value_codec", [("rice", "int2"), ("int32", "bf16"), ("chunk", "sign")])

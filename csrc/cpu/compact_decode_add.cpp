@@ -4,18 +4,25 @@
 //
 //   A. Every row's indices into a scratch array [rows x k] (Rice: a row per thread, one code
 //      after another, as the codes of one chunk must be read; the fixed-width codecs: blocks
-//      of entries in parallel), checked as they are read: inside the bucket and above the
-//      entry before (the encoder lists a payload in ascending index order).
+//      of entries in parallel), checked as they are read: inside the bucket. The encoder
+//      lists a payload in ascending index order; a fixed-width row that is not (only a payload
+//      altered on the way, with wire_checksum=False, can be) is sorted here, stably, with
+//      each entry's payload position kept, so that it adds what the reference adds.
 //   B. The bucket shared out by runs of 64k entries, as in chunk_decode_add.cpp: a thread
 //      finds every row's entries of its run (binary search over the ascending indices) and
 //      adds them, row after row; with zero_out the run is summed in a scratch buffer that
 //      stays in L2 and written out with streaming stores. Values are decoded as they are
 //      added (the scale of entry e is that of group e / scale_group).
 //
-// A payload comes from another rank: from a row's first entry that is out of the bucket,
-// not above its predecessor, or (Rice) whose code runs past the row's bits, that entry and
-// the rest of the row are skipped and counted, and the caller raises: a corrupt payload
-// never writes outside the bucket.
+// Bitwise what ChunkLayout.views + index_add_ give for any payload whose positions lie in the
+// bucket, in any order, repeated or not: each entry of the bucket receives its addends in
+// row order and, within a row, in payload order. The receivers of one owner exchange decode
+// different messages, so a decoder that refused what the reference adds would make one
+// rank raise where the others go on (a collective mismatch).
+//
+// A payload comes from another rank: from a row's first entry that is out of the bucket, or
+// (Rice) whose code runs past the row's bits, that entry and the rest of the row are skipped
+// and counted, and the caller raises: a corrupt payload never writes outside the bucket.
 #include "chunk_codecs.h"
 #include "stream_copy.h"
 
@@ -26,8 +33,10 @@ constexpr int64_t kRunEntries = 1 << 16;
 constexpr int64_t kIndexBlock = 1 << 14;  // step A for the fixed-width codecs: entries per task
 
 struct DecodeWorkspace {
-  std::vector<int32_t> index;  // rows x k
-  std::vector<int64_t> valid;  // per row: the entries before the first corrupt one
+  std::vector<int32_t> index;     // rows x k
+  std::vector<int64_t> valid;     // per row: the entries before the first corrupt one
+  std::vector<int32_t> position;  // rows x k: a sorted row's payload position of each entry
+  std::vector<uint8_t> sorted;    // per row: 1 if its indices were sorted here (position holds)
 };
 
 DecodeWorkspace& decode_workspace() {
@@ -71,9 +80,13 @@ int64_t read_rice_row(const ChunkFormat& f, const uint8_t* row, int32_t* index) 
   return f.selected;
 }
 
-// Step A, int32 and chunk codecs: entries [e0, e1) of the row into `index`; returns the
-// first invalid entry (e1 if none).
-int64_t read_fixed_width(const ChunkFormat& f, const uint8_t* row, int64_t e0, int64_t e1, int32_t* index) {
+struct BlockRead {
+  int64_t first_invalid;  // e1 if none
+  bool ascending;         // every valid entry of the block above the one before it
+};
+
+// Step A, int32 and chunk codecs: entries [e0, e1) of the row into `index`.
+BlockRead read_fixed_width(const ChunkFormat& f, const uint8_t* row, int64_t e0, int64_t e1, int32_t* index) {
   const uint8_t* region = row + f.index_start;
   const int64_t region_bytes = f.value_start - f.index_start;
   auto read = [&](int64_t e) -> int64_t {
@@ -85,13 +98,25 @@ int64_t read_fixed_width(const ChunkFormat& f, const uint8_t* row, int64_t e0, i
     return read_field(region, region_bytes, e * f.index_bits, f.index_bits);
   };
   int64_t previous = e0 > 0 ? read(e0 - 1) : -1;
+  bool ascending = true;
   for (int64_t e = e0; e < e1; ++e) {
     const int64_t i = read(e);
-    if (i <= previous || i >= f.numel) return e;
+    if (i < 0 || i >= f.numel) return {e, ascending};
+    ascending = ascending && i > previous;
     index[e] = static_cast<int32_t>(i);
     previous = i;
   }
-  return e1;
+  return {e1, ascending};
+}
+
+// Step A, a row that is not in ascending order: its valid entries sorted by index, stably
+// (a repeated index keeps its payload order), each entry's payload position in `position`.
+void sort_row(int32_t* index, int32_t* position, int64_t valid) {
+  for (int64_t e = 0; e < valid; ++e) position[e] = static_cast<int32_t>(e);
+  std::stable_sort(position, position + valid, [&](int32_t a, int32_t b) { return index[a] < index[b]; });
+  std::vector<int32_t> sorted(valid);
+  for (int64_t e = 0; e < valid; ++e) sorted[e] = index[position[e]];
+  std::copy(sorted.begin(), sorted.end(), index);
 }
 
 template <typename T>
@@ -103,6 +128,7 @@ int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, int64_
   DecodeWorkspace& ws = decode_workspace();
   ws.index.resize(rows * k);
   ws.valid.assign(rows, k);
+  ws.sorted.assign(rows, 0);
   // Step A.
   if (f.index_codec == kIndexRice) {
     at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
@@ -112,17 +138,25 @@ int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, int64_
     });
   } else {
     const int64_t blocks = (k + kIndexBlock - 1) / kIndexBlock;
-    std::vector<int64_t> first_bad(rows * blocks);
+    std::vector<BlockRead> reads(rows * blocks);
     at::parallel_for(0, rows * blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t task = first; task < last; ++task) {
         const int64_t row = task / blocks, e0 = task % blocks * kIndexBlock;
-        first_bad[task] = read_fixed_width(f, base + row * row_stride, e0, std::min(k, e0 + kIndexBlock),
-                                           ws.index.data() + row * k);
+        reads[task] = read_fixed_width(f, base + row * row_stride, e0, std::min(k, e0 + kIndexBlock),
+                                       ws.index.data() + row * k);
       }
     });
     for (int64_t row = 0; row < rows; ++row) {
+      bool ascending = true;
       for (int64_t b = 0; b < blocks && ws.valid[row] == k; ++b) {
-        if (first_bad[row * blocks + b] < std::min(k, (b + 1) * kIndexBlock)) ws.valid[row] = first_bad[row * blocks + b];
+        const BlockRead& read = reads[row * blocks + b];
+        ascending = ascending && read.ascending;
+        if (read.first_invalid < std::min(k, (b + 1) * kIndexBlock)) ws.valid[row] = read.first_invalid;
+      }
+      if (!ascending) {
+        ws.position.resize(rows * k);
+        sort_row(ws.index.data() + row * k, ws.position.data() + row * k, ws.valid[row]);
+        ws.sorted[row] = 1;
       }
     }
   }
@@ -162,8 +196,9 @@ int64_t decode_add_impl(const at::Tensor& gathered, const ChunkFormat& f, int64_
         const uint8_t* payload = base + row * row_stride;
         const int32_t* index = ws.index.data() + row * k;
         const int32_t* end = index + ws.valid[row];
+        const int32_t* position = ws.sorted[row] ? ws.position.data() + row * k : nullptr;
         for (const int32_t* at = std::lower_bound(index, end, static_cast<int32_t>(lo)); at < end && *at < hi; ++at) {
-          add_to(sum, *at - lo, value_at(payload, at - index));
+          add_to(sum, *at - lo, value_at(payload, position ? position[at - index] : at - index));
         }
       }
       if (zero_out) stream_copy(dst + lo, sum, (hi - lo) * sizeof(T));

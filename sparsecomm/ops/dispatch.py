@@ -110,9 +110,8 @@ def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
     kernels do not take (every reference gives the same bits): 16-bit gradients (native
     encoders), a ``scale_group`` on a layout of more than one chunk (all kernels; the hook's
     exact top-k on the compact wire is one chunk of the whole bucket), a ``scale_group`` on
-    CUDA (the CUDA kernels: Triton takes it), chunks over 8192 entries without a
-    ``scale_group`` (Triton), and the decode of a ``scale_group`` payload (for now: see
-    below). A registered kernel wins, as everywhere."""
+    CUDA (the CUDA kernels: Triton takes it), and chunks over 8192 entries without a
+    ``scale_group`` (Triton). A registered kernel wins, as everywhere."""
     device_type = tensor.device.type
     registered = _KERNELS.get((op, device_type))
     if registered is not None:
@@ -123,11 +122,6 @@ def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
             or (scale_group and layout.chunk_size != layout.numel)):
         return _REFERENCE[op]
     native_takes = op != "chunk_encode" or tensor.dtype in _NATIVE_CHUNK_GRAD_DTYPES
-    if scale_group and op == "chunk_decode_add":
-        # The native compact decoder adds by runs of ascending indices: a payload whose indices
-        # arrive out of order (corrupted with wire_checksum=False) made ranks of the owner
-        # exchange diverge (test_wire_integrity). The reference decodes any order alike.
-        return _REFERENCE[op]
     if device_type == "cpu":
         return _builtin(op, "cpu") if native_takes else _REFERENCE[op]
     native_takes = native_takes and not scale_group  # the CUDA kernels take one scale per chunk

@@ -128,7 +128,7 @@ void chunk_decode_add_cpu(const at::Tensor& gathered, int64_t chunk_size, int64_
   ChunkDecodeAddKernel* kernel = f.scale_group > 0 ? kernels().compact_decode_add : kernels().chunk_decode_add;
   const int64_t corrupt = kernel(gathered, f, payloads.rows, payloads.stride, out, zero_out);
   TORCH_CHECK(corrupt == 0, "chunk_decode_add: ", corrupt,
-              f.scale_group > 0 ? " entries decode to positions outside the bucket or out of order: corrupt payload"
+              f.scale_group > 0 ? " entries decode to positions outside the bucket: corrupt payload"
                                 : " entries decode to positions outside their chunk: corrupt payload");
 }
 
