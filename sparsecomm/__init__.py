@@ -20,6 +20,10 @@ def __getattr__(name):
         from sparsecomm.averaging.sparse_delta import SparseDeltaAverager
 
         return SparseDeltaAverager
+    if name == "AdamS":
+        from sparsecomm.optim import AdamS
+
+        return AdamS
     if name in _HOOK_NAMES:
         from sparsecomm import hooks
 
@@ -27,5 +31,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'sparsecomm' has no attribute {name!r}")
 
 
-__all__ = ["ConservationError", "NonFiniteSyncError", "SparseDeltaAverager", "SparsecommError", "WireIntegrityError", *_HOOK_NAMES,
+__all__ = ["AdamS", "ConservationError", "NonFiniteSyncError", "SparseDeltaAverager", "SparsecommError", "WireIntegrityError", *_HOOK_NAMES,
            "__version__"]

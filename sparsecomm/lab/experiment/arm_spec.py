@@ -27,9 +27,11 @@ Reducers and their options:
 
 A topk arm with ``momentum`` > 0 (DGC momentum correction) runs an optimizer without
 momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``:
-adamw, sgd or signsgd, ``lr``, ``momentum``, ``weight_decay``) override the experiment's for
-that arm only; ``signsgd`` with a topk arm is the sign mode (DeMo-style: error feedback,
-then the sign of the aggregate).
+adamw, sgd, signsgd or adams, ``lr``, ``momentum``, ``weight_decay``) override the experiment's
+for that arm only; ``signsgd`` with a topk arm is the sign mode (DeMo-style: error feedback,
+then the sign of the aggregate); ``adams`` is :class:`sparsecomm.optim.AdamS` (Adam without
+the second moment, at AdamW's betas and eps), refused on an arm whose hook corrects momentum
+(its momentum is also its normalizer: it cannot be handed to the hook).
 Options an arm leaves out take the experiment's values (``density``, ``warmup_steps``, the
 wire fields; ``seed`` is always the run's), and the resolved arm (every option explicit)
 is what is hashed, stored with each run and printed in the report.
@@ -79,8 +81,9 @@ SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, 
 """What a sparse-delta arm leaves out (density: the experiment's): SparseLoCo's wire (chunks
 of 4096, Rice indices, 2-bit values), its outer learning rate and error-feedback decay."""
 OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
-ARM_OPTIMIZERS = ("adamw", "sgd", "signsgd")
-"""An arm's optimizer: the experiment's two, or sign-SGD (the sign mode: ``sparsecomm.hooks.sign_sgd``)."""
+ARM_OPTIMIZERS = ("adamw", "sgd", "signsgd", "adams")
+"""An arm's optimizer: the experiment's three (adamw, sgd, adams: ``sparsecomm.optim.AdamS``), or
+sign-SGD (the sign mode: ``sparsecomm.hooks.sign_sgd``)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """``value_dtype`` / ``residual_dtype`` are written as these names (a JSON value cannot hold a torch.dtype)."""
 OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS,
@@ -215,6 +218,7 @@ def resolve(name: str, config) -> ArmSpec:
     spec = ArmSpec(name, reducer, options, optimizer, preset)
     if "momentum" in definition.get("optimizer", {}):
         _check_optimizer_momentum_applies(spec)
+    _check_adams_without_momentum_correction(spec)
     return spec
 
 
@@ -307,6 +311,16 @@ def _check_optimizer_momentum_applies(spec: ArmSpec) -> None:
     if kind is not None and kind != "sgd":
         raise ValueError(f"experiment config: arm {spec.name!r}: optimizer momentum {spec.optimizer['momentum']!r} "
                          f"cannot apply: only optimizer sgd has a momentum setting, the arm's optimizer is {kind!r}")
+
+
+def _check_adams_without_momentum_correction(spec: ArmSpec) -> None:
+    """AdamS keeps its momentum: under the hook's momentum correction the optimizer must run
+    without one, and AdamS's momentum is also its normalizer, so it cannot be taken out."""
+    if spec.optimizer.get("optimizer") == "adams" and spec.momentum_correction:
+        raise ValueError(f"experiment config: arm {spec.name!r}: optimizer 'adams' cannot run under the hook's "
+                         f"momentum correction (option momentum={spec.momentum_correction:g}): AdamS's momentum is "
+                         "also its normalizer, so it cannot be handed to the hook; set the arm's option momentum "
+                         "to 0, or choose optimizer adamw or sgd")
 
 
 def parse_cli_arm(text: str) -> tuple[str, dict | None]:

@@ -20,7 +20,7 @@ from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 from sparsecomm.lab.tasks import TASK_ACCEPTED, TASK_NAMES, is_user_task, load_user_task
 from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "adams")
 MODES = ("min", "max")
 LAUNCHERS = ("torchrun", "mpiexec")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")

@@ -40,6 +40,7 @@ from sparsecomm.lab.experiment.rank_errors import write_rank_error
 from sparsecomm.lab.experiment.steps_log import STEPS_FILE, StepLog, read_steps, rows_up_to, write_steps_atomically
 from sparsecomm.hooks import TopKState, dgc_optimizer
 from sparsecomm.hooks.sign_sgd import SignSGD
+from sparsecomm.optim import AdamS
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
 from sparsecomm.lab.tasks import get_task
 
@@ -71,6 +72,8 @@ def optimizer_for_spec(spec, params) -> torch.optim.Optimizer:
         return dgc_optimizer(params, settings["optimizer"], lr=settings["lr"], weight_decay=settings["weight_decay"])
     if settings["optimizer"] == "adamw":
         return torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
+    if settings["optimizer"] == "adams":  # at AdamW's betas and eps (under momentum correction: refused)
+        return AdamS(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
     return torch.optim.SGD(params, lr=settings["lr"], momentum=settings["momentum"],
                            weight_decay=settings["weight_decay"])
 
