@@ -180,7 +180,7 @@ def test_the_sign_mode_is_a_topk_arm_with_the_sign_sgd_optimizer():
     config = dataclasses.replace(pydoc_gpt(), arms=("dense", "sign"), arm_definitions=sign)
     optimizer = make_optimizer(config, torch.nn.Linear(3, 2).parameters(), "sign")
     assert isinstance(optimizer, SignSGD) and optimizer.param_groups[0]["lr"] == 0.001
-    with pytest.raises(ValueError, match=r"optimizer optimizer must be one of \('adamw', 'sgd', 'signsgd'\)"):
+    with pytest.raises(ValueError, match=r"optimizer optimizer must be one of \('adamw', 'sgd', 'signsgd', 'adams'\)"):
         dataclasses.replace(config, arm_definitions={"sign": {**sign["sign"], "optimizer": {"optimizer": "lion"}}})
 
 

@@ -21,7 +21,7 @@ from sparsecomm.links.spec import parse_link
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
 OVERFLOW_CHOICES = ("rollback", "drop")
-EXCHANGE_CHOICES = ("allgather", "owner", "shared-index", "auto")
+EXCHANGE_CHOICES = ("allgather", "owner", "shared-index", "shared-mask", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +97,15 @@ class TopKConfig:
                      '(`selector="exact"`: top-k per range, or `"chunk"`): each rank owns a range of the bucket, sums '
                      "what the others send it, keeps an owner residual and returns its selection, about 2k entries "
                      'received whatever the world size; `"shared-index"` (exact or chunked, float values): a '
-                     'rotating leader broadcasts its selection and the values are allreduced; `"auto"`: the cheapest '
-                     "per bucket, modelled on `link` ([exchange.md](exchange.md))",
+                     'rotating leader broadcasts its selection and the values are allreduced; `"shared-mask"` (exact, '
+                     "float values): every rank derives the same mask from the synced first moment, one step ahead, "
+                     'and the values are allreduced, no index bytes (SCAPE); `"auto"`: the cheapest of allgather, '
+                     "owner and shared-index per bucket, modelled on `link` ([exchange.md](exchange.md))",
         kind="choice", choices=EXCHANGE_CHOICES, checkpoint="if-set")
+    mask_refresh: float = option(
+        0.25, 'the share of a shared mask given to a window that sweeps the bucket, so that every entry is sent at '
+              "least once every ceil(numel / ceil(mask_refresh x k)) steps", kind="real", low=0.0, low_open=True,
+        high=1.0, condition='with `exchange="shared-mask"` only', checkpoint="if-set")
     link: str | None = option(None, "the link `exchange=\"auto\"` models (`None`: `10gbit@50us`)",
                               accepted='`None` or a link name such as `"1gbit@50us"`',
                               condition='with `exchange="auto"` only', checkpoint="if-set")
@@ -180,6 +186,18 @@ class TopKConfig:
             if self.transport != "c10d" or self.k_scope != "bucket":
                 raise ValueError(f"exchange='shared-index' needs transport='c10d' and k_scope='bucket', got "
                                  f"transport={self.transport!r}, k_scope={self.k_scope!r}")
+        if self.exchange == "shared-mask":
+            if self.selector != "exact" or self.value_codec is not None:
+                raise ValueError(f"exchange='shared-mask' selects its own k entries (the shared mask) and sums their "
+                                 f"values with an allreduce: it needs selector='exact' and a float wire (value_codec "
+                                 f"None, 'fp32', 'bf16' or 'fp16'), got selector={self.selector!r}, "
+                                 f"value_codec={self.value_codec!r}")
+            if self.transport != "c10d" or self.k_scope != "bucket":
+                raise ValueError(f"exchange='shared-mask' needs transport='c10d' and k_scope='bucket', got "
+                                 f"transport={self.transport!r}, k_scope={self.k_scope!r}")
+        elif self.mask_refresh != TopKConfig.mask_refresh:
+            raise ValueError(f"mask_refresh={self.mask_refresh} is a setting of exchange='shared-mask' (got "
+                             f"exchange={self.exchange!r})")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:

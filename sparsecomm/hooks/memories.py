@@ -1,5 +1,6 @@
 """The hook's per-rank memories: the error-feedback residuals, the momentum-correction
-velocities and the owner exchange's second-level residuals, each keyed by parameter name
+velocities, the owner exchange's second-level residuals and the shared-mask exchange's
+scores (the synced first moment, the same on every rank), each keyed by parameter name
 (:class:`~sparsecomm.hooks.parameter_memory.ParameterMemory`), and the float32 scratch in
 which a 16-bit bucket's acc is formed."""
 import torch
@@ -8,18 +9,20 @@ from sparsecomm.hooks.parameter_memory import ParameterMemory
 
 
 class HookMemories:
-    __slots__ = ("residuals", "velocities", "owner_residuals", "owner_ranges", "scratch")
+    __slots__ = ("residuals", "velocities", "owner_residuals", "mask_scores", "owner_ranges", "scratch")
 
     def __init__(self):
         self.residuals = ParameterMemory()  # error feedback
         self.velocities = ParameterMemory()  # momentum correction (DGC)
         self.owner_residuals = ParameterMemory()  # exchange="owner": what an owner did not send on
+        self.mask_scores = ParameterMemory()  # exchange="shared-mask": what the mask is derived from
         # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
         self.owner_ranges: dict[int, tuple] = {}
         self.scratch = None  # float32 scratch of the largest 16-bit bucket (wide memories), or None
 
-    def all(self) -> tuple[ParameterMemory, ParameterMemory, ParameterMemory]:
-        return self.residuals, self.velocities, self.owner_residuals
+    def all(self) -> tuple[ParameterMemory, ...]:
+        # The scores too: they are gradients in the grad scaler's units, as the residuals are.
+        return self.residuals, self.velocities, self.owner_residuals, self.mask_scores
 
     def clear(self) -> None:
         for memory in self.all():

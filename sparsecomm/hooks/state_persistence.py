@@ -31,7 +31,8 @@ class PersistentState:
     def state_dict(self) -> dict:
         """This rank's state, with every per-rank entry under ``rank{r}.``.
 
-        ``rank{r}.residual.{name}``, ``rank{r}.velocity.{name}``, ``rank{r}.stats``,
+        ``rank{r}.residual.{name}``, ``rank{r}.velocity.{name}``, ``rank{r}.stats`` (and
+        ``owner_residual`` / ``mask_score`` entries for the owner / shared-mask exchanges),
         ``rank{r}.sample_generator`` and ``rank{r}.sample_generator_device`` differ per
         rank; ``format``, ``world_size``, ``step``, ``config`` and ``memory_scale`` (the
         grad scaler's scale the memories are in, None without a scaler) are the same on
@@ -57,7 +58,8 @@ class PersistentState:
         sd[f"{prefix}stats"] = dict(self._stats.totals)
         memories = [("residual", self.memories.residuals, self.config.error_feedback),
                     ("velocity", self.memories.velocities, self.config.momentum > 0),
-                    ("owner_residual", self.memories.owner_residuals, self._has_owner_memory())]
+                    ("owner_residual", self.memories.owner_residuals, self._has_owner_memory()),
+                    ("mask_score", self.memories.mask_scores, self.config.exchange == "shared-mask")]
         for kind, memory, used in memories:
             entries = memory.state_dict()
             if used:
@@ -109,7 +111,8 @@ class PersistentState:
             problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
         if not problems:
             problems += state_dict_check.mismatches(parsed, self.names.shapes, self.config.error_feedback,
-                                                    self.config.momentum > 0, rank, self._has_owner_memory())
+                                                    self.config.momentum > 0, rank, self._has_owner_memory(),
+                                                    self.config.exchange == "shared-mask")
         memories = parsed.memories
         generator_state = parsed.per_rank.get("sample_generator")
         generator_device = parsed.per_rank.get("sample_generator_device", "cpu")
@@ -123,10 +126,11 @@ class PersistentState:
                 "TopKState.load_state_dict(strict=False): resetting error-feedback residuals: " + "; ".join(problems),
                 stacklevel=2,
             )
-            memories = {"residual": {}, "velocity": {}, "owner_residual": {}}
+            memories = {kind: {} for kind in state_dict_check.MEMORY_KINDS}
         self.memories.residuals.load_state_dict(memories["residual"])
         self.memories.velocities.load_state_dict(memories["velocity"])
         self.memories.owner_residuals.load_state_dict(memories["owner_residual"])
+        self.memories.mask_scores.load_state_dict(memories["mask_score"])
         self.memories.owner_ranges = {}
         self._load_memory_scale(None if reset else parsed.memory_scale)
         self.sample_generator = None

@@ -26,6 +26,7 @@ COUNTERS = (
     "seconds_owner_reduce",  # host time of the owner's decode + sum + select + encode
     "shared_index_calls",  # sparse calls on the leader's index set (exchange="shared-index")
     "seconds_index_broadcast",  # host time blocked in the shared-index exchange's broadcast
+    "shared_mask_calls",  # sparse calls on the mask every rank derives alike (exchange="shared-mask")
     "skipped_steps",  # steps undone in the hook's memory (overflow, or skip_step())
     "unused_restored",  # parameters whose sent entries went back to the residual (unused by every rank)
 )

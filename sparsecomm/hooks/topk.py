@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from sparsecomm.hooks.conservation import ConservationAudit
 from sparsecomm.hooks.pipeline import acc, integrity, plan, record
-from sparsecomm.hooks.wires import dense
+from sparsecomm.hooks.wires import dense, shared_mask
 from sparsecomm.hooks.wires.owner import owner_residual
 from sparsecomm.hooks.topk_state import (  # noqa: F401  (TopKState and the constants are re-exported)
     K_SCOPES,
@@ -39,8 +39,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        the all-gather of fixed payloads (``exchange="allgather"``, the default; int32 +
        float entries, or the index and value codecs), the variable all-gather (sampled
        selector over MPI), the owner exchange (``"owner"``), the shared index set
-       (``"shared-index"``), random-k, or the cheapest of those on ``link``
-       (``"auto"``). Dense instead until ``warmup_steps`` steps have passed, or when the
+       (``"shared-index"``), the mask every rank derives alike from the synced first
+       moment (``"shared-mask"``), random-k, or the cheapest of all-gather, owner and
+       shared-index on ``link`` (``"auto"``). Dense instead until ``warmup_steps`` steps have passed, or when the
        wire would not move fewer bytes than a dense allreduce: the bucket is then
        allreduced as a whole (the residual is sent in full and cleared).
     2. Compensate: ``acc = grad / world_size + residual`` (dividing first avoids fp16
@@ -49,7 +50,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        in step 3 (``stats()["fused_calls"]``).
     3. Encode: select k entries of acc (exact top-k, sampled threshold, random-k, the top
        entries of every chunk, or, shared-index, the leader's selection, which it
-       broadcasts first) and encode them into the wire's payload, sealed with a checksum
+       broadcasts first, or, shared-mask, the mask derived before the step) and encode them into the wire's payload, sealed with a checksum
        (``wire_checksum``); the new residual is ``acc - decoded`` (so ``decoded + residual
        == acc`` exactly), and 0 where acc is not finite, while the Inf/NaN itself is sent,
        so every rank sees the overflow.
@@ -133,11 +134,14 @@ def _reduce(call: plan.BucketCall) -> torch.futures.Future:
     velocity, residual = acc.memories(call, call.with_residual)
     if config.exchange in ("owner", "auto"):  # what this rank no longer owns moves to its residual
         call.owner_memory = owner_residual(call, residual)
+    if config.exchange == "shared-mask":  # the synced first moment, which the mask is derived from
+        call.mask_score = state.memories.mask_scores.bucket_tensor(call.index, call.names, call.numels, call.grad)
+    memories = (velocity, residual, call.owner_memory, call.mask_score)
     if state.journal is not None:
-        state.journal.record(call.index, [m for m in (velocity, residual, call.owner_memory) if m is not None])
+        state.journal.record(call.index, [m for m in memories if m is not None])
     call.emit("gradient", call.dense, gradient=call.out)
     if wire.dense:
-        return wire.reduce(call, velocity, residual)  # 2.-6., an allreduce of the whole bucket
+        return _follow(call, wire.reduce(call, velocity, residual))  # 2.-6., an allreduce of the whole bucket
     started = time.perf_counter()
     if config.verify_conservation:
         call.audit = ConservationAudit(state, call.grad, call.numels, call.world_size, velocity, residual)
@@ -152,7 +156,12 @@ def _reduce(call: plan.BucketCall) -> torch.futures.Future:
     fut = fut.then(wire.accumulate(call, packed))  # 6.
     if wire.sealed:
         state.seals.futures.append(fut)  # checked when it arrives; agreed on at the step's last bucket
-    return fut
+    return _follow(call, fut)
+
+
+def _follow(call: plan.BucketCall, fut: torch.futures.Future) -> torch.futures.Future:
+    """The shared-mask exchange folds every reduced bucket, dense or sparse, into its score."""
+    return fut if call.mask_score is None else fut.then(shared_mask.follow_reduced(call.mask_score))
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future:

@@ -121,10 +121,16 @@ class TopKState(PersistentState):
        ``selector="exact"`` or ``"chunk"`` and a float wire): one rank per bucket and step,
        rotating, broadcasts its selection; every rank allreduces its values there. No
        index bytes per rank and no scatter; what the leader's set leaves out stays in each
-       rank's residual. ``"auto"``: per bucket, the cheapest of the exchanges the settings
-       allow (and dense), modelled on ``link`` (e.g. ``"1gbit@50us"``; default
+       rank's residual. ``"shared-mask"`` (``selector="exact"``, a float wire): the mask is
+       derived, one step ahead, from the first moment of the synced gradient, which every
+       rank holds alike, plus a window sweeping the bucket (``mask_refresh`` of the k
+       entries) so that no entry waits more than ceil(numel / window) steps; no index
+       travels, and a bucket's values are allreduced as soon as backward produces it
+       (SCAPE's method; :mod:`sparsecomm.hooks.wires.shared_mask`). ``"auto"``: per
+       bucket, the cheapest of all-gather, owner and shared-index the settings allow (and dense), modelled on ``link`` (e.g. ``"1gbit@50us"``; default
        ``"10gbit@50us"``) by the alpha-beta cost model; ``stats()`` counts each
-       (``allgather_calls``, ``owner_calls``, ``shared_index_calls``, ``fallback_calls``).
+       (``allgather_calls``, ``owner_calls``, ``shared_index_calls``, ``fallback_calls``;
+       ``shared_mask_calls`` for ``"shared-mask"``).
     12. ``wire_checksum`` (default True): every payload this rank puts on a sparse wire (the
        all-gather, chunked and compact payloads included; both legs of the owner exchange;
        the MPI all-gathers; the shared-index leader's index broadcast) is sealed with a
@@ -226,6 +232,7 @@ class TopKState(PersistentState):
         index_codec: str = "int32",
         value_codec: str | None = None,
         exchange: str = "allgather",
+        mask_refresh: float = 0.25,
         link: str | None = None,
         wire_checksum: bool = True,
         wire_agreement: bool = False,
@@ -243,7 +250,7 @@ class TopKState(PersistentState):
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
-            link=link, wire_checksum=wire_checksum, wire_agreement=wire_agreement,
+            mask_refresh=mask_refresh, link=link, wire_checksum=wire_checksum, wire_agreement=wire_agreement,
         )
         self.process_group = process_group
         self.step = 0

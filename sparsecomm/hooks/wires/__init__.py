@@ -11,6 +11,8 @@ wire                       when                                                 
 ``OwnerWire``              ``exchange="owner"``: owners of ranges sum and re-select      ~2 (p-1)/p payload
 ``SharedIndexWire``        ``exchange="shared-index"``: a rotating leader's index set,   ~2 k values + the
                            every rank's values there allreduced                          index set
+``SharedMaskWire``         ``exchange="shared-mask"``: a mask every rank derives alike   ~2 k values
+                           from the synced first moment, values allreduced
 ``RandomKWire``            ``selector="random"``: indices from a shared seeded stream,   ~2 k values
                            values allreduced
 ``DenseWire``              warm-up, the dense fallback, or ``exchange="auto"``'s choice  ~2 x the bucket
@@ -36,6 +38,7 @@ from sparsecomm.hooks.wires.base import Packed, Wire
 from sparsecomm.hooks.wires.dense import DenseWire
 from sparsecomm.hooks.wires.owner import OwnerWire
 from sparsecomm.hooks.wires.shared_index import RandomKWire, SharedIndexWire
+from sparsecomm.hooks.wires.shared_mask import SharedMaskWire
 from sparsecomm.hooks.wires.variable_allgather import VariableAllgatherWire
 
 
@@ -47,6 +50,8 @@ def build(config, exchange: str, numel: int, density: float, k: int, value_dtype
         return RandomKWire(config, k, value_dtype, world_size)
     if exchange == "shared-index":
         return SharedIndexWire(config, numel, density, value_dtype, world_size)
+    if exchange == "shared-mask":
+        return SharedMaskWire(config, k, value_dtype, world_size)
     layout = payload_layout(config, density, numel, k, value_dtype, world_size, exchange)
     if exchange == "owner":
         return OwnerWire(config, layout, world_size)
@@ -58,9 +63,9 @@ def build(config, exchange: str, numel: int, density: float, k: int, value_dtype
 def payload_layout(config, density: float, numel: int, k: int, value_dtype: torch.dtype, world_size: int = 1,
                    exchange: str = "allgather"):
     """The layout of a bucket's sparse payload: None for random-k and the shared-index
-    exchange (bare values); an OwnerLayout (the messages for every range owner) for the
+    and shared-mask exchanges (bare values); an OwnerLayout (the messages for every range owner) for the
     owner exchange; else int32 + float entries, or a chunked / compact ChunkLayout."""
-    if config.selector == "random" or exchange == "shared-index":
+    if config.selector == "random" or exchange in ("shared-index", "shared-mask"):
         return None
     if exchange != "owner" and config.selector != "chunk" and not config.compact_wire:
         return PayloadLayout(k, value_dtype)
@@ -99,4 +104,4 @@ class WireCache:
 
 
 __all__ = ["AllgatherWire", "DenseWire", "OwnerWire", "Packed", "RandomKWire", "SharedIndexWire",
-           "VariableAllgatherWire", "Wire", "WireCache", "build", "payload_layout"]
+           "SharedMaskWire", "VariableAllgatherWire", "Wire", "WireCache", "build", "payload_layout"]

@@ -33,8 +33,9 @@ from sparsecomm.hooks.wires.base import Packed, Wire
 
 
 class AllreducedValues(Wire):
-    """What random-k and the shared-index exchange have in common: every rank sends values at
-    the same indices, summed by a plain allreduce. A sum is no rank's payload: nothing to seal."""
+    """What random-k, the shared-index and the shared-mask exchanges have in common: every rank
+    sends k values at the same indices, summed by a plain allreduce (its bytes, its dense-fallback
+    rule and its modelled time are those of k values). A sum is no rank's payload: nothing to seal."""
 
     def __init__(self, config, k: int, value_dtype: torch.dtype, world_size: int):
         super().__init__(config, None, world_size)
@@ -46,6 +47,16 @@ class AllreducedValues(Wire):
 
     def matches(self, other) -> bool:
         return super().matches(other) and (self.k, self.value_dtype) == (other.k, other.value_dtype)
+
+    def smaller_than_dense(self, numel, buffer_dtype) -> bool:
+        return not link_model.falls_back_to_dense(self.k * self.value_dtype.itemsize, numel * buffer_dtype.itemsize, 1)
+
+    def density_bound(self, buffer_dtype) -> float:
+        return buffer_dtype.itemsize / self.value_dtype.itemsize
+
+    def modelled_seconds(self, numel, buffer_dtype, link) -> float:
+        return link_model.ring_allreduce_seconds(self.k * self.value_dtype.itemsize, self.world_size,
+                                                 rate_bytes_per_s=link.bytes_per_s, alpha_s=link.latency_s)
 
     def bytes_received(self, call, packed) -> int:
         return link_model.ring_allreduce_bytes(packed.send.numel() * packed.send.element_size(), self.world_size)
@@ -63,16 +74,6 @@ class AllreducedValues(Wire):
 class RandomKWire(AllreducedValues):
     """Random-k: the values at indices every rank draws from the same seeded stream (per
     parameter name, so the same indices whatever the bucket layout), allreduced."""
-
-    def smaller_than_dense(self, numel, buffer_dtype) -> bool:
-        return not link_model.falls_back_to_dense(self.k * self.value_dtype.itemsize, numel * buffer_dtype.itemsize, 1)
-
-    def density_bound(self, buffer_dtype) -> float:
-        return buffer_dtype.itemsize / self.value_dtype.itemsize
-
-    def modelled_seconds(self, numel, buffer_dtype, link) -> float:
-        return link_model.ring_allreduce_seconds(self.k * self.value_dtype.itemsize, self.world_size,
-                                                 rate_bytes_per_s=link.bytes_per_s, alpha_s=link.latency_s)
 
     def encode(self, call, residual, fused: bool) -> Packed:
         state, config = call.state, self.config

@@ -169,7 +169,8 @@ class ExperimentConfig:
     chunk; per 64 entries with selector "exact")."""
     exchange: str = "allgather"
     """How the top-k arms' payloads travel: "allgather", "owner" (selector "exact": top-k per
-    range, or "chunk"), "shared-index" or "auto", as :class:`sparsecomm.TopKState` (docs/exchange.md)."""
+    range, or "chunk"), "shared-index", "shared-mask" or "auto", as :class:`sparsecomm.TopKState`
+    (docs/exchange.md)."""
     warmup_steps: int = 2
     """Dense steps before compressed arms compress (the hook's default, 2; with error feedback
     :class:`sparsecomm.TopKState` takes no fewer than 2)."""
