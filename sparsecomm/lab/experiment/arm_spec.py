@@ -1,8 +1,9 @@
 """An arm as data: a name, the reducer, the reducer's options and the optimizer's changes.
 
-Eight preset names: six (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
+Ten preset names: six (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
 ``topk-dgc``: :data:`HOOK_PRESETS`) resolve from the experiment's fields (density,
-dgc_momentum, wire settings, powersgd_rank), and two (``sparseloco``, ``topk-sign``:
+dgc_momentum, wire settings, powersgd_rank), and four (``sparseloco``, ``topk-sign``,
+``shared-mask``, ``scape``:
 :data:`FIXED_PRESETS`) carry options of their own. Any other arm is defined in
 ``ExperimentConfig.arm_definitions``, in a config file::
 
@@ -64,6 +65,12 @@ FIXED_PRESETS = {
     # with 1-bit values, sign-SGD on the aggregate.
     "topk-sign": {"reducer": "topk", "options": {"selector": "chunk", "index_codec": "rice", "value_codec": "sign"},
                   "optimizer": {"optimizer": "signsgd"}},
+    # SCAPE's exchange (exchange="shared-mask"): a mask every rank derives from the synced first
+    # moment, values allreduced, no index bytes, traffic flat in p; under the experiment's optimizer.
+    "shared-mask": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"}},
+    # SCAPE's method as the paper runs it: the shared mask under AdamS (sparsecomm.AdamS).
+    "scape": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"},
+              "optimizer": {"optimizer": "adams"}},
 }
 """Presets with options of their own (their run hash covers them, as a defined arm's does)."""
 PRESETS = (*HOOK_PRESETS, *FIXED_PRESETS)
