@@ -8,6 +8,7 @@ COMMANDS = {
     "check": ("sparsecomm.lab.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
     "plot": ("sparsecomm.lab.plot_command", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
     "frontier": ("sparsecomm.lab.frontier", "sweep densities x sparse techniques; the sparsest setting still equivalent"),
+    "scale": ("sparsecomm.lab.scaling", "run the paired experiment at several world sizes; verdicts and bytes per rank vs p"),
     "run": ("sparsecomm.lab.experiment.run_command", "one arm x seed as one rank of a job started by mpiexec / srun / torchrun"),
     "project": ("sparsecomm.lab.costmodel.cli", "project a run to p workers on a link (alpha-beta model, labelled modelled)"),
 }

@@ -40,17 +40,16 @@ from sparsecomm.lab.experiment.compare import (
     experiment_from_source,
     parse_arguments,
     parse_arms,
-    stop_on_interrupt,
     with_job_overrides,
 )
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.hooks.config import EXCHANGE_CHOICES
 from sparsecomm.compress.value_codecs import VALUE_CODECS
 from sparsecomm.lab.experiment.config import ARM_NAMES
+from sparsecomm.lab.sweep import UNAVAILABLE, VERDICT_MARKERS, aligned, run_and_read, run_point
+from sparsecomm.lab.sweep import fmt as _fmt
 
 SPARSE_ARMS = tuple(arm for arm in ARM_NAMES if arm.startswith("topk-"))
-VERDICT_MARKERS = {"equivalent": "o", "better": "o", "inconclusive": "s", "worse": "x"}
-UNAVAILABLE = "unavailable"  # no dense run finished at that density
 
 
 @dataclass(frozen=True)
@@ -135,10 +134,6 @@ def _reuse_dense_runs(target, base_name: str, out_root: Path) -> None:
 
 def run_frontier(config, densities, arms, out_root: Path, value_codecs=(None,)) -> list[FrontierPoint]:
     """One paired experiment per density (and value codec); returns a point per (arm, density, codec)."""
-    from sparsecomm.lab import ledger, tolerance
-    from sparsecomm.lab.experiment.runner import run_experiment
-    from sparsecomm.lab.results import describe_counts, load_experiment, load_runs, status_counts
-
     points = []
     for density, value_codec in [(d, c) for d in densities for c in value_codecs]:
         per_density = point_config(config, density, arms, value_codec)
@@ -146,32 +141,13 @@ def run_frontier(config, densities, arms, out_root: Path, value_codecs=(None,)) 
         codec_text = "" if value_codec is None else f", value codec {value_codec}"
         print(f"frontier: density {density:g}{codec_text}: {len(per_density.arms)} arms x {len(per_density.seeds)} "
               "seeds", flush=True)
-        run_dir = run_experiment(per_density, out_root)
-        runs = load_runs(run_dir)
-        missing = ledger.missing_runs(load_experiment(run_dir), runs)
-
-        def counts(arm: str) -> tuple[int, str]:
-            mine = status_counts(r for r in runs if r.arm == arm)
-            num_missing = sum(a == arm for a, _ in missing)
-            if num_missing:
-                mine["missing"] = num_missing
-            return sum(mine.values()), describe_counts(mine)
-
-        dense_failed, dense_text = counts("dense")
-
-        def failures(arm: str) -> dict:
-            failed, text = counts(arm)
-            parts = [f"arm: {text}"] * bool(text) + [f"dense: {dense_text}"] * bool(dense_text)
-            return {"failed": failed, "dense_failed": dense_failed, "not_ok": "; ".join(parts)}
-
-        if ledger.no_finished_dense(runs, missing) is not None:
-            points += [FrontierPoint(arm, density, UNAVAILABLE, None, None, None, None, str(run_dir), **failures(arm),
-                                     value_codec=value_codec) for arm in arms]
+        outcome = run_point(per_density, out_root)
+        if not outcome.available:
+            points += [FrontierPoint(arm, density, UNAVAILABLE, None, None, None, None, str(outcome.run_dir),
+                                     **outcome.failures(arm), value_codec=value_codec) for arm in arms]
             continue
-        book = ledger.build_ledger(run_dir)
-        report = tolerance.check(run_dir)
-        for result in report.arms:
-            entry = book.arm(result.arm)
+        for result in outcome.report.arms:
+            entry = outcome.ledger.arm(result.arm)
             points.append(FrontierPoint(
                 arm=result.arm,
                 density=density,
@@ -180,8 +156,8 @@ def run_frontier(config, densities, arms, out_root: Path, value_codecs=(None,)) 
                 steps_to_target=entry.steps_to_target.value,
                 time_to_target_s=entry.time_to_target.value,
                 bytes_per_step=entry.bytes_per_step.value,
-                run_dir=str(run_dir),
-                **failures(result.arm),
+                run_dir=str(outcome.run_dir),
+                **outcome.failures(result.arm),
                 value_codec=value_codec,
             ))
     return points
@@ -198,18 +174,13 @@ def sparsest_equivalent(points: list[FrontierPoint]) -> dict[str, FrontierPoint 
     return best
 
 
-def _fmt(value, unit: str = "") -> str:
-    return "n/a" if value is None else f"{value:.4g}{unit}"
-
-
 def format_frontier(points: list[FrontierPoint], tolerance: float | None) -> str:
     header = ["arm", "density", "verdict", "loss diff", "steps [s2t]", "time [t2t]", "sent/step",
               "failed runs arm/dense"]
     rows = [header] + [[p.label, f"{p.density:g}", p.verdict, _fmt(p.mean_loss_diff), _fmt(p.steps_to_target),
                         _fmt(p.time_to_target_s, " s"), _fmt(p.bytes_per_step, " B"),
                         f"{p.failed}/{p.dense_failed}" + (f" ({p.not_ok})" if p.not_ok else "")] for p in points]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = aligned(rows)
     lines.append("")
     lines.append(f"tolerance: {_fmt(tolerance)} in final val loss; targets derived per density from its dense runs; "
                  "steps/time: median over seeds (n/a: not reached in some seed)")
@@ -309,18 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         check_writable_directory(args.plots / frontier_stem(config, value_codecs), "--plots")
     except (ValueError, TypeError, RuntimeError, OSError) as error:
         parser.error(str(error))
-    from sparsecomm.lab.experiment.files import RunDirectoryError
-    from sparsecomm.lab.experiment.runner import ExperimentInterrupted
-    from sparsecomm.lab.results import ResultFileError, warnings_to_stderr
-
-    try:
-        with warnings_to_stderr("sparsecomm frontier"):
-            points = run_frontier(config, sorted(args.densities), arms, args.out, value_codecs)
-    except ExperimentInterrupted as error:
-        return stop_on_interrupt(error)
-    except (ResultFileError, FileNotFoundError, RunDirectoryError) as error:
-        print(f"sparsecomm frontier: error: {error}", file=sys.stderr)
-        return 2
+    points, code = run_and_read("sparsecomm frontier",
+                                lambda: run_frontier(config, sorted(args.densities), arms, args.out, value_codecs))
+    if code is not None:
+        return code
     print()
     print(format_frontier(points, config.policy.quality_tolerance))
     summary = args.out / f"{frontier_stem(config, value_codecs)}.json"

@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_job_arguments(p: argparse.ArgumentParser) -> None:
-    """--task / --script and what goes with your own job (shared with frontier)."""
+def add_job_arguments(p: argparse.ArgumentParser, *, world_size: bool = True) -> None:
+    """--task / --script and what goes with your own job (shared with frontier and scale;
+    ``world_size=False`` leaves out --world-size, for a command that sets it per point)."""
     p.add_argument("--task", help="your task instead of the experiment's: MODULE:FACTORY or path/to/file.py:FACTORY, "
                                   "a callable returning a sparsecomm.lab.tasks.Task")
     p.add_argument("--script", help="your training script instead of a task (it calls sparsecomm.lab.init()); "
@@ -76,7 +77,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("min", "max"), help="min: lower metric is better (default); max: higher")
     p.add_argument("--tolerance", type=float,
                    help="quality tolerance in the metric's unit (the experiment's policy otherwise)")
-    p.add_argument("--world-size", type=int, help="override the number of ranks (>= 2)")
+    if world_size:
+        p.add_argument("--world-size", type=int, help="override the number of ranks (>= 2)")
     p.add_argument("--launcher", choices=("torchrun", "mpiexec"),
                    help="what starts each run's ranks (default torchrun; a script under mpiexec joins with "
                         "sparsecomm.dist.init_distributed)")
@@ -188,10 +190,15 @@ def parse_arms(items: list[str]) -> tuple[tuple[str, ...], dict]:
     return tuple(names), definitions
 
 
+def local_world_size_limit() -> int:
+    """The most ranks a run started on this machine may have: LOCAL_RANKS_PER_CORE per core (at least 2)."""
+    return max(2, LOCAL_RANKS_PER_CORE * (os.cpu_count() or 1))
+
+
 def check_local_world_size(config: ExperimentConfig) -> None:
     """Every rank runs on this machine: refuse more than LOCAL_RANKS_PER_CORE per core."""
     cores = os.cpu_count() or 1
-    limit = max(2, LOCAL_RANKS_PER_CORE * cores)
+    limit = local_world_size_limit()
     if config.world_size > limit:
         raise ValueError(f"world_size must be <= {limit} for a run on this machine ({LOCAL_RANKS_PER_CORE} ranks "
                          f"per CPU core x {cores} cores; every rank is started here), got {config.world_size}")
