@@ -21,8 +21,11 @@ be a function in its ``.sm_90.cubin`` (an ELF file, read here without CUDA's bin
 kernel template that no launch instantiates, or one compiled out by a preprocessor guard,
 compiles "fine" but ships no device code.
 
-The files compile in parallel, objects go to ``tmp_path``; on a loaded 2-core machine this
-takes about 1.5-2 minutes.
+Two ways: every source on its own, in parallel (``-m slow``: about 50 s of CPU per source,
+nearly all of it the torch headers; ``scripts/gpu_check.sh``'s CUDA build compiles each on its
+own too), and, in the default run, all of them as one translation unit that includes each
+source (the headers parsed once: about a third of the time), whose cubin must hold every
+source's kernels. Objects go to ``tmp_path``.
 """
 import os
 import re
@@ -97,8 +100,10 @@ def missing_kernels(kernels: set[str], functions: list[str]) -> list[str]:
     return sorted(k for k in kernels if not any(f"{len(k)}{k}" in f for f in functions))
 
 
-def _inspect(source: Path, keep: Path, result: subprocess.CompletedProcess, seconds: float, out_dir: Path) -> str:
-    """Why one compiled source fails the checks, or '' when it passes."""
+def _inspect(source: Path, keep: Path, result: subprocess.CompletedProcess, seconds: float, out_dir: Path,
+             kernels: set[str] | None = None) -> str:
+    """Why one compiled source fails the checks, or '' when it passes (``kernels``: those its
+    cubin must hold; default: the ones it defines)."""
     name = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source
     if result.returncode != 0:
         return (f"{name} (exit {result.returncode}, {seconds:.0f}s):\n{' '.join(result.args)}\n"
@@ -109,7 +114,7 @@ def _inspect(source: Path, keep: Path, result: subprocess.CompletedProcess, seco
     if len(cubins) != 1:
         return f"{name}: expected one {ARCH} cubin among nvcc's kept files, got {cubins}"
     machine, functions = elf_functions(cubins[0])
-    kernels = kernels_defined(source)
+    kernels = kernels_defined(source) if kernels is None else kernels
     missing = missing_kernels(kernels, functions)
     if machine != EM_CUDA or not kernels or missing:
         return (f"{name}: {ARCH} cubin (e_machine {machine}) lacks kernels {missing} of {sorted(kernels)};"
@@ -162,8 +167,24 @@ def test_kernel_and_symbol_matching():
     assert missing_kernels({"row_kernel", "unpack_row"}, [mangled]) == ["row_kernel", "unpack_row"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.timeout(900)
 def test_cuda_sources_compile(tmp_path):
     failures = compile_and_inspect(CUDA_SOURCES, tmp_path)
     assert not failures, "nvcc failed:\n\n" + "\n\n".join(failures)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.timeout(900)
+def test_cuda_sources_compile_as_one_unit(tmp_path):
+    unit = tmp_path / "cuda_sources.cu"
+    unit.write_text("".join(f'#include "{source}"\n' for source in CUDA_SOURCES))
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    started = time.monotonic()
+    result = subprocess.run(_nvcc_command(unit, tmp_path / f"{unit.stem}.o", keep), capture_output=True, text=True,
+                            cwd=ROOT)
+    kernels = set().union(*(kernels_defined(source) for source in CUDA_SOURCES))
+    failure = _inspect(unit, keep, result, time.monotonic() - started, tmp_path, kernels)
+    assert not failure, "nvcc failed:\n\n" + failure
