@@ -98,3 +98,18 @@ def final_parameters(rank, world_size, hook_settings, steps=4, width=16):
     else:
         sparsecomm.register_topk_hook(ddp, **hook_settings)
     return fit_sine(ddp, rank, steps, width, lr=0.1, target=torch.cos)[-1]
+
+
+def first_sparse_step_bytes(rank, world_size, hook_settings):
+    """(bytes sent, bytes received) by this rank in the first sparse step (step 2, after the
+    two dense warm-up steps) of one 100 x 100 linear layer, one bucket of 10000 entries,
+    under the top-k hook built from ``hook_settings``."""
+    import sparsecomm
+
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(nn.Linear(100, 100, bias=False), bucket_cap_mb=25)
+    state = sparsecomm.register_topk_hook(ddp, **hook_settings)
+    for x in rank_data(rank, 3, (4, 100)):
+        ddp(x).square().sum().backward()
+    last = state.stats()["last_step"]
+    return last["bytes_sent"], last["bytes_received"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from ddp_models import final_parameters, fit_sine, mlp, rank_data
+from ddp_models import final_parameters, first_sparse_step_bytes, fit_sine, mlp
 from exact_sums import sum_rounding_misses
 from multiprocess import run_on_ranks
 from sparsecomm.compress.payload_seal import TRAILER_BYTES
@@ -108,19 +108,9 @@ def test_density_one_is_allreduce_bit_for_bit_at_two_ranks():
     assert torch.equal(shared[0], dense[0]) and torch.equal(shared[0], shared[1])
 
 
-def _bytes(rank, world_size):
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(100, 100, bias=False), bucket_cap_mb=25)
-    state = sparsecomm.register_topk_hook(ddp, density=0.01, exchange="shared-index")
-    for x in rank_data(rank, 3, (4, 100)):
-        ddp(x).square().sum().backward()
-    last = state.stats()["last_step"]
-    return last["bytes_sent"], last["bytes_received"]
-
-
 def test_bytes_are_one_index_set_and_a_ring_of_values():
     world_size, k = 3, 100  # 1% of 10000
-    rows = run_on_ranks(_bytes, world_size=world_size)
+    rows = run_on_ranks(first_sparse_step_bytes, {"density": 0.01, "exchange": "shared-index"}, world_size=world_size)
     leader = (2 + 0) % world_size  # step 2 (the first after warm-up), bucket 0
     # The index set is sealed (8 bytes); the values allreduce sums one more element, every
     # rank's verdict on its copy of the index set (wire_checksum, docs/wire.md).

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from ddp_models import final_parameters, fit_sine, mlp, rank_data
+from ddp_models import final_parameters, first_sparse_step_bytes, fit_sine, mlp, rank_data
 from exact_sums import sum_rounding_misses
 from multiprocess import run_on_ranks
 from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
@@ -114,21 +114,12 @@ def test_no_entry_waits_longer_than_the_window_allows():
         assert wait == math.ceil(numel / r) - 1
 
 
-def _bytes(rank, world_size):
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(100, 100, bias=False), bucket_cap_mb=25)
-    state = sparsecomm.register_topk_hook(ddp, density=0.01, exchange="shared-mask")
-    for x in rank_data(rank, 3, (4, 100)):
-        ddp(x).square().sum().backward()
-    last = state.stats()["last_step"]
-    return last["bytes_sent"], last["bytes_received"]
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bytes_are_a_ring_of_values_and_no_index(world_size):
     k = 100  # 1% of 10000, fp32 values, nothing else (no index, no checksum: a sum is no one's payload)
     ring = round(2 * (world_size - 1) * 4 * k / world_size)
-    assert run_on_ranks(_bytes, world_size=world_size) == [(4 * k, ring)] * world_size
+    rows = run_on_ranks(first_sparse_step_bytes, {"density": 0.01, "exchange": "shared-mask"}, world_size=world_size)
+    assert rows == [(4 * k, ring)] * world_size
 
 
 def _resumed(rank, world_size, split):
