@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from multiprocess import run_on_ranks
 from sparsecomm import SparseDeltaAverager
+from sparsecomm.averaging.sparse_delta import check_settings
 
 PERIOD, CHUNK = 3, 64
 
@@ -195,3 +196,75 @@ def test_bad_settings_are_refused_by_name():
     for name in ("period", "outer_lr", "ef_decay", "density", "value_codec"):
         assert name in found[name], found[name]
     assert "DistributedDataParallel" in found["model"]
+
+
+SHARED = {**SPARSE, "exchange": "shared-index"}
+
+
+def _shared_outer_step(anchor, errors, before, settings, sync):
+    """One shared-index sync written out: the leader (sync mod p) takes the top entries of
+    every chunk of its own acc (torch.topk; random data, no ties), every rank sends its acc
+    there (fp32: exactly), the mean of their rank-order sum is the step. Returns (indices,
+    new anchor, every rank's new error buffer, sum over ranks of |sent|)."""
+    world_size = len(before)
+    accs = [settings["ef_decay"] * errors[rank] + (anchor - before[rank]) for rank in range(world_size)]
+    k_per_chunk = round(settings["density"] * CHUNK)
+    chunks = accs[sync % world_size].view(-1, CHUNK)
+    top = chunks.abs().topk(k_per_chunk, dim=1).indices + torch.arange(0, anchor.numel(), CHUNK).view(-1, 1)
+    indices = torch.sort(top.flatten()).values
+    total, magnitude = torch.zeros(indices.numel()), torch.zeros(indices.numel())
+    for acc in accs:
+        total += acc[indices]
+        magnitude += acc[indices].abs()
+    new_anchor = anchor.clone()
+    new_anchor[indices] -= settings["outer_lr"] * (total / world_size)
+    new_errors = []
+    for acc in accs:
+        acc = acc.clone()
+        acc[indices] = 0.0  # sent in full: an fp32 wire carries the value exactly
+        new_errors.append(acc)
+    return indices, new_anchor, new_errors, magnitude
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_shared_index_sync_is_the_leaders_selection_summed(world_size):
+    """exchange="shared-index": each sync against the replay above from the averager's state
+    before it. At 2 ranks gloo's one addition is the replay's (commutative): bit for bit. At 3
+    its ring adds in an order of its own: each order is within gamma_2 = 2u/(1-2u) of the exact
+    sum of |sent|, so the two sums differ by at most ~4u sum|sent|; the mean (/p), the product
+    by outer_lr and the subtraction add at most u each, relative to their results: within
+    8u (|anchor'| + outer_lr sum|sent| / p) elementwise (u = 2^-24)."""
+    results = run_on_ranks(_syncs, SHARED, 4 * PERIOD, world_size=world_size, timeout=120)
+    anchor, errors = results[0]["initial"], [torch.zeros_like(results[0]["initial"])] * world_size
+    for sync in range(4):
+        synced = [r["after"][sync] for r in results]
+        assert all(torch.equal(synced[0], other) for other in synced[1:])
+        indices, want, want_errors, magnitude = _shared_outer_step(
+            anchor, errors, [r["before"][sync] for r in results], SHARED, sync)
+        got = synced[0]
+        outside = torch.ones_like(got, dtype=torch.bool)
+        outside[indices] = False
+        assert torch.equal(got[outside], anchor[outside])  # only the shared indices moved
+        if world_size == 2:
+            assert torch.equal(got, want)
+        else:
+            bound = 2.0 ** -21 * (want[indices].abs() + SHARED["outer_lr"] * magnitude / world_size)
+            assert ((got[indices] - want[indices]).abs() <= bound).all()
+        errors = [r["errors"][sync] for r in results]
+        assert all(torch.equal(error, wanted) for error, wanted in zip(errors, want_errors))
+        anchor = got
+    # Bytes: k fp32 values each way around the ring, and the leader's int32 index region once.
+    k = 8 * (results[0]["initial"].numel() // CHUNK)
+    ring = round(2 * (world_size - 1) * 4 * k / world_size)
+    for rank, result in enumerate(results):
+        led = sum(1 for sync in range(4) if sync % world_size == rank)
+        stats = result["stats"]
+        assert stats["bytes_sent"] == 4 * (4 * k) + led * 4 * k
+        assert stats["bytes_received"] == 4 * ring + (4 - led) * 4 * k
+
+
+def test_shared_index_needs_a_float_wire():
+    with pytest.raises(ValueError, match="value_codec"):
+        check_settings(**{**SHARED, "value_codec": "int2"})
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        check_settings(**{**SHARED, "exchange": "owner"})

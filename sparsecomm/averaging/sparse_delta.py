@@ -11,6 +11,13 @@ optimizer steps, :meth:`SparseDeltaAverager.step` does the outer step::
     average = sum over ranks of decoded(sent) / world_size
     weights = anchor - outer_lr * average;  anchor = weights
 
+With ``exchange="shared-index"`` the k indices are one rank's, the leader's, which rotates with
+the syncs (sync s is led by rank s mod p): it selects from its own ``e`` and broadcasts the
+index region (the index codec's bytes, once), every rank sends its ``e`` there in a float
+wire dtype, an allreduce sums them, and ``e -= sent`` on every rank. What a rank receives is
+then the index region and 2 (p-1)/p x k values whatever p is, where the all-gather's grows
+as (p-1) payloads (docs/exchange.md).
+
 Every rank decodes the same gathered bytes in rank order from the same anchor, so every
 replica holds the same bits after a sync (the tests check it). A sync whose new anchor
 would not be finite is refused on every rank alike, with nothing changed
@@ -32,27 +39,61 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsecomm import compress
 from sparsecomm.averaging import state_check
 from sparsecomm.averaging.sync_guard import all_finite, refusal
+from sparsecomm.comm import link_model
 from sparsecomm.comm.collectives import allgather_future
+from sparsecomm.compress import index_codecs
+from sparsecomm.compress.chunking import chunk_topk
 from sparsecomm.hooks.config import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
 from sparsecomm.hooks.wires import AllgatherWire, payload_layout
+from sparsecomm.hooks.wires.shared_index import geometry as shared_index_geometry
 from sparsecomm.hooks.validation import check_choice, check_int, check_real
 
 STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
          "seconds_encode", "seconds_exchange", "seconds_decode")
 
 
-def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay) -> TopKConfig:
+EXCHANGES = ("allgather", "shared-index")
+
+
+def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
+                   exchange="allgather") -> TopKConfig:
     """The averager's settings checked (ValueError/TypeError naming the argument and its
     range); returns the wire's TopKConfig. Needs no model: configs are checked before a run."""
     check_int("period", period, 1)
     check_real("outer_lr", outer_lr, 0.0, math.inf, low_open=True, high_open=True)
     check_real("ef_decay", ef_decay, 0.0, 1.0, low_open=False, high_open=False)
     check_choice("selector", selector, ("chunk", "exact"))
-    # The wire's own validation: the same refusals and messages as the hook's. The averager
-    # keeps its own error feedback, so the hook's (and its warm-up) is off here.
+    check_choice("exchange", exchange, EXCHANGES)
+    # The wire's own validation: the same refusals and messages as the hook's (shared-index:
+    # a float wire). The averager keeps its own error feedback, so the hook's (and its
+    # warm-up) is off here.
     return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
-                            value_codec=value_codec, warmup_steps=0, error_feedback=False)
+                            value_codec=value_codec, warmup_steps=0, error_feedback=False, exchange=exchange)
+
+
+class SharedIndexSync:
+    """The shared-index exchange of the outer sync: the leader's selection of its own error
+    buffer, its index region broadcast, every rank's values there in the wire's float dtype."""
+
+    def __init__(self, config, numel: int, density: float, process_group):
+        self.config, self.process_group = config, process_group
+        self.geometry = shared_index_geometry(config, numel, density)
+        self.index_nbytes = index_codecs.index_region_nbytes(config.index_codec, self.geometry)
+        self.value_dtype = config.value_dtype or torch.float32
+
+    def leader(self, sync: int) -> int:
+        return sync % dist.get_world_size(self.process_group)
+
+    def select_and_send(self, error: torch.Tensor, sync: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the shared indices, this rank's values there in the wire dtype)."""
+        group, lead = self.process_group, self.leader(sync)
+        region = torch.empty(self.index_nbytes, dtype=torch.uint8, device=error.device)
+        if dist.get_rank(group) == lead:
+            region.copy_(index_codecs.encode(self.config.index_codec, chunk_topk(error, self.geometry), self.geometry))
+        dist.broadcast(region, src=lead if group is None else dist.get_global_rank(group, lead), group=group)
+        indices = index_codecs.decode(self.config.index_codec, region, self.geometry).to(error.device)
+        return indices, error[indices].to(self.value_dtype)
 
 
 class SparseDeltaAverager:
@@ -68,19 +109,23 @@ class SparseDeltaAverager:
             (defaults: chunks of 4096, Rice-coded indices, 2-bit values with a bf16 scale per chunk).
         outer_lr: the outer step's learning rate, > 0 (SparseLoCo: 0.6-1.0).
         ef_decay: decay of the error-feedback buffer, in [0, 1] (SparseLoCo: 0.95).
+        exchange: "allgather" (every rank's payload to every rank) or "shared-index" (a rotating
+            leader's indices, every rank's values there allreduced; needs a float
+            ``value_codec``: None/"fp32", "bf16" or "fp16").
         process_group: the group to average over (None: the default group).
     """
 
     def __init__(self, ddp_model, *, period: int = 16, density: float = 64 / 4096, selector: str = "chunk",
                  chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
-                 register_hook: bool = True):
+                 register_hook: bool = True, exchange: str = "allgather"):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
-                                     ef_decay=ef_decay)
+                                     ef_decay=ef_decay, exchange=exchange)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
+        self.exchange = exchange
         self.density, self.selector, self.chunk_size = wire_config.density, selector, chunk_size
         self.index_codec, self.value_codec = index_codec, value_codec
         self.process_group = process_group
@@ -90,11 +135,14 @@ class SparseDeltaAverager:
             raise ValueError("ddp_model has no parameter that requires grad: nothing to average")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
-        layout = payload_layout(wire_config, self.density, numel, compress.num_selected(numel, self.density),
-                                torch.float32)
-        # The hook's all-gather wire: its payload, encoder and decoder (no checksum: the
-        # averager's payloads are not sealed).
-        self.wire = AllgatherWire(wire_config, layout, dist.get_world_size(process_group))
+        if exchange == "shared-index":
+            self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
+        else:
+            layout = payload_layout(wire_config, self.density, numel, compress.num_selected(numel, self.density),
+                                    torch.float32)
+            # The hook's all-gather wire: its payload, encoder and decoder (no checksum: the
+            # averager's payloads are not sealed).
+            self.wire = AllgatherWire(wire_config, layout, dist.get_world_size(process_group))
         with torch.no_grad():
             self.anchor = self._flat_weights()  # replicas are equal here: DDP broadcast rank 0's weights
         self.error = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -150,6 +198,8 @@ class SparseDeltaAverager:
     @torch.no_grad()
     def _sync(self, step: int) -> None:
         """The outer step into new buffers, assigned only when the new anchor is finite."""
+        if self.exchange == "shared-index":
+            return self._sync_shared_index(step)
         started = time.perf_counter()
         delta = self.anchor - self._flat_weights()
         new_error = self.error * self.ef_decay
@@ -176,6 +226,42 @@ class SparseDeltaAverager:
                     bytes_received=(world_size - 1) * payload.numel(), elements_sent=sent,
                     elements_total=self.anchor.numel(), seconds_encode=encoded - started,
                     seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
+
+    @torch.no_grad()
+    def _sync_shared_index(self, step: int) -> None:
+        """The outer step on the leader's indices: ``e`` there, summed by an allreduce."""
+        started = time.perf_counter()
+        new_error = self.error * self.ef_decay
+        new_error += self.anchor - self._flat_weights()
+        sync = step // self.period - 1  # this sync's number, the same on every rank
+        indices, sent = self.wire.select_and_send(new_error, sync)
+        encoded = time.perf_counter()
+        summed = sent.clone()
+        dist.all_reduce(summed, group=self.process_group)
+        exchanged = time.perf_counter()
+        world_size = self.world_size
+        average = summed.float() / world_size
+        new_anchor = self.anchor.clone()
+        new_anchor[indices] -= self.outer_lr * average
+        if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
+            # A sum does not say who sent the Inf/NaN: every rank's own verdict, gathered
+            # (one row per rank: Inf where that rank's values were not finite).
+            mine = torch.tensor([0.0 if bool(torch.isfinite(sent).all()) else math.inf], device=sent.device)
+            verdicts = torch.empty(world_size, dtype=mine.dtype, device=mine.device)
+            allgather_future(verdicts, mine, self.process_group).wait()
+            raise refusal(verdicts.view(world_size, 1), lambda row: row, step)
+        new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
+        self.anchor, self.error = new_anchor, new_error
+        self._write_weights(self.anchor)
+        done = time.perf_counter()
+        values = sent.numel() * sent.element_size()
+        led = self.wire.leader(sync) == dist.get_rank(self.process_group)
+        index_bytes = self.wire.index_nbytes
+        self._count(syncs=1, bytes_sent=values + (index_bytes if led else 0), bytes_dense=self.anchor.numel() * 4,
+                    bytes_received=link_model.ring_allreduce_bytes(values, world_size) + (0 if led else index_bytes),
+                    elements_sent=indices.numel(), elements_total=self.anchor.numel(),
+                    seconds_encode=encoded - started, seconds_exchange=exchanged - encoded,
+                    seconds_decode=done - exchanged)
 
     def _decoded(self, gathered: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(self.anchor)
@@ -209,9 +295,12 @@ class SparseDeltaAverager:
         return s
 
     def settings(self) -> dict:
-        return {"period": self.period, "density": self.density, "selector": self.selector,
-                "chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec,
-                "outer_lr": self.outer_lr, "ef_decay": self.ef_decay}
+        settings = {"period": self.period, "density": self.density, "selector": self.selector,
+                    "chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec,
+                    "outer_lr": self.outer_lr, "ef_decay": self.ef_decay}
+        if self.exchange != "allgather":  # (checkpoints of the all-gather keep the keys they always had)
+            settings["exchange"] = self.exchange
+        return settings
 
     def state_dict(self) -> dict:
         """This rank's state: its error buffer and the anchor (the weights at the last sync),
