@@ -1,14 +1,14 @@
-"""exchange="shared-mask": a mask every rank derives alike from the synced first moment, one
-step ahead; the values there allreduced, no index bytes.
+"""exchange="shared-mask": a mask every rank derives alike from the synced gradient, one step
+ahead; the values there allreduced, no index bytes.
 
 Oracles: the mask every rank used against one worked out here from the reduced buckets the
-ranks received (the first moment kept per parameter name in float64-free plain torch, the
-window by modular arithmetic, the rest by ``torch.topk`` of |score|: random gradients, no
-ties); the reduced bucket against the exact sum of every rank's acc at the mask (no oracle
-rounding; within what the allreduce's own additions may round); the staleness bound on an
-adversarial score that never moves; bytes against sizes worked out by hand at 2 and 4 ranks;
-conservation by the hook's audit (``verify_conservation``); a resumed run against the
-uninterrupted one, bit for bit; density 1 against ``allreduce_hook``.
+ranks received (per parameter name: the rate and age memories folded in plain torch, the
+priority |rate| x (age + 1), the window by modular arithmetic, the rest by ``torch.topk``:
+random gradients, no ties); the reduced bucket against the exact sum of every rank's acc at
+the mask (no oracle rounding; within what the allreduce's own additions may round); the
+staleness bound on an adversarial priority that never moves; bytes against sizes worked out
+by hand at 2 and 4 ranks; conservation by the hook's audit (``verify_conservation``); a
+resumed run against the uninterrupted one, bit for bit; density 1 against ``allreduce_hook``.
 """
 import math
 
@@ -48,30 +48,33 @@ def _train_and_observe(rank, world_size, steps=7):
     return everyone, digests, state.stats()
 
 
-def _oracle_mask(score: torch.Tensor, step: int, k: int) -> torch.Tensor:
-    n = score.numel()
+def _oracle_mask(rate: torch.Tensor, age: torch.Tensor, step: int, k: int) -> torch.Tensor:
+    n = rate.numel()
     r = min(k, max(1, math.ceil(REFRESH * k)))
     window = {(step * r + j) % n for j in range(r)}
-    magnitude = score.abs().clone()
-    magnitude[sorted(window)] = -1.0
-    rest = torch.topk(magnitude, k - r).indices.tolist()
+    priority = rate.abs() * (age + 1)
+    priority[sorted(window)] = -1.0
+    rest = torch.topk(priority, k - r).indices.tolist()
     return torch.tensor(sorted(window | set(rest)))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_rank_sends_the_mask_derived_from_the_synced_first_moment(world_size):
+def test_every_rank_sends_the_mask_derived_from_the_synced_gradient(world_size):
     results = run_on_ranks(_train_and_observe, world_size=world_size, timeout=180)
     everyone, _, stats = results[0]
-    # The oracle's first moment per parameter name, from rank 0's reduced buckets (every rank
+    # The oracle's memories per parameter name, from rank 0's reduced buckets (every rank
     # receives the same bits: checked below), folded in step order as the hook folds them.
-    score, checked = {}, 0
+    rate, age, checked = {}, {}, 0
+    sent_at = {}  # (step, bucket) -> the mask
     events = sorted(everyone[0], key=lambda e: (e[1], e[0] != "packed", e[2]))  # per step: packed, then reduced
     for stage, step, bucket, names, numels, tensor, indices in events:
+        zeros = [torch.zeros(m) for m in numels]
+        flat_rate = torch.cat([rate.get(n, z) for n, z in zip(names, zeros)])
+        flat_age = torch.cat([age.get(n, z) for n, z in zip(names, zeros)])
         if stage == "packed":
-            flat = torch.cat([score.get(n, torch.zeros(m)) for n, m in zip(names, numels)])
             k = indices.numel()
-            assert k == math.ceil(round(DENSITY * flat.numel(), 6))
-            expected = _oracle_mask(flat, step, k)
+            assert k == math.ceil(round(DENSITY * flat_rate.numel(), 6))
+            expected = _oracle_mask(flat_rate, flat_age, step, k)
             sent = []
             for rank in range(world_size):
                 row = next(e for e in everyone[rank] if e[:3] == ("packed", step, bucket))
@@ -84,13 +87,22 @@ def test_every_rank_sends_the_mask_derived_from_the_synced_first_moment(world_si
             # gloo's ring adds the p values in an order of its own, each addition rounded to
             # nearest in float32: within gamma_{p-1} of the exact sum (exact_sums).
             assert sum_rounding_misses(reduced[expected], sent, torch.float32) == [], (step, bucket)
+            sent_at[step, bucket] = expected
             checked += 1
+            continue
+        for rank in range(1, world_size):
+            other = next(e for e in everyone[rank] if e[:3] == ("reduced", step, bucket))
+            assert torch.equal(other[5], tensor), (step, bucket, rank)
+        mask = sent_at.get((step, bucket))
+        if mask is None:  # a dense step: everything sent
+            flat_rate = flat_rate * 0.9 + tensor * 0.1
+            flat_age.zero_()
         else:
-            for rank in range(1, world_size):
-                other = next(e for e in everyone[rank] if e[:3] == ("reduced", step, bucket))
-                assert torch.equal(other[5], tensor), (step, bucket, rank)
-            for name, part in zip(names, tensor.split(list(numels))):
-                score[name] = score.get(name, torch.zeros(part.numel())).mul_(0.9).add_(part, alpha=0.1)
+            flat_rate[mask] = flat_rate[mask] * 0.9 + tensor[mask] / (flat_age[mask] + 1) * 0.1
+            flat_age += 1
+            flat_age[mask] = 0
+        for name, part_rate, part_age in zip(names, flat_rate.split(list(numels)), flat_age.split(list(numels))):
+            rate[name], age[name] = part_rate, part_age
     assert checked >= 8
     assert stats["shared_mask_calls"] == stats["sparse_calls"] > 0 and stats["warmup_calls"] > 0
     for step_digests in zip(*(r[1] for r in results)):
@@ -98,8 +110,8 @@ def test_every_rank_sends_the_mask_derived_from_the_synced_first_moment(world_si
 
 
 def test_no_entry_waits_longer_than_the_window_allows():
-    """The adversary: a score that never changes, so the top |score| entries win every step.
-    Every entry must still be in the mask at least once in every longest_wait + 1 steps."""
+    """The adversary: priorities that never change, so the top entries win every step. Every
+    entry must still be in the mask at least once in every longest_wait + 1 steps."""
     for numel, k, refresh in ((1000, 30, 0.25), (997, 7, 0.1), (64, 64, 0.5), (5000, 1, 0.25)):
         score = torch.linspace(1.0, 2.0, numel)
         wait = longest_wait(numel, k, refresh)
@@ -150,8 +162,10 @@ def _resumed(rank, world_size, split):
         optimizer.zero_grad()
         loss(ddp, x).backward()
         optimizer.step()
-    scores = sorted(k.split(".mask_score.")[1] for k in state.state_dict() if ".mask_score." in k)
-    return torch.cat([p.detach().flatten() for p in ddp.parameters()]), scores == sorted(state.names.shapes)
+    saved = state.state_dict()
+    every_parameter = all(sorted(k.split(f".{kind}.")[1] for k in saved if f".{kind}." in k) == sorted(state.names.shapes)
+                          for kind in ("mask_rate", "mask_age"))
+    return torch.cat([p.detach().flatten() for p in ddp.parameters()]), every_parameter
 
 
 def test_a_resumed_run_trains_as_the_uninterrupted_one():
@@ -159,7 +173,7 @@ def test_a_resumed_run_trains_as_the_uninterrupted_one():
     resumed = run_on_ranks(_resumed, 4, world_size=2)
     for (a, every_parameter_scored), (b, _) in zip(straight, resumed):
         assert torch.equal(a, b)
-        assert every_parameter_scored  # the checkpoint holds a score for every parameter
+        assert every_parameter_scored  # the checkpoint holds a rate and an age for every parameter
 
 
 def test_density_one_is_allreduce_bit_for_bit_at_two_ranks():

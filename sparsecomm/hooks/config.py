@@ -98,7 +98,8 @@ class TopKConfig:
                      "what the others send it, keeps an owner residual and returns its selection, about 2k entries "
                      'received whatever the world size; `"shared-index"` (exact or chunked, float values): a '
                      'rotating leader broadcasts its selection and the values are allreduced; `"shared-mask"` (exact, '
-                     "float values): every rank derives the same mask from the synced first moment, one step ahead, "
+                     "float values): every rank derives the same mask from the synced gradient and each entry's age, one "
+                     "step ahead, "
                      'and the values are allreduced, no index bytes (SCAPE); `"auto"`: the cheapest of allgather, '
                      "owner and shared-index per bucket, modelled on `link` ([exchange.md](exchange.md))",
         kind="choice", choices=EXCHANGE_CHOICES, checkpoint="if-set")

@@ -1,6 +1,6 @@
 """The hook's per-rank memories: the error-feedback residuals, the momentum-correction
 velocities, the owner exchange's second-level residuals and the shared-mask exchange's
-scores (the synced first moment, the same on every rank), each keyed by parameter name
+rates and ages (the same on every rank: ``wires/shared_mask.py``), each keyed by parameter name
 (:class:`~sparsecomm.hooks.parameter_memory.ParameterMemory`), and the float32 scratch in
 which a 16-bit bucket's acc is formed."""
 import torch
@@ -9,23 +9,24 @@ from sparsecomm.hooks.parameter_memory import ParameterMemory
 
 
 class HookMemories:
-    __slots__ = ("residuals", "velocities", "owner_residuals", "mask_scores", "owner_ranges", "scratch")
+    __slots__ = ("residuals", "velocities", "owner_residuals", "mask_rates", "mask_ages", "owner_ranges", "scratch")
 
     def __init__(self):
         self.residuals = ParameterMemory()  # error feedback
         self.velocities = ParameterMemory()  # momentum correction (DGC)
         self.owner_residuals = ParameterMemory()  # exchange="owner": what an owner did not send on
-        self.mask_scores = ParameterMemory()  # exchange="shared-mask": what the mask is derived from
+        self.mask_rates = ParameterMemory()  # exchange="shared-mask": synced gradient per step
+        self.mask_ages = ParameterMemory()  # exchange="shared-mask": steps since last sent
         # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
         self.owner_ranges: dict[int, tuple] = {}
         self.scratch = None  # float32 scratch of the largest 16-bit bucket (wide memories), or None
 
     def all(self) -> tuple[ParameterMemory, ...]:
-        # The scores too: they are gradients in the grad scaler's units, as the residuals are.
-        return self.residuals, self.velocities, self.owner_residuals, self.mask_scores
+        """The memories that hold gradients, in the grad scaler's units (the rates too; not the ages)."""
+        return self.residuals, self.velocities, self.owner_residuals, self.mask_rates
 
     def clear(self) -> None:
-        for memory in self.all():
+        for memory in (*self.all(), self.mask_ages):
             memory.clear()
         self.owner_ranges = {}
 

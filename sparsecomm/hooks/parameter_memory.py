@@ -33,18 +33,21 @@ class ParameterMemory:
         return self._entries[name]
 
     def bucket_tensor(
-        self, bucket_index: int, names: tuple[str, ...], numels: tuple[int, ...], like: torch.Tensor
+        self, bucket_index: int, names: tuple[str, ...], numels: tuple[int, ...], like: torch.Tensor,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """The flat tensor for a bucket holding ``names`` (sizes ``numels``), shaped like ``like``.
+        """The flat tensor for a bucket holding ``names`` (sizes ``numels``), shaped like ``like``
+        (in ``dtype`` if given).
 
         Entries not seen before start at zero. Reuses the existing flat tensor when the
         bucket's layout, dtype and device are unchanged.
         """
+        dtype = like.dtype if dtype is None else dtype
         cached = self._flat.get(bucket_index)
         if (
             cached is not None
             and cached[:2] == (names, numels)
-            and cached[2].dtype == like.dtype
+            and cached[2].dtype == dtype
             and cached[2].device == like.device
         ):
             return cached[2]
@@ -53,7 +56,7 @@ class ParameterMemory:
                 f"bucket {bucket_index}: parameters hold {sum(numels)} elements but the bucket "
                 f"buffer has {like.numel()}; the bucket layout is not the parameters laid end to end"
             )
-        flat = torch.zeros_like(like)
+        flat = torch.zeros_like(like, dtype=dtype)
         for name, view in zip(names, flat.split(numels)):
             previous = self._entries.get(name)
             if previous is not None:

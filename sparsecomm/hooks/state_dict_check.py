@@ -16,7 +16,7 @@ import torch
 
 _RANK_KEY = re.compile(r"^rank(\d+)\.(.+)$")
 _PER_RANK_FIELDS = {"stats", "sample_generator", "sample_generator_device"}
-MEMORY_KINDS = ("residual", "velocity", "owner_residual", "mask_score")
+MEMORY_KINDS = ("residual", "velocity", "owner_residual", "mask_rate", "mask_age")
 
 
 class ParsedStateDict:
@@ -76,7 +76,7 @@ def parse(state_dict, rank: int, expected_format: int) -> ParsedStateDict:
     if odd:
         raise ValueError(f"state_dict has {len(odd)} key(s) that TopKState.state_dict() never writes "
                          f"(first: {odd[:3]!r}); expected 'rank<r>.residual.<name>', 'rank<r>.velocity.<name>', "
-                         f"'rank<r>.owner_residual.<name>', 'rank<r>.mask_score.<name>', "
+                         f"'rank<r>.owner_residual.<name>', 'rank<r>.mask_rate.<name>', 'rank<r>.mask_age.<name>', "
                          f"'rank<r>.stats', 'rank<r>.sample_generator' and the top-level format, world_size, step, "
                          "config, memory_scale")
     bad_ranks = sorted(r for r in ranks if r >= world_size)
@@ -107,12 +107,13 @@ def mismatches(parsed: ParsedStateDict, param_shapes: dict, error_feedback: bool
                rank: int, owner: bool = False, shared_mask: bool = False) -> list[str]:
     """Problems of a well-formed state dict against the bound model (empty if it fits).
     ``owner``: the state keeps owner residuals (exchange="owner" with error feedback);
-    ``shared_mask``: it keeps mask scores (exchange="shared-mask")."""
+    ``shared_mask``: it keeps mask rates and ages (exchange="shared-mask")."""
     problems = []
     residuals, velocities = parsed.memories["residual"], parsed.memories["velocity"]
-    owner_residuals, mask_scores = parsed.memories["owner_residual"], parsed.memories["mask_score"]
+    owner_residuals = parsed.memories["owner_residual"]
+    mask = {"mask rate": parsed.memories["mask_rate"], "mask age": parsed.memories["mask_age"]}
     for kind, entries in (("residual", residuals), ("velocity", velocities), ("owner residual", owner_residuals),
-                          ("mask score", mask_scores)):
+                          *mask.items()):
         if param_shapes:
             foreign = sorted(set(entries) - set(param_shapes))
             if foreign:
@@ -136,12 +137,13 @@ def mismatches(parsed: ParsedStateDict, param_shapes: dict, error_feedback: bool
         missing = sorted(set(param_shapes) - set(owner_residuals))
         if missing:
             problems.append(f"rank {rank}'s owner residuals are missing for {len(missing)} parameter(s): {missing[:5]}")
-    if shared_mask and param_shapes and not problems:
-        missing = sorted(set(param_shapes) - set(mask_scores))
-        if missing:
-            problems.append(f"rank {rank}'s mask scores are missing for {len(missing)} parameter(s): {missing[:5]}")
-    if mask_scores and not shared_mask:
-        problems.append(f"rank {rank}'s state has mask scores but this TopKState does not use exchange='shared-mask'")
+    for kind, entries in mask.items():
+        if shared_mask and param_shapes and not problems:
+            missing = sorted(set(param_shapes) - set(entries))
+            if missing:
+                problems.append(f"rank {rank}'s {kind}s are missing for {len(missing)} parameter(s): {missing[:5]}")
+        if entries and not shared_mask:
+            problems.append(f"rank {rank}'s state has {kind}s but this TopKState does not use exchange='shared-mask'")
     if owner_residuals and not owner:
         problems.append(f"rank {rank}'s state has owner residuals but this TopKState does not use exchange='owner' (or 'auto' with selector='chunk')")
     if velocities and not momentum:

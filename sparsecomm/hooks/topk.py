@@ -40,7 +40,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        float entries, or the index and value codecs), the variable all-gather (sampled
        selector over MPI), the owner exchange (``"owner"``), the shared index set
        (``"shared-index"``), the mask every rank derives alike from the synced first
-       moment (``"shared-mask"``), random-k, or the cheapest of all-gather, owner and
+       synced gradient (``"shared-mask"``), random-k, or the cheapest of all-gather, owner and
        shared-index on ``link`` (``"auto"``). Dense instead until ``warmup_steps`` steps have passed, or when the
        wire would not move fewer bytes than a dense allreduce: the bucket is then
        allreduced as a whole (the residual is sent in full and cleared).
@@ -134,14 +134,15 @@ def _reduce(call: plan.BucketCall) -> torch.futures.Future:
     velocity, residual = acc.memories(call, call.with_residual)
     if config.exchange in ("owner", "auto"):  # what this rank no longer owns moves to its residual
         call.owner_memory = owner_residual(call, residual)
-    if config.exchange == "shared-mask":  # the synced first moment, which the mask is derived from
-        call.mask_score = state.memories.mask_scores.bucket_tensor(call.index, call.names, call.numels, call.grad)
-    memories = (velocity, residual, call.owner_memory, call.mask_score)
+    if config.exchange == "shared-mask":  # what the mask is derived from, the same on every rank
+        call.mask_memory = tuple(memory.bucket_tensor(call.index, call.names, call.numels, call.grad, torch.float32)
+                                 for memory in (state.memories.mask_rates, state.memories.mask_ages))
+    memories = (velocity, residual, call.owner_memory, *(call.mask_memory or ()))
     if state.journal is not None:
         state.journal.record(call.index, [m for m in memories if m is not None])
     call.emit("gradient", call.dense, gradient=call.out)
     if wire.dense:
-        return _follow(call, wire.reduce(call, velocity, residual))  # 2.-6., an allreduce of the whole bucket
+        return _follow(call, wire.reduce(call, velocity, residual), None)  # 2.-6., an allreduce of the bucket
     started = time.perf_counter()
     if config.verify_conservation:
         call.audit = ConservationAudit(state, call.grad, call.numels, call.world_size, velocity, residual)
@@ -156,12 +157,15 @@ def _reduce(call: plan.BucketCall) -> torch.futures.Future:
     fut = fut.then(wire.accumulate(call, packed))  # 6.
     if wire.sealed:
         state.seals.futures.append(fut)  # checked when it arrives; agreed on at the step's last bucket
-    return _follow(call, fut)
+    return _follow(call, fut, packed.indices)
 
 
-def _follow(call: plan.BucketCall, fut: torch.futures.Future) -> torch.futures.Future:
-    """The shared-mask exchange folds every reduced bucket, dense or sparse, into its score."""
-    return fut if call.mask_score is None else fut.then(shared_mask.follow_reduced(call.mask_score))
+def _follow(call: plan.BucketCall, fut: torch.futures.Future, indices) -> torch.futures.Future:
+    """The shared-mask exchange folds every reduced bucket, dense (``indices`` None) or sparse,
+    into the memories its mask is derived from."""
+    if call.mask_memory is None:
+        return fut
+    return fut.then(shared_mask.follow_reduced(*call.mask_memory, indices))
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future:

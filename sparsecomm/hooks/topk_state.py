@@ -122,8 +122,8 @@ class TopKState(PersistentState):
        rotating, broadcasts its selection; every rank allreduces its values there. No
        index bytes per rank and no scatter; what the leader's set leaves out stays in each
        rank's residual. ``"shared-mask"`` (``selector="exact"``, a float wire): the mask is
-       derived, one step ahead, from the first moment of the synced gradient, which every
-       rank holds alike, plus a window sweeping the bucket (``mask_refresh`` of the k
+       derived, one step ahead, from the synced gradient per step and each entry's age since
+       it was last sent, which every rank holds alike, plus a window sweeping the bucket (``mask_refresh`` of the k
        entries) so that no entry waits more than ceil(numel / window) steps; no index
        travels, and a bucket's values are allreduced as soon as backward produces it
        (SCAPE's method; :mod:`sparsecomm.hooks.wires.shared_mask`). ``"auto"``: per

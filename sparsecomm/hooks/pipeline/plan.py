@@ -20,17 +20,17 @@ class BucketCall:
     ``grad`` is where acc is formed: the bucket buffer itself, or a float32 copy of it when
     the memories are wider than the bucket (16-bit models). ``out`` is the bucket buffer,
     which receives the reduced result. ``wire`` is how it travels (a ``DenseWire`` on dense
-    paths). ``owner_memory``, ``mask_score`` and ``audit`` are set by the hook body for the
+    paths). ``owner_memory``, ``mask_memory`` (rate, age) and ``audit`` are set by the hook body for the
     owner exchange, the shared-mask exchange and ``verify_conservation``.
     """
 
     __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k",
-                 "value_dtype", "warmup", "wire", "with_residual", "owner_memory", "mask_score", "audit")
+                 "value_dtype", "warmup", "wire", "with_residual", "owner_memory", "mask_memory", "audit")
 
     def __init__(self, state, bucket, names, numels, group, world_size):
         self.state, self.bucket, self.index = state, bucket, bucket.index()
         self.names, self.numels, self.group, self.world_size = names, numels, group, world_size
-        self.owner_memory = self.mask_score = self.audit = None
+        self.owner_memory = self.mask_memory = self.audit = None
 
     @property
     def dense(self) -> bool:

@@ -12,7 +12,7 @@ wire                       when                                                 
 ``SharedIndexWire``        ``exchange="shared-index"``: a rotating leader's index set,   ~2 k values + the
                            every rank's values there allreduced                          index set
 ``SharedMaskWire``         ``exchange="shared-mask"``: a mask every rank derives alike   ~2 k values
-                           from the synced first moment, values allreduced
+                           from the synced gradient and ages, values allreduced
 ``RandomKWire``            ``selector="random"``: indices from a shared seeded stream,   ~2 k values
                            values allreduced
 ``DenseWire``              warm-up, the dense fallback, or ``exchange="auto"``'s choice  ~2 x the bucket

@@ -1,30 +1,32 @@
-"""The shared-mask exchange (``exchange="shared-mask"``): SCAPE's mask, which every rank derives
-alike without communicating, one step ahead.
+"""The shared-mask exchange (``exchange="shared-mask"``): a mask every rank derives alike
+without communicating, one step ahead (SCAPE's idea, Zheng et al., arXiv 2607.01678).
 
 The mask of a bucket at step t is a function of what every rank holds bit for bit before
-step t's gradient exists: the first moment of the *synced* gradient,
+step t's gradient exists: the reduced buckets of the steps before (the hook's output, the
+same bits on every rank) and the step number. So no index travels, and a bucket's values go
+on the wire, a plain async allreduce of k values, as soon as backward produces the bucket:
+what a rank sends and receives does not grow with the number of ranks, and there are no
+index bytes at all. Two memories per entry, the same on every rank:
 
-    score <- MASK_BETA * score + (1 - MASK_BETA) * reduced      (after every step, dense ones too)
+- ``age``: steps since the entry was last sent (0 after a dense step);
+- ``rate``: the synced gradient per step, an EMA (``MASK_BETA``, AdamW's beta1) of what
+  each send delivered divided by the steps it covered, ``reduced / (age + 1)``: an entry
+  left out for a steps is sent with a + 1 steps of gradient in the residuals.
 
-(``reduced`` is the hook's output, the same bits on every rank; with AdamW's or AdamS's
-beta1 = 0.9 it is the optimizer's own ``exp_avg`` of what it was fed), and the step number.
-SCAPE (Zheng et al., arXiv 2607.01678) takes its masks from AdamS's first moment for the same
-reason. So no index travels, and a bucket's values go on the wire, a plain async allreduce of
-k values, as soon as backward produces the bucket: what a rank sends and receives does not
-grow with the number of ranks, and there are no index bytes at all.
+    priority = |rate| x (age + 1)       what the ranks' residuals are expected to hold there
+    mask     = the refresh window  +  the k - r entries of largest priority outside it
 
-    mask = the refresh window  +  the k - r entries of largest |score| outside it
+A mask ranked by the synced gradient alone starves: what it left out never shows in the
+synced gradient again. Ranking by the expected residual lets a left-out entry rise as it
+waits. The refresh window, r = ceil(mask_refresh x k) consecutive entries starting at
+``(step x r) mod numel`` (wrapping), bounds the wait whatever the priorities: consecutive
+windows tile the bucket, so every entry is sent at least once in every ceil(numel / r)
+steps (:func:`longest_wait`). Ties of priority: lower index first
+(``compress.topk.topk_by_key``), so ranks agree on any CPU.
 
-The refresh window is r = ceil(mask_refresh x k) consecutive entries starting at
-``(step x r) mod numel`` (wrapping around): consecutive windows tile the bucket, so every entry
-is in the mask at least once in every ceil(numel / r) consecutive steps. A score that decays
-where the mask left an entry out could otherwise starve it forever; the window bounds how long
-anything waits in a residual (:func:`longest_wait`, which the staleness monitor can hold the
-run to). The entries the mask leaves out stay in each rank's error feedback, as with every
-wire. Ties of |score|: lower index first (``compress.topk.topk_by_key``), so ranks agree on any CPU.
-
-A step whose reduced bucket is not finite (an overflow, skipped by the loop) leaves the score
-as it was; a step the hook rolls back (``StepJournal``) restores it with the residuals.
+A step whose reduced bucket is not finite (an overflow, skipped by the loop) leaves both
+memories as they were; a step the hook rolls back (``StepJournal``) restores them with the
+residuals.
 """
 import math
 
@@ -33,7 +35,7 @@ import torch
 from sparsecomm.compress.topk import magnitude_key, topk_by_key
 from sparsecomm.hooks.wires.shared_index import AllreducedValues, shared_values
 
-MASK_BETA = 0.9  # AdamW's (and AdamS's) default beta1: the score is the synced first moment
+MASK_BETA = 0.9  # AdamW's (and AdamS's) default beta1
 
 
 def refresh_entries(k: int, refresh: float) -> int:
@@ -46,27 +48,41 @@ def longest_wait(numel: int, k: int, refresh: float) -> int:
     return math.ceil(numel / refresh_entries(k, refresh)) - 1
 
 
-def shared_mask(score: torch.Tensor, step: int, k: int, refresh: float) -> torch.Tensor:
-    """Indices (int64, ascending) of step ``step``'s mask over a bucket whose score is ``score``."""
-    numel = score.numel()
+def shared_mask(priority: torch.Tensor, step: int, k: int, refresh: float) -> torch.Tensor:
+    """Indices (int64, ascending) of step ``step``'s mask over a bucket of these priorities."""
+    numel = priority.numel()
     if k >= numel:
-        return torch.arange(numel, device=score.device)
+        return torch.arange(numel, device=priority.device)
     r = refresh_entries(k, refresh)
-    window = (torch.arange(r, device=score.device) + (step * r) % numel) % numel
+    window = (torch.arange(r, device=priority.device) + (step * r) % numel) % numel
     if k == r:
         return torch.sort(window).values
-    key = magnitude_key(score)
+    key = magnitude_key(priority)
     key[window] = -1  # below every magnitude: the window's entries are in already
     return torch.sort(torch.cat([window, topk_by_key(key, k - r)])).values
 
 
-def follow_reduced(score: torch.Tensor):
-    """A Future callback that folds the reduced bucket into ``score`` (when it is finite)."""
+def priority(rate: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
+    return rate.abs() * (age + 1)
+
+
+def follow_reduced(rate: torch.Tensor, age: torch.Tensor, indices: torch.Tensor | None):
+    """A Future callback that folds the reduced bucket into ``rate`` and ``age`` (when it is
+    finite): at ``indices`` (None: a dense step, every entry) what was sent, elsewhere one
+    more step of waiting."""
 
     def fold(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()
-        if bool(torch.isfinite(reduced).all()):
-            score.mul_(MASK_BETA).add_(reduced.to(score.dtype), alpha=1 - MASK_BETA)
+        if not bool(torch.isfinite(reduced).all()):
+            return reduced
+        if indices is None:
+            rate.mul_(MASK_BETA).add_(reduced.to(rate.dtype), alpha=1 - MASK_BETA)
+            age.zero_()
+        else:
+            per_step = reduced[indices].to(rate.dtype) / (age[indices] + 1)
+            rate[indices] = rate[indices] * MASK_BETA + per_step * (1 - MASK_BETA)
+            age.add_(1)
+            age[indices] = 0
         return reduced
 
     return fold
@@ -78,6 +94,6 @@ class SharedMaskWire(AllreducedValues):
     name = "shared_mask"
 
     def encode(self, call, residual, fused: bool):
-        score = call.mask_score
-        indices = shared_mask(score, call.state.step, self.k, self.config.mask_refresh)
+        rate, age = call.mask_memory
+        indices = shared_mask(priority(rate, age), call.state.step, self.k, self.config.mask_refresh)
         return shared_values(call, residual, indices.to(call.grad.device))

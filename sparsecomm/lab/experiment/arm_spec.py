@@ -65,8 +65,8 @@ FIXED_PRESETS = {
     # with 1-bit values, sign-SGD on the aggregate.
     "topk-sign": {"reducer": "topk", "options": {"selector": "chunk", "index_codec": "rice", "value_codec": "sign"},
                   "optimizer": {"optimizer": "signsgd"}},
-    # SCAPE's exchange (exchange="shared-mask"): a mask every rank derives from the synced first
-    # moment, values allreduced, no index bytes, traffic flat in p; under the experiment's optimizer.
+    # SCAPE's idea (exchange="shared-mask"): a mask every rank derives from the synced gradient and
+    # each entry's age, values allreduced, no index bytes, traffic flat in p; the experiment's optimizer.
     "shared-mask": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"}},
     # SCAPE's method as the paper runs it: the shared mask under AdamS (sparsecomm.AdamS).
     "scape": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"},
