@@ -66,8 +66,9 @@ FIXED_PRESETS = {
     "topk-sign": {"reducer": "topk", "options": {"selector": "chunk", "index_codec": "rice", "value_codec": "sign"},
                   "optimizer": {"optimizer": "signsgd"}},
     # SCAPE's idea (exchange="shared-mask"): a mask every rank derives from the synced gradient and
-    # each entry's age, values allreduced, no index bytes, traffic flat in p; the experiment's optimizer.
-    "shared-mask": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"}},
+    # each entry's age, values allreduced, no index bytes, traffic flat in p; with DGC's momentum
+    # correction, as topk-dgc (plain top-k + error feedback into AdamW loses quality).
+    "shared-mask": {"reducer": "topk", "options": {"density": 0.01, "momentum": 0.9, "exchange": "shared-mask"}},
     # SCAPE's method as the paper runs it: the shared mask under AdamS (sparsecomm.AdamS).
     "scape": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"},
               "optimizer": {"optimizer": "adams"}},
