@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+import sparsecomm
+
 from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.arms import make_arm_hook
 from sparsecomm.lab.experiment.compare import parse_arms
@@ -141,6 +143,10 @@ def test_a_scripts_arm_changes_the_scripts_own_optimizer_in_place(tmp_path):
     assert untouched.param_groups[0]["momentum"] == 0.8 and untouched.param_groups[0]["lr"] == 0.1
     with pytest.raises(ValueError, match="Rprop has neither betas nor momentum"):
         adapt_optimizer(torch.optim.Rprop(model.parameters()), config.arm("dgc"))
+    adams = sparsecomm.AdamS(model.parameters())
+    with pytest.raises(ValueError, match="AdamS builds its normalizer from its momentum"):
+        adapt_optimizer(adams, config.arm("dgc"))
+    assert adams.param_groups[0]["betas"] == (0.9, 0.999)  # refused before anything changed
     stepped = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     stepped.step()

@@ -269,6 +269,13 @@ def adapt_optimizer(optimizer: torch.optim.Optimizer, spec) -> None:
     if optimizer.state:
         raise RuntimeError(f"arm {spec.name!r} changes the optimizer, which has already stepped: call run.apply "
                            "before the first optimizer.step()")
+    from sparsecomm.optim import AdamS
+
+    if spec.momentum_correction and isinstance(optimizer, AdamS):
+        # AdamS's normalizer is built from its momentum: it cannot run with beta1 = 0.
+        raise ValueError(f"arm {spec.name!r} corrects momentum in the hook, so the optimizer must run without its "
+                         "own; the script's AdamS builds its normalizer from its momentum and cannot: choose an arm "
+                         "without momentum correction, or AdamW / SGD in the script")
     if "momentum" in changes and not all("momentum" in group for group in optimizer.param_groups):
         raise ValueError(f"arm {spec.name!r} sets the optimizer's momentum to {changes['momentum']!r}, but the "
                          f"script's {type(optimizer).__name__} has no momentum setting (SGD has): it cannot apply")
