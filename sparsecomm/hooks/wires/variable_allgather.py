@@ -16,7 +16,7 @@ from sparsecomm.compress.error_feedback import divide_
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.sampled_threshold import sample_positions, sample_size, threshold_of_sample
 from sparsecomm.hooks.pipeline import acc, integrity
-from sparsecomm.hooks.wires.allgather import AllgatherWire, decode_alone, note_sent, seal
+from sparsecomm.hooks.wires.allgather import AllgatherWire, note_sent, seal
 from sparsecomm.hooks.wires.base import Packed
 
 
@@ -96,9 +96,6 @@ class VariableAllgatherWire(AllgatherWire):
             return out
 
         return accumulate
-
-    def sent_dense(self, packed, like) -> torch.Tensor:
-        return decode_alone(packed, like)
 
 
 def _sampled_threshold(grad, residual, divisor: float, k: int, generator) -> float:
