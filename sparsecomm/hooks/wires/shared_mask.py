@@ -73,16 +73,19 @@ def follow_reduced(rate: torch.Tensor, age: torch.Tensor, indices: torch.Tensor 
 
     def fold(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()
-        if not bool(torch.isfinite(reduced).all()):
-            return reduced
+        # Whether to fold stays on the device (no host sync in the callback): a non-finite
+        # bucket writes back the old values.
+        finite = torch.isfinite(reduced).all()
         if indices is None:
-            rate.mul_(MASK_BETA).add_(reduced.to(rate.dtype), alpha=1 - MASK_BETA)
-            age.zero_()
+            new_rate = rate * MASK_BETA + reduced.to(rate.dtype) * (1 - MASK_BETA)
+            new_age = torch.zeros_like(age)
         else:
+            new_rate, new_age = rate.clone(), age + 1
             per_step = reduced[indices].to(rate.dtype) / (age[indices] + 1)
-            rate[indices] = rate[indices] * MASK_BETA + per_step * (1 - MASK_BETA)
-            age.add_(1)
-            age[indices] = 0
+            new_rate[indices] = rate[indices] * MASK_BETA + per_step * (1 - MASK_BETA)
+            new_age[indices] = 0
+        rate.copy_(torch.where(finite, new_rate, rate))
+        age.copy_(torch.where(finite, new_age, age))
         return reduced
 
     return fold
