@@ -48,17 +48,20 @@ def _syncs(rank, world_size, settings, steps):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     averager = SparseDeltaAverager(model, **settings)
     generator = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-    before, after, errors, initial = [], [], [], _flat(model)
+    before, after, errors, owned, initial = [], [], [], [], _flat(model)
     for _ in range(steps // averager.period):
         _train(model, optimizer, averager, averager.period, generator, record=before)
         after.append(_flat(model))
         errors.append(averager.error.clone())
+        if averager.owner_residual is not None:
+            owned.append(averager.owner_residual.clone())
     stats, error = averager.stats(), averager.error.clone()
     _train(model, optimizer, averager, 1, generator)  # one local step past the last sync
     local = _flat(model)
     with averager.consensus_weights():
         consensus = _flat(model)
-    return {"initial": initial, "before": before, "after": after, "errors": errors, "stats": stats, "error": error,
+    return {"initial": initial, "before": before, "after": after, "errors": errors, "owned": owned, "stats": stats,
+            "error": error,
             "consensus": consensus, "local_kept": torch.equal(_flat(model), local)}
 
 
@@ -263,8 +266,109 @@ def test_a_shared_index_sync_is_the_leaders_selection_summed(world_size):
         assert stats["bytes_received"] == 4 * ring + (4 - led) * 4 * k
 
 
+OWNER = {**SPARSE, "exchange": "owner"}
+
+
+def _chunk_top(acc: torch.Tensor, k_per_chunk: int) -> torch.Tensor:
+    """``acc`` at the top |entries| of every chunk (torch.topk; random data, no ties), 0 elsewhere."""
+    sent, chunks = torch.zeros_like(acc), acc.view(-1, CHUNK)
+    top = chunks.abs().topk(k_per_chunk, dim=1).indices
+    sent.view(-1, CHUNK).scatter_(1, top, chunks.gather(1, top))
+    return sent
+
+
+def _owner_outer_step(anchor, errors, owned, before, settings):
+    """One owner sync written out: every rank's chunked top-k of its acc (fp32: sent exactly),
+    summed in rank order; each owner (contiguous chunks: the first chunks % p owners hold one
+    more) adds its owner residual and takes the chunked top-k of that again; the mean of the
+    replies is the step. Returns (new anchor, its rounding bound as _outer_step's, every
+    rank's new error buffer, every rank's new owner residual)."""
+    world_size, k_per_chunk = len(before), round(settings["density"] * CHUNK)
+    total, new_errors = torch.zeros_like(anchor), []
+    for rank in range(world_size):
+        acc = settings["ef_decay"] * errors[rank] + (anchor - before[rank])
+        sent = _chunk_top(acc, k_per_chunk)
+        new_errors.append(acc - sent)
+        total += sent
+    per_owner, extra = divmod(anchor.numel() // CHUNK, world_size)
+    replies, new_owned, start = torch.zeros_like(anchor), [], 0
+    for owner in range(world_size):
+        span = slice(start, start + CHUNK * (per_owner + (owner < extra)))
+        owner_acc = total[span] + owned[owner][span]
+        reply = _chunk_top(owner_acc, k_per_chunk)
+        replies[span] = reply
+        residual = torch.zeros_like(anchor)
+        residual[span] = owner_acc - reply
+        new_owned.append(residual)
+        start = span.stop
+    step = settings["outer_lr"] * (replies / world_size)
+    new_anchor = anchor - step
+    return new_anchor, 2.0 ** -22 * (new_anchor.abs() + step.abs()), new_errors, new_owned
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_owner_sync_is_the_owners_reselection_of_the_sum(world_size):
+    """exchange="owner": each sync against the replay above from the averager's state before
+    it; conservation at both levels (what a rank kept plus what it sent is its acc; what an
+    owner kept plus its reply is the sum plus its old residual) holds bit for bit on the fp32 wire."""
+    results = run_on_ranks(_syncs, OWNER, 4 * PERIOD, world_size=world_size, timeout=120)
+    numel = results[0]["initial"].numel()
+    anchor = results[0]["initial"]
+    errors = owned = [torch.zeros_like(anchor)] * world_size
+    for sync in range(4):
+        synced = [r["after"][sync] for r in results]
+        assert all(torch.equal(synced[0], other) for other in synced[1:])
+        want, bound, want_errors, want_owned = _owner_outer_step(
+            anchor, errors, owned, [r["before"][sync] for r in results], OWNER)
+        got = synced[0]
+        assert ((got - want).abs() <= bound).all(), float(((got - want).abs() - bound).max())
+        errors, owned = [r["errors"][sync] for r in results], [r["owned"][sync] for r in results]
+        assert all(torch.equal(e, w) for e, w in zip(errors, want_errors))
+        assert all(torch.equal(o, w) for o, w in zip(owned, want_owned))
+        assert sync == 0 or any(bool(o.abs().sum() > 0) for o in owned)  # the second level keeps something
+        anchor = got
+    # Bytes, by hand: 8 entries per chunk of 64 at 4 + 4 bytes; each owner's range is whole
+    # chunks (p = 2: 3 and 2 of the 5; p = 3: 2, 2, 1); the reply slot is the largest range's.
+    chunks = [3, 2] if world_size == 2 else [2, 2, 1]
+    message = [64 * c for c in chunks]
+    for rank, result in enumerate(results):
+        stats = result["stats"]
+        assert stats["bytes_sent"] == 4 * (sum(message) - message[rank] + max(message))
+        assert stats["bytes_received"] == 4 * (world_size - 1) * (message[rank] + max(message))
+        assert stats["elements_sent"] == 4 * 8 * numel // CHUNK
+
+
+def _owner_state_round_trip(rank, world_size):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    averager = SparseDeltaAverager(model, **OWNER)
+    generator = torch.Generator().manual_seed(7 + rank)
+    _train(model, optimizer, averager, 2 * PERIOD, generator)
+    state = averager.state_dict()
+    refusals = {}
+    for name, broken in (("missing", {k: v for k, v in state.items() if not k.endswith("owner_residual")}),
+                         ("nan", {**state, f"rank{rank}.owner_residual": torch.full_like(averager.owner_residual,
+                                                                                        float("nan"))})):
+        try:
+            averager.load_state_dict(broken)
+        except ValueError as error:
+            refusals[name] = str(error)
+    fresh = SparseDeltaAverager(_model(), **OWNER)
+    fresh.load_state_dict(state)
+    return {"keys": sorted(state), "refusals": refusals,
+            "same": torch.equal(fresh.owner_residual, averager.owner_residual)
+            and bool(averager.owner_residual.abs().sum() > 0)}
+
+
+def test_the_owner_residual_is_saved_checked_and_restored():
+    for rank, result in enumerate(run_on_ranks(_owner_state_round_trip, world_size=2, timeout=120)):
+        assert f"rank{rank}.owner_residual" in result["keys"] and result["same"]
+        assert f"rank{rank}.owner_residual" in result["refusals"]["missing"]
+        assert "Inf or NaN" in result["refusals"]["nan"]
+
+
 def test_shared_index_needs_a_float_wire():
     with pytest.raises(ValueError, match="value_codec"):
         check_settings(**{**SHARED, "value_codec": "int2"})
     with pytest.raises(ValueError, match="exchange must be one of"):
-        check_settings(**{**SHARED, "exchange": "owner"})
+        check_settings(**{**SHARED, "exchange": "owners"})

@@ -24,6 +24,8 @@ PERIOD = 3
 WIRES = {
     "default": {"chunk_size": 64},  # chunked top-k, Rice indices, 2-bit values with a bf16 scale
     "exact-fp32": {"selector": "exact", "index_codec": "int32", "value_codec": "fp32"},
+    "owner": {"chunk_size": 64, "exchange": "owner"},  # the owners sum the values: they see the Inf first
+    "owner-fp32": {"selector": "exact", "index_codec": "int32", "value_codec": "fp32", "exchange": "owner"},
 }
 HUGE = 3e38  # float32's largest finite value is 3.4028e38: two of these overflow
 
@@ -38,8 +40,9 @@ def _flat(model) -> torch.Tensor:
 
 
 def _snapshot(model, averager) -> dict:
+    owned = averager.owner_residual
     return {"weights": _bits(_flat(model)), "anchor": _bits(averager.anchor), "error": _bits(averager.error),
-            "step": averager.optimizer_steps,
+            "owned": _bits(owned if owned is not None else torch.zeros(0)), "step": averager.optimizer_steps,
             "counters": {k: v for k, v in averager.counters.items() if not k.startswith("seconds_")}}  # times vary
 
 
@@ -48,7 +51,8 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _poison(fault: str, rank: int, model, averager) -> None:
-    """Make this rank's weights what ``fault`` describes, right before the sync."""
+    """Make this rank's weights what ``fault`` (before any "/wire") describes, right before the sync."""
+    fault = fault.split("/")[0]
     first = next(model.parameters())
     with torch.no_grad():
         if fault == "nan-on-rank-1" and rank == 1:
@@ -101,6 +105,9 @@ FAULTS = {  # fault -> (wire, outer_lr, ranks the error names)
     "inf-on-ranks-0-and-2": ("exact-fp32", 0.7, [0, 2]),
     "sum-overflows": ("exact-fp32", 0.7, []),
     "outer-step-overflows": ("exact-fp32", 4.0, []),
+    "nan-on-rank-1/owner": ("owner", 0.7, [1]),
+    "inf-on-ranks-0-and-2/owner": ("owner-fp32", 0.7, [0, 2]),
+    "sum-overflows/owner": ("owner-fp32", 0.7, []),
 }
 
 

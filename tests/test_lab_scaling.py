@@ -219,3 +219,34 @@ def test_real_study_on_digits_then_a_rerun_trains_nothing(tmp_path, capsys):
     second = capsys.readouterr().out
     assert run_dirs() == before
     assert second.count("finished earlier, skipped") == 4, second
+
+
+def test_shared_exchanges_are_modelled_as_a_ring_of_values_plus_the_leaders_indices(tmp_path):
+    """Hand-worked: k values of V = 400 B and an index region of I = 100 B per step. A rank
+    takes in 2 (p-1)/p x V from the ring and, when it does not lead, I from the leader's
+    broadcast: on average over the rotating leader (p-1)/p x (2 V + I), 675 B at p = 4."""
+    values, index, measured_p = 400.0, 100.0, 4
+
+    def mean_received(p):  # the hand-worked mean over ranks, not the module's formula
+        return 2 * (p - 1) / p * values + (p - 1) / p * index
+
+    hook_stats = {"steps": 100, "last_step": {"step": 99, "bytes_received": mean_received(measured_p)}}
+    averager_stats = {"steps": 100, "bytes_received": 100 * 2 * (measured_p - 1) / measured_p * values}
+    curves = {(arm, 0): [(50, 5.0, 2.0)] for arm in ("dense", "si", "mask", "delta-si")}
+    spec = lambda reducer, exchange: {"reducer": reducer, "options": {"exchange": exchange}}  # noqa: E731
+    run_dir = write_run_dir(tmp_path / "p4", curves, bytes_per_step={"dense": 4000.0, "si": 425.0, "mask": 400.0},
+                            summary_extra={"si": {"arm_spec": spec("topk", "shared-index"), "hook_stats": hook_stats},
+                                           "mask": {"arm_spec": spec("topk", "shared-mask"), "hook_stats": {
+                                               "steps": 100, "last_step": {"bytes_received": 600.0}}},
+                                           "delta-si": {"arm_spec": spec("sparse-delta", "shared-index"),
+                                                        "hook_stats": averager_stats}})
+    sizes = [2, 4, 16, 1024]
+    modelled = {m.arm: m for m in scaling.modelled_traffic(run_dir, ["si", "mask", "delta-si"], sizes, measured_p)}
+    for p in sizes:
+        assert modelled["si"].bytes_received[p] == pytest.approx(mean_received(p), rel=1e-12)
+        assert modelled["mask"].bytes_received[p] == pytest.approx(2 * (p - 1) / p * values, rel=1e-12)
+        assert modelled["delta-si"].bytes_received[p] == pytest.approx(2 * (p - 1) / p * values, rel=1e-12)
+    # Flat in p: at most 2x the p = 2 figure at any p, and no dense fallback.
+    assert modelled["si"].bytes_received[1024] / modelled["si"].bytes_received[2] < 2
+    assert all(m.dense_fallback_from is None and "no dense fallback" in m.how for m in modelled.values())
+    assert "shared-index" in modelled["si"].how and "p = 4" in modelled["si"].how

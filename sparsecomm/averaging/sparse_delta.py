@@ -16,7 +16,11 @@ the syncs (sync s is led by rank s mod p): it selects from its own ``e`` and bro
 index region (the index codec's bytes, once), every rank sends its ``e`` there in a float
 wire dtype, an allreduce sums them, and ``e -= sent`` on every rank. What a rank receives is
 then the index region and 2 (p-1)/p x k values whatever p is, where the all-gather's grows
-as (p-1) payloads (docs/exchange.md).
+as (p-1) payloads (docs/exchange.md). With ``exchange="owner"``
+(:mod:`sparsecomm.averaging.owner_sync`) every rank sends each owner its selection of that
+owner's range, the owner sums them with its owner residual and selects again at the same
+density and codecs, and the owners' replies are all-gathered: about k entries sent and
+2 k (p-1)/p received per rank, any value codec, error feedback at both levels.
 
 Every rank decodes the same gathered bytes in rank order from the same anchor, so every
 replica holds the same bits after a sync (the tests check it). A sync whose new anchor
@@ -38,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm import compress
 from sparsecomm.averaging import state_check
+from sparsecomm.averaging.owner_sync import OwnerSync
 from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm import link_model
 from sparsecomm.comm.collectives import allgather_future
@@ -53,7 +58,7 @@ STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent"
          "seconds_encode", "seconds_exchange", "seconds_decode")
 
 
-EXCHANGES = ("allgather", "shared-index")
+EXCHANGES = ("allgather", "owner", "shared-index")
 
 
 def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
@@ -67,9 +72,10 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     check_choice("exchange", exchange, EXCHANGES)
     # The wire's own validation: the same refusals and messages as the hook's (shared-index:
     # a float wire). The averager keeps its own error feedback, so the hook's (and its
-    # warm-up) is off here.
+    # warm-up) is off here, and so is the wire checksum (the averager does not seal its payloads).
     return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
-                            value_codec=value_codec, warmup_steps=0, error_feedback=False, exchange=exchange)
+                            value_codec=value_codec, warmup_steps=0, error_feedback=False, exchange=exchange,
+                            wire_checksum=False)
 
 
 class SharedIndexSync:
@@ -109,9 +115,12 @@ class SparseDeltaAverager:
             (defaults: chunks of 4096, Rice-coded indices, 2-bit values with a bf16 scale per chunk).
         outer_lr: the outer step's learning rate, > 0 (SparseLoCo: 0.6-1.0).
         ef_decay: decay of the error-feedback buffer, in [0, 1] (SparseLoCo: 0.95).
-        exchange: "allgather" (every rank's payload to every rank) or "shared-index" (a rotating
-            leader's indices, every rank's values there allreduced; needs a float
-            ``value_codec``: None/"fp32", "bf16" or "fp16").
+        exchange: "allgather" (every rank's payload to every rank), "owner" (each rank's
+            selection of an owner's range to that owner, which selects again from their sum
+            and its owner residual; the owners' replies all-gathered) or "shared-index" (a
+            rotating leader's indices, every rank's values there allreduced; needs a float
+            ``value_codec``: None/"fp32", "bf16" or "fp16"). Owner and shared-index keep
+            the bytes a rank receives flat in p; the all-gather's grow as p - 1.
         process_group: the group to average over (None: the default group).
     """
 
@@ -135,8 +144,12 @@ class SparseDeltaAverager:
             raise ValueError("ddp_model has no parameter that requires grad: nothing to average")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
+        self.owner_residual = None  # the owner exchange's second-level error feedback (sum over ranks)
         if exchange == "shared-index":
             self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
+        elif exchange == "owner":
+            self.wire = OwnerSync(wire_config, numel, self.density, process_group)
+            self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
         else:
             layout = payload_layout(wire_config, self.density, numel, compress.num_selected(numel, self.density),
                                     torch.float32)
@@ -200,6 +213,8 @@ class SparseDeltaAverager:
         """The outer step into new buffers, assigned only when the new anchor is finite."""
         if self.exchange == "shared-index":
             return self._sync_shared_index(step)
+        if self.exchange == "owner":
+            return self._sync_owner(step)
         started = time.perf_counter()
         delta = self.anchor - self._flat_weights()
         new_error = self.error * self.ef_decay
@@ -244,12 +259,7 @@ class SparseDeltaAverager:
         new_anchor = self.anchor.clone()
         new_anchor[indices] -= self.outer_lr * average
         if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
-            # A sum does not say who sent the Inf/NaN: every rank's own verdict, gathered
-            # (one row per rank: Inf where that rank's values were not finite).
-            mine = torch.tensor([0.0 if bool(torch.isfinite(sent).all()) else math.inf], device=sent.device)
-            verdicts = torch.empty(world_size, dtype=mine.dtype, device=mine.device)
-            allgather_future(verdicts, mine, self.process_group).wait()
-            raise refusal(verdicts.view(world_size, 1), lambda row: row, step)
+            raise self._refusal_naming_senders(sent, step)
         new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
         self.anchor, self.error = new_anchor, new_error
         self._write_weights(self.anchor)
@@ -262,6 +272,40 @@ class SparseDeltaAverager:
                     elements_sent=indices.numel(), elements_total=self.anchor.numel(),
                     seconds_encode=encoded - started, seconds_exchange=exchanged - encoded,
                     seconds_decode=done - exchanged)
+
+    @torch.no_grad()
+    def _sync_owner(self, step: int) -> None:
+        """The outer step on the owners' replies (:mod:`sparsecomm.averaging.owner_sync`)."""
+        started = time.perf_counter()
+        new_error = self.error * self.ef_decay
+        new_error += self.anchor - self._flat_weights()
+        sent, messages, sent_values = self.wire.send(new_error)
+        encoded = time.perf_counter()
+        new_owner_residual = self.owner_residual.clone()
+        replies = self.wire.reduce_and_gather(messages, new_owner_residual)
+        exchanged = time.perf_counter()
+        world_size = self.world_size
+        mean = self.wire.decode_sum(replies, torch.empty_like(self.anchor))
+        mean.div_(world_size)
+        new_anchor = torch.sub(self.anchor, mean, alpha=self.outer_lr)
+        if not all_finite(new_anchor):  # the same replies, so the same verdict, on every rank
+            raise self._refusal_naming_senders(sent_values, step)
+        self.anchor, self.error, self.owner_residual = new_anchor, new_error, new_owner_residual
+        self._write_weights(self.anchor)
+        done = time.perf_counter()
+        self._count(syncs=1, bytes_sent=self.wire.bytes_sent, bytes_dense=self.anchor.numel() * 4,
+                    bytes_received=self.wire.bytes_received, elements_sent=sent,
+                    elements_total=self.anchor.numel(), seconds_encode=encoded - started,
+                    seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
+
+    def _refusal_naming_senders(self, sent: torch.Tensor, step: int):
+        """The refusal of a sync whose values were summed (no rank's payload on its own):
+        every rank's own verdict on ``sent`` gathered, one row per rank, Inf where that rank's
+        values were not finite."""
+        mine = torch.tensor([0.0 if bool(torch.isfinite(sent).all()) else math.inf], device=sent.device)
+        verdicts = torch.empty(self.world_size, dtype=mine.dtype, device=mine.device)
+        allgather_future(verdicts, mine, self.process_group).wait()
+        return refusal(verdicts.view(self.world_size, 1), lambda row: row, step)
 
     def _decoded(self, gathered: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(self.anchor)
@@ -304,11 +348,19 @@ class SparseDeltaAverager:
 
     def state_dict(self) -> dict:
         """This rank's state: its error buffer and the anchor (the weights at the last sync),
-        under ``rank<r>.`` keys, with the settings and the step count."""
+        and with the owner exchange its owner residual, under ``rank<r>.`` keys, with the
+        settings and the step count."""
         rank = dist.get_rank(self.process_group)
         return {"kind": "SparseDeltaAverager", "settings": self.settings(), "step": self.step_count,
                 "world_size": self.world_size, "counters": dict(self.counters),
-                f"rank{rank}.error": self.error.clone(), f"rank{rank}.anchor": self.anchor.clone()}
+                **{f"rank{rank}.{name}": buffer.clone() for name, buffer in self._buffers().items()}}
+
+    def _buffers(self) -> dict:
+        """This rank's per-rank buffers by name (state_check.BUFFERS, and the owner residual)."""
+        buffers = {"error": self.error, "anchor": self.anchor}
+        if self.owner_residual is not None:
+            buffers["owner_residual"] = self.owner_residual
+        return buffers
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Restore :meth:`state_dict` bit for bit, all or nothing: the whole dict is checked
@@ -318,9 +370,9 @@ class SparseDeltaAverager:
         that passes is assigned. ``strict=False`` loads it under other settings."""
         checked = state_check.check(state, rank=dist.get_rank(self.process_group), world_size=self.world_size,
                                     numel=self.anchor.numel(), settings=self.settings(), counter_names=STATS,
-                                    strict=strict)
-        self.error.copy_(checked.error)
-        self.anchor.copy_(checked.anchor)
+                                    strict=strict, buffers=tuple(self._buffers()))
+        for name, buffer in self._buffers().items():
+            buffer.copy_(checked.buffers[name])
         self.step_count = checked.step
         self.counters = dict.fromkeys(STATS, 0) | checked.counters
 
@@ -328,5 +380,7 @@ class SparseDeltaAverager:
         # The checkpoint manager stages a restore on a copy: copy the state, share the model.
         clone = copy.copy(self)
         clone.error, clone.anchor = self.error.clone(), self.anchor.clone()
+        if self.owner_residual is not None:
+            clone.owner_residual = self.owner_residual.clone()
         clone.counters = dict(self.counters)
         return clone

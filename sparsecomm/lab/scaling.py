@@ -65,6 +65,8 @@ BATCH_MODES = ("per-rank", "global")
 BASELINE = "baseline"  # dense's verdict cell: the arm the others are judged against
 MODELLED_WORLD_SIZES = tuple(2**i for i in range(4, 11))  # 16, 32, ..., 1024
 MODEL_MAX_WORLD_SIZE = MODELLED_WORLD_SIZES[-1]
+SHARED_EXCHANGES = ("shared-index", "shared-mask")
+"""Exchanges whose values are allreduced at indices every rank shares: modelled by :func:`ring_scaled`."""
 RECEIVED_HOOK = "the top-k hook's counters (last completed step)"
 RECEIVED_AVERAGER = "the averager's counters (total / steps: its syncs amortised)"
 RECEIVED_RING = "derived: torch's hook counts none; ring allreduce of the bytes sent, 2(p-1)/p x sent"
@@ -285,11 +287,21 @@ def topk_received(payload: float, dense: float, exchange: str, p: int) -> tuple[
     return exchange_bytes_received("dense" if dense_instead else exchange, payload, dense, p), dense_instead
 
 
-def modelled_traffic(run_dir, arms, world_sizes) -> list[ModelledTraffic]:
+def ring_scaled(measured: float, measured_p: int, world_sizes) -> dict:
+    """Bytes one rank takes in at each p, from ``measured`` at ``measured_p``, for an exchange
+    that is a ring allreduce of a fixed buffer plus, where there is one, a rotating leader's
+    broadcast: per rank 2 (p-1)/p x values + (p-1)/p x index bytes on average over the
+    leaders, both (p-1)/p times a constant, so the scaling is exact for the rank mean."""
+    return {p: measured * ((p - 1) / p) / ((measured_p - 1) / measured_p) for p in world_sizes}
+
+
+def modelled_traffic(run_dir, arms, world_sizes, measured_p: int) -> list[ModelledTraffic]:
     """Per arm, bytes received per rank per step at each of ``world_sizes``, by the cost
     model's formulas (:func:`sparsecomm.comm.link_model.exchange_bytes_received` and the hook's
     dense-fallback rule, as ``sparsecomm project`` applies them) from the bytes per step
-    measured in ``run_dir``."""
+    measured in ``run_dir`` (at ``measured_p`` ranks). The shared exchanges (``shared-index``,
+    ``shared-mask``: a hook's or the averager's) scale their measured bytes received as a ring
+    allreduce does (:func:`ring_scaled`); they never fall back to dense."""
     from sparsecomm.lab.costmodel import exchange_bytes_received, read_run
     from sparsecomm.lab.results import load_runs
 
@@ -299,13 +311,18 @@ def modelled_traffic(run_dir, arms, world_sizes) -> list[ModelledTraffic]:
     for arm in arms:
         mine = [r for r in runs if r.arm == arm and r.finished]
         spec = next((r.extra["arm_spec"] for r in mine if isinstance(r.extra.get("arm_spec"), dict)), {})
+        exchange = (spec.get("options") or {}).get("exchange", "allgather")
         measured = inputs.arm(arm)
-        if measured is not None and measured.sparse:
+        if exchange in SHARED_EXCHANGES and mine:
+            received = _median(received_per_step(r, measured_p)[0] for r in mine)
+            traffic.append(ModelledTraffic(arm, dict.fromkeys(world_sizes) if received is None else ring_scaled(
+                received, measured_p, world_sizes), f"{exchange}: ring allreduce of the values (and the leader's "
+                f"index broadcast), scaled from the {_bytes(received)} received per rank per step at p = "
+                f"{measured_p}; no dense fallback"))
+        elif exchange not in ("allgather", "owner"):
+            traffic.append(ModelledTraffic(arm, dict.fromkeys(world_sizes), f"exchange {exchange}: not modelled"))
+        elif measured is not None and measured.sparse:
             payload, dense = measured.bytes_sent, measured.bytes_dense
-            exchange = (spec.get("options") or {}).get("exchange", "allgather")
-            if exchange not in ("allgather", "owner"):
-                traffic.append(ModelledTraffic(arm, dict.fromkeys(world_sizes), f"exchange {exchange}: not modelled"))
-                continue
             fallback = next((p for p in range(2, MODEL_MAX_WORLD_SIZE + 1)
                              if topk_received(payload, dense, exchange, p)[1]), None)
             how = (f"{exchange} of its {format_value(payload, 'B')} per rank per step"
@@ -322,8 +339,8 @@ def modelled_traffic(run_dir, arms, world_sizes) -> list[ModelledTraffic]:
         elif spec.get("reducer") == "sparse-delta" and mine:
             payload = _median(r.bytes_sent_per_step for r in mine)
             traffic.append(ModelledTraffic(
-                arm, {p: exchange_bytes_received("allgather", payload, 0.0, p) for p in world_sizes},
-                f"all-gather of its {format_value(payload, 'B')} per step (syncs amortised; no dense fallback)"))
+                arm, {p: exchange_bytes_received(exchange, payload, 0.0, p) for p in world_sizes},
+                f"{exchange} of its {format_value(payload, 'B')} per step (syncs amortised; no dense fallback)"))
         elif spec.get("reducer") == "local":
             traffic.append(ModelledTraffic(arm, dict.fromkeys(world_sizes, 0.0), "sends nothing"))
         else:
@@ -551,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             q.world_size == p and q.verdict != UNAVAILABLE for q in points)), None)
         modelled = [] if model_p is None else modelled_traffic(
             args.out / study.point_config(model_p).name, study.config.arms,
-            sorted({*study.world_sizes, *MODELLED_WORLD_SIZES}))
+            sorted({*study.world_sizes, *MODELLED_WORLD_SIZES}), model_p)
         return points, model_p, modelled
 
     done, code = run_and_read("sparsecomm scale", run_and_model)
