@@ -372,3 +372,28 @@ def test_shared_index_needs_a_float_wire():
         check_settings(**{**SHARED, "value_codec": "int2"})
     with pytest.raises(ValueError, match="exchange must be one of"):
         check_settings(**{**SHARED, "exchange": "owners"})
+
+
+def _auto_choices(rank, world_size):
+    chosen = {}
+    for link in ("10gbit@20ms", "100mbit@1us"):
+        averager = SparseDeltaAverager(_model(), **{**SPARSE, "value_codec": "int2", "exchange": "auto", "link": link})
+        chosen[link] = (averager.exchange, averager.settings()["exchange"], averager.settings()["link"],
+                        "owner_residual" in "".join(averager.state_dict()))
+    try:
+        SparseDeltaAverager(_model(), **{**SPARSE, "link": "1gbit"})
+    except ValueError as error:
+        chosen["refused"] = str(error)
+    return chosen
+
+
+def test_auto_picks_by_the_links_latency_and_bandwidth_alike_on_every_rank():
+    """At p = 4 the all-gather costs (p-1) alpha + (p-1) s / B and the owner exchange
+    2 (p-1) alpha + 2 (p-1)/p s / B (int2 values: no shared-index): a 20 ms message latency
+    dwarfs a payload of a few hundred bytes at 10 Gb/s (fewest messages: all-gather), while at
+    100 Mb/s with 1 us per message the owner's half of the bytes wins."""
+    results = run_on_ranks(_auto_choices, world_size=4, timeout=120)
+    for result in results:
+        assert result["10gbit@20ms"] == ("allgather", "auto", "10gbit@20ms", False)
+        assert result["100mbit@1us"] == ("owner", "auto", "100mbit@1us", True)
+        assert "link" in result["refused"] and "auto" in result["refused"]

@@ -58,11 +58,11 @@ STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent"
          "seconds_encode", "seconds_exchange", "seconds_decode")
 
 
-EXCHANGES = ("allgather", "owner", "shared-index")
+EXCHANGES = ("allgather", "owner", "shared-index", "auto")
 
 
 def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
-                   exchange="allgather") -> TopKConfig:
+                   exchange="allgather", link=None) -> TopKConfig:
     """The averager's settings checked (ValueError/TypeError naming the argument and its
     range); returns the wire's TopKConfig. Needs no model: configs are checked before a run."""
     check_int("period", period, 1)
@@ -75,7 +75,21 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     # warm-up) is off here, and so is the wire checksum (the averager does not seal its payloads).
     return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
                             value_codec=value_codec, warmup_steps=0, error_feedback=False, exchange=exchange,
-                            wire_checksum=False)
+                            wire_checksum=False, link=link)
+
+
+def choose_exchange(config: TopKConfig, numel: int, density: float, world_size: int) -> str:
+    """``exchange="auto"``: the exchange whose wire the hook's cost model
+    (:mod:`sparsecomm.hooks.pipeline.exchange_choice`) finds fastest on ``config.link`` for one
+    buffer of the model's size (the averager has no dense path: dense is not a candidate).
+    The same numbers on every rank give the same choice, with no collective."""
+    from sparsecomm.hooks.pipeline import exchange_choice
+
+    costs = exchange_choice.modelled_seconds(config, numel, density, torch.float32,
+                                             config.value_dtype or torch.float32, world_size,
+                                             compress.num_selected(numel, density))
+    costs.pop("dense", None)
+    return min(costs, key=costs.get)  # ties: the first, in the cost model's candidate order
 
 
 class SharedIndexSync:
@@ -120,21 +134,25 @@ class SparseDeltaAverager:
             and its owner residual; the owners' replies all-gathered) or "shared-index" (a
             rotating leader's indices, every rank's values there allreduced; needs a float
             ``value_codec``: None/"fp32", "bf16" or "fp16"). Owner and shared-index keep
-            the bytes a rank receives flat in p; the all-gather's grow as p - 1.
+            the bytes a rank receives flat in p; the all-gather's grow as p - 1. "auto" picks
+            the one the cost model finds fastest on ``link`` (:func:`choose_exchange`; the
+            choice is :attr:`exchange`). Only time is modelled, not quality.
+        link: the link "auto" models, e.g. "1gbit@100us" (None: the hook's default,
+            10 Gb/s with 50 us per message); only with ``exchange="auto"``.
         process_group: the group to average over (None: the default group).
     """
 
     def __init__(self, ddp_model, *, period: int = 16, density: float = 64 / 4096, selector: str = "chunk",
                  chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
-                 register_hook: bool = True, exchange: str = "allgather"):
+                 register_hook: bool = True, exchange: str = "allgather", link: str | None = None):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
-                                     ef_decay=ef_decay, exchange=exchange)
+                                     ef_decay=ef_decay, exchange=exchange, link=link)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
-        self.exchange = exchange
+        self.exchange_setting, self.link = exchange, link
         self.density, self.selector, self.chunk_size = wire_config.density, selector, chunk_size
         self.index_codec, self.value_codec = index_codec, value_codec
         self.process_group = process_group
@@ -144,6 +162,9 @@ class SparseDeltaAverager:
             raise ValueError("ddp_model has no parameter that requires grad: nothing to average")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
+        if exchange == "auto":
+            exchange = choose_exchange(wire_config, numel, self.density, dist.get_world_size(process_group))
+        self.exchange = exchange  # the exchange the syncs use ("auto"'s choice)
         self.owner_residual = None  # the owner exchange's second-level error feedback (sum over ranks)
         if exchange == "shared-index":
             self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
@@ -342,8 +363,10 @@ class SparseDeltaAverager:
         settings = {"period": self.period, "density": self.density, "selector": self.selector,
                     "chunk_size": self.chunk_size, "index_codec": self.index_codec, "value_codec": self.value_codec,
                     "outer_lr": self.outer_lr, "ef_decay": self.ef_decay}
-        if self.exchange != "allgather":  # (checkpoints of the all-gather keep the keys they always had)
-            settings["exchange"] = self.exchange
+        if self.exchange_setting != "allgather":  # (checkpoints of the all-gather keep the keys they always had)
+            settings["exchange"] = self.exchange_setting
+        if self.link is not None:
+            settings["link"] = self.link
         return settings
 
     def state_dict(self) -> dict:

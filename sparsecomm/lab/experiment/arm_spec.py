@@ -82,7 +82,7 @@ seed (the run's seed), grad_scaler and on_overflow (tasks run without a loss sca
 default on_overflow="rollback")."""
 POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
 SPARSE_DELTA_OPTIONS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr",
-                        "ef_decay", "exchange")
+                        "ef_decay", "exchange", "link")
 """SparseDeltaAverager keywords: local steps, then every ``period`` steps a sparse outer sync."""
 SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, "index_codec": "rice",
                          "value_codec": "int2", "outer_lr": 0.7, "ef_decay": 0.95}

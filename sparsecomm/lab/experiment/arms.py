@@ -137,7 +137,8 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
         return ArmHook(
             f"sparsecomm SparseDeltaAverager period {options['period']} density {options['density']:g} "
             f"{options['selector']} {options['index_codec']}/{options['value_codec']} outer_lr {options['outer_lr']:g} "
-            f"ef_decay {options['ef_decay']:g}",
+            f"ef_decay {options['ef_decay']:g} via {averager.exchange}"
+            + (" (auto)" if averager.exchange_setting == "auto" else ""),
             None, local_gradient_hook, lambda state, bucket, before: 0, stats=lambda state: averager.stats(),
             averager=averager)
     if spec.reducer == "powersgd":
