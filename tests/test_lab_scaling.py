@@ -144,6 +144,7 @@ def test_hand_made_study_with_a_global_batch(tmp_path, monkeypatch, capsys):
         assert dense["bytes_received_per_step"] == round(2 * (p - 1) / p * DENSE_BYTES)
         assert dense["received_source"] == scaling.RECEIVED_RING
         assert dense["batch_size"] == topk["batch_size"] == 64 // p
+        assert topk["exposed_comm_fraction"] == pytest.approx(0.2)  # the fixture waits 0.2 x each step
     assert [points[(p, "topk-dgc")]["verdict"] for p in (2, 4)] == ["equivalent", "worse"]
     assert study["growth_of_bytes_received"]["topk-dgc"]["measured"] == 3.0
     assert study["growth_of_bytes_received"]["dense"]["measured"] == pytest.approx(1.5, rel=1e-5)

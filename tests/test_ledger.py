@@ -88,6 +88,10 @@ def test_ledger_medians_and_totals_from_a_run_dir(tmp_path):
     assert rows["dense"][:2] == ["dense", "3/0"] and rows["dense"][-2] == ">= 4.0 s"  # partial: a lower bound
     # One seed did not reach the target: no number, but the budget it was not reached in.
     assert rows["topk-ef"][-1] == "not reached in 30 steps" and "20" not in rows["topk-ef"]
+    # Exposed communication: the fixture's wait after backward is 0.2 x each step (20 ms of 100 ms).
+    assert dense.exposed_comm.value == pytest.approx(0.02) and ledger.exposed_fraction(dense) == pytest.approx(0.2)
+    assert "dense: exposed communication (the wait for it after backward) 20.0 ms per step, 20% of the step" in (
+        _unfolded(text))
     assert rows["powersgd"] == ["powersgd", "0/3", "no finished run"]  # seed 0 failed, seeds 1 and 2 missing
     speedups = _speedup_lines(text)
     assert speedups["topk-ef"] == "step 2.00x  steps, time, total: n/a (target not reached)"  # 0.05 s vs 0.1 s

@@ -94,6 +94,7 @@ class ArmLedger:
     hook_path: tuple[int, int] | None = None  # (fused, all) sparse calls of the top-k hook, all seeds
     not_ok: tuple[tuple[str, int], ...] = ()  # (status, count) of the runs that did not finish
     num_missing: int = 0  # configured seeds with no summary at all
+    exposed_comm: Quantity | None = None  # median wait for communication after backward (s per step)
 
     @property
     def runs_column(self) -> str:
@@ -172,6 +173,8 @@ def arm_ledger(arm: str, runs: list[RunSummary], target: Target, fault_rate_per_
         hook_path=_hook_path(ok),
         not_ok=tuple(status_counts(failed).items()),
         num_missing=num_missing,
+        exposed_comm=figure(_median([r.median_comm_wait_seconds for r in ok
+                                     if r.median_comm_wait_seconds is not None]), "s", "step"),
     )
 
 
@@ -355,7 +358,18 @@ def _arm_remarks(a: ArmLedger) -> list[str]:
         why = ("" if fused == sparse else ": the others formed acc in the bucket first (momentum correction, "
                "local clipping, or an observer reading it); same bits, slower")
         lines.append(f"{a.arm}: hook path: fused kernel in {fused} of {sparse} sparse calls{why}")
+    if exposed_fraction(a):
+        lines.append(f"{a.arm}: exposed communication (the wait for it after backward) "
+                     f"{a.exposed_comm.value * 1e3:.1f} ms per step, {exposed_fraction(a):.0%} of the step")
     return lines
+
+
+def exposed_fraction(a: ArmLedger) -> float | None:
+    """The arm's median wait for communication after backward as a fraction of its median
+    step (None where either was not measured)."""
+    if a.exposed_comm is None or not a.exposed_comm.measured or not a.step.measured or not a.step.value:
+        return None
+    return a.exposed_comm.value / a.step.value
 
 
 def _row(a: ArmLedger, budget_steps: int) -> list[str]:

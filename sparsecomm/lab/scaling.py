@@ -56,6 +56,7 @@ from sparsecomm.lab.experiment.compare import (
     parse_arms,
     with_job_overrides,
 )
+from sparsecomm.lab.ledger import exposed_fraction
 from sparsecomm.lab.quantity import format_value
 from sparsecomm.lab.sweep import UNAVAILABLE, VERDICT_MARKERS, aligned, fmt, markdown_table, run_and_read, run_point
 from sparsecomm.lab.target import DENSE_ARM
@@ -91,6 +92,7 @@ class ScalePoint:
     failed: int = 0  # this arm's runs that did not finish (any status but "ok", or missing)
     dense_failed: int = 0
     not_ok: str = ""
+    exposed_comm_fraction: float | None = None  # median wait for communication after backward / median step
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ def points_at(outcome, study: Study, p: int) -> list[ScalePoint]:
             received_source="; ".join(dict.fromkeys(source for _, source in received)),
             steps_to_target=entry.steps_to_target.value if entry is not None else None,
             time_to_target_s=entry.time_to_target.value if entry is not None else None,
+            exposed_comm_fraction=exposed_fraction(entry) if entry is not None else None,
             run_dir=str(outcome.run_dir),
             **outcome.failures(arm),
         ))
@@ -375,11 +378,12 @@ def _header(study: Study, metric: str) -> list[str]:
 def _tables(study: Study, points: list[ScalePoint], modelled: list[ModelledTraffic], metric: str) -> dict:
     low, high = study.world_sizes[0], study.world_sizes[-1]
     main = [["p", "arm", "batch/rank", "verdict", "gap", f"final {metric}", "sent/step", "recv/step", "steps [s2t]",
-             "time [t2t]", "failed arm/dense"]]
+             "time [t2t]", "failed arm/dense", "exposed comm"]]
     main += [[str(p.world_size), p.arm, str(p.batch_size), p.verdict, fmt(p.metric_gap), fmt(p.final_metric_mean),
               _bytes(p.bytes_sent_per_step), _bytes(p.bytes_received_per_step), fmt(p.steps_to_target),
               fmt(p.time_to_target_s, " s"),
-              f"{p.failed}/{p.dense_failed}" + (f" ({p.not_ok})" if p.not_ok else "")] for p in points]
+              f"{p.failed}/{p.dense_failed}" + (f" ({p.not_ok})" if p.not_ok else ""),
+              "n/a" if p.exposed_comm_fraction is None else f"{p.exposed_comm_fraction:.0%}"] for p in points]
     model = {m.arm: m for m in modelled}
     grow = [["arm", f"recv/step p={low}", f"recv/step p={high}", "growth (measured)", "growth (modelled)"]]
     for arm in study.config.arms:
