@@ -367,11 +367,84 @@ def test_the_owner_residual_is_saved_checked_and_restored():
         assert "Inf or NaN" in result["refusals"]["nan"]
 
 
-def test_shared_index_needs_a_float_wire():
+def test_shared_index_settings_are_checked_by_name():
     with pytest.raises(ValueError, match="value_codec"):
-        check_settings(**{**SHARED, "value_codec": "int2"})
+        check_settings(**{**SHARED, "value_codec": "int3"})
     with pytest.raises(ValueError, match="exchange must be one of"):
         check_settings(**{**SHARED, "exchange": "owners"})
+    check_settings(**{**SHARED, "value_codec": "int2"})  # quantized values go through the owners
+
+
+QUANTIZED = {**SHARED, "value_codec": "int8"}
+
+
+def _int8_bound(values: torch.Tensor) -> torch.Tensor:
+    """What int8 with one bf16 scale per (at most 64) values may leave: the step s is the
+    largest magnitude / 2^7 rounded up to bf16 (relative 2^-7) and the levels q s, |q| <= 127:
+    half a step for |v| <= 127.5 s, at most one step for the largest (v / s up to 128 is
+    clamped to 127); so s <= max 2^-7 (1 + 2^-7)."""
+    return values.abs().max() * 2.0 ** -7 * (1 + 2.0 ** -7)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_quantized_shared_index_sync_goes_through_the_owners_and_conserves_at_both_levels(world_size):
+    """exchange="shared-index" with int8 values, each sync replayed from the averager's state
+    before it: the leader's indices (torch.topk per chunk of its acc); every rank keeps acc -
+    sent (sent within one int8 step of acc, per owner slice); each owner (model entries
+    [o n / p, (o+1) n / p)) sums what the ranks sent in rank order, adds its owner residual
+    and keeps what its reply leaves (within one step); the anchor moves by outer_lr x the
+    replies' sum / p, bit for bit (the sum's order and every rounding are the replay's)."""
+    results = run_on_ranks(_syncs, QUANTIZED, 4 * PERIOD, world_size=world_size, timeout=120)
+    anchor = results[0]["initial"]
+    numel, k_per_chunk = anchor.numel(), round(QUANTIZED["density"] * CHUNK)
+    errors = owned = [torch.zeros_like(anchor)] * world_size
+    bounds = [o * numel // world_size for o in range(world_size + 1)]
+    counts = []  # per sync, the shared indices in every owner's range
+    for sync in range(4):
+        synced = [r["after"][sync] for r in results]
+        assert all(torch.equal(synced[0], other) for other in synced[1:])
+        accs = [QUANTIZED["ef_decay"] * errors[r] + (anchor - results[r]["before"][sync]) for r in range(world_size)]
+        chunks = accs[sync % world_size].view(-1, CHUNK)
+        top = chunks.abs().topk(k_per_chunk, dim=1).indices + torch.arange(0, numel, CHUNK).view(-1, 1)
+        indices = torch.sort(top.flatten()).values
+        new_errors = [r["errors"][sync] for r in results]
+        new_owned = [r["owned"][sync] for r in results]
+        outside = torch.ones(numel, dtype=torch.bool)
+        outside[indices] = False
+        replies = torch.zeros(numel)
+        sent = [acc - new for acc, new in zip(accs, new_errors)]
+        for owner in range(world_size):
+            mine = indices[(indices >= bounds[owner]) & (indices < bounds[owner + 1])]
+            counts.append((sync, owner, mine.numel()))
+            total = torch.zeros(mine.numel())
+            for rank in range(world_size):
+                assert (new_errors[rank][mine].abs() <= _int8_bound(accs[rank][mine])).all()
+                total += sent[rank][mine]
+            owner_acc = total + owned[owner][mine]
+            assert (new_owned[owner][mine].abs() <= _int8_bound(owner_acc)).all()
+            replies[mine] = owner_acc - new_owned[owner][mine]
+            kept = torch.ones(numel, dtype=torch.bool)
+            kept[mine] = False
+            assert torch.equal(new_owned[owner][kept], owned[owner][kept])
+        for acc, new in zip(accs, new_errors):
+            assert torch.equal(new[outside], acc[outside])  # only the shared indices were sent
+        want = anchor.clone()
+        want[indices] -= QUANTIZED["outer_lr"] * (replies[indices] / world_size)
+        assert torch.equal(synced[0], want)
+        assert sync == 0 or any(bool(o.abs().sum() > 0) for o in new_owned)
+        anchor, errors, owned = synced[0], new_errors, new_owned
+    # Bytes, by hand: an owner slice of n int8 values is a 2-byte scale + n bytes (n < 64 here);
+    # the leader's int32 index region is 4 k bytes; replies are padded to the largest slice.
+    k = k_per_chunk * numel // CHUNK
+    for rank, result in enumerate(results):
+        sent = received = 0
+        for sync in range(4):
+            sizes = [2 * -(-n // 64) + n for s_, _, n in counts if s_ == sync]
+            led = sync % world_size == rank
+            sent += sum(sizes) - sizes[rank] + max(sizes) + (4 * k if led else 0)
+            received += (world_size - 1) * (sizes[rank] + max(sizes)) + (0 if led else 4 * k)
+        stats = result["stats"]
+        assert (stats["bytes_sent"], stats["bytes_received"], stats["elements_sent"]) == (sent, received, 4 * k)
 
 
 def _auto_choices(rank, world_size):

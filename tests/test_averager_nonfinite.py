@@ -26,6 +26,8 @@ WIRES = {
     "exact-fp32": {"selector": "exact", "index_codec": "int32", "value_codec": "fp32"},
     "owner": {"chunk_size": 64, "exchange": "owner"},  # the owners sum the values: they see the Inf first
     "owner-fp32": {"selector": "exact", "index_codec": "int32", "value_codec": "fp32", "exchange": "owner"},
+    "shared-fp32": {"chunk_size": 64, "value_codec": "fp32", "exchange": "shared-index"},
+    "shared-int8": {"chunk_size": 64, "value_codec": "int8", "exchange": "shared-index"},  # through the owners
 }
 HUGE = 3e38  # float32's largest finite value is 3.4028e38: two of these overflow
 
@@ -108,6 +110,8 @@ FAULTS = {  # fault -> (wire, outer_lr, ranks the error names)
     "nan-on-rank-1/owner": ("owner", 0.7, [1]),
     "inf-on-ranks-0-and-2/owner": ("owner-fp32", 0.7, [0, 2]),
     "sum-overflows/owner": ("owner-fp32", 0.7, []),
+    "inf-on-ranks-0-and-2/shared": ("shared-fp32", 0.7, [0, 2]),
+    "nan-on-rank-1/shared-int8": ("shared-int8", 0.7, [1]),
 }
 
 

@@ -43,15 +43,13 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsecomm import compress
 from sparsecomm.averaging import state_check
 from sparsecomm.averaging.owner_sync import OwnerSync
+from sparsecomm.averaging.shared_index_sync import SharedIndexSync
 from sparsecomm.averaging.sync_guard import all_finite, refusal
-from sparsecomm.comm import link_model
 from sparsecomm.comm.collectives import allgather_future
-from sparsecomm.compress import index_codecs
-from sparsecomm.compress.chunking import chunk_topk
+from sparsecomm.compress.value_codecs import FLOAT_CODECS
 from sparsecomm.hooks.config import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
 from sparsecomm.hooks.wires import AllgatherWire, payload_layout
-from sparsecomm.hooks.wires.shared_index import geometry as shared_index_geometry
 from sparsecomm.hooks.validation import check_choice, check_int, check_real
 
 STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
@@ -73,8 +71,12 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     # The wire's own validation: the same refusals and messages as the hook's (shared-index:
     # a float wire). The averager keeps its own error feedback, so the hook's (and its
     # warm-up) is off here, and so is the wire checksum (the averager does not seal its payloads).
+    # Its shared-index exchange also takes quantized values (through the owners), which the
+    # hook's does not: those settings are checked as the hook's all-gather wire.
+    quantized = value_codec is not None and value_codec not in FLOAT_CODECS
     return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
-                            value_codec=value_codec, warmup_steps=0, error_feedback=False, exchange=exchange,
+                            value_codec=value_codec, warmup_steps=0, error_feedback=False,
+                            exchange="allgather" if exchange == "shared-index" and quantized else exchange,
                             wire_checksum=False, link=link)
 
 
@@ -90,30 +92,6 @@ def choose_exchange(config: TopKConfig, numel: int, density: float, world_size: 
                                              compress.num_selected(numel, density))
     costs.pop("dense", None)
     return min(costs, key=costs.get)  # ties: the first, in the cost model's candidate order
-
-
-class SharedIndexSync:
-    """The shared-index exchange of the outer sync: the leader's selection of its own error
-    buffer, its index region broadcast, every rank's values there in the wire's float dtype."""
-
-    def __init__(self, config, numel: int, density: float, process_group):
-        self.config, self.process_group = config, process_group
-        self.geometry = shared_index_geometry(config, numel, density)
-        self.index_nbytes = index_codecs.index_region_nbytes(config.index_codec, self.geometry)
-        self.value_dtype = config.value_dtype or torch.float32
-
-    def leader(self, sync: int) -> int:
-        return sync % dist.get_world_size(self.process_group)
-
-    def select_and_send(self, error: torch.Tensor, sync: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the shared indices, this rank's values there in the wire dtype)."""
-        group, lead = self.process_group, self.leader(sync)
-        region = torch.empty(self.index_nbytes, dtype=torch.uint8, device=error.device)
-        if dist.get_rank(group) == lead:
-            region.copy_(index_codecs.encode(self.config.index_codec, chunk_topk(error, self.geometry), self.geometry))
-        dist.broadcast(region, src=lead if group is None else dist.get_global_rank(group, lead), group=group)
-        indices = index_codecs.decode(self.config.index_codec, region, self.geometry).to(error.device)
-        return indices, error[indices].to(self.value_dtype)
 
 
 class SparseDeltaAverager:
@@ -168,6 +146,8 @@ class SparseDeltaAverager:
         self.owner_residual = None  # the owner exchange's second-level error feedback (sum over ranks)
         if exchange == "shared-index":
             self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
+            if self.wire.quantized:  # the owners' second-level error feedback
+                self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
         elif exchange == "owner":
             self.wire = OwnerSync(wire_config, numel, self.density, process_group)
             self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -265,34 +245,43 @@ class SparseDeltaAverager:
 
     @torch.no_grad()
     def _sync_shared_index(self, step: int) -> None:
-        """The outer step on the leader's indices: ``e`` there, summed by an allreduce."""
+        """The outer step on the leader's indices: ``e`` there, summed by an allreduce (float
+        values) or through the owners (quantized values: :mod:`~sparsecomm.averaging.shared_index_sync`)."""
         started = time.perf_counter()
         new_error = self.error * self.ef_decay
         new_error += self.anchor - self._flat_weights()
         sync = step // self.period - 1  # this sync's number, the same on every rank
-        indices, sent = self.wire.select_and_send(new_error, sync)
+        wire = self.wire
+        indices = wire.indices(new_error, sync)
         encoded = time.perf_counter()
-        summed = sent.clone()
-        dist.all_reduce(summed, group=self.process_group)
+        new_owner_residual = None
+        if wire.quantized:
+            indices = torch.sort(indices).values
+            new_owner_residual = self.owner_residual.clone()
+            sent, summed, (bytes_sent, bytes_received) = wire.quantized_sum(new_error, indices, new_owner_residual)
+            index_bytes = wire.index_nbytes
+            bytes_sent += index_bytes if wire.led(sync) else 0
+            bytes_received += 0 if wire.led(sync) else index_bytes
+        else:
+            sent, summed = wire.float_sum(new_error, indices)
+            bytes_sent, bytes_received = wire.float_bytes(indices.numel(), sync)
         exchanged = time.perf_counter()
-        world_size = self.world_size
-        average = summed.float() / world_size
+        average = summed.float() / self.world_size
         new_anchor = self.anchor.clone()
         new_anchor[indices] -= self.outer_lr * average
         if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
-            raise self._refusal_naming_senders(sent, step)
-        new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
+            raise self._refusal_naming_senders(bool(torch.isfinite(new_error).all()), step)
+        if not wire.quantized:
+            new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
+        else:
+            self.owner_residual = new_owner_residual
         self.anchor, self.error = new_anchor, new_error
         self._write_weights(self.anchor)
         done = time.perf_counter()
-        values = sent.numel() * sent.element_size()
-        led = self.wire.leader(sync) == dist.get_rank(self.process_group)
-        index_bytes = self.wire.index_nbytes
-        self._count(syncs=1, bytes_sent=values + (index_bytes if led else 0), bytes_dense=self.anchor.numel() * 4,
-                    bytes_received=link_model.ring_allreduce_bytes(values, world_size) + (0 if led else index_bytes),
-                    elements_sent=indices.numel(), elements_total=self.anchor.numel(),
-                    seconds_encode=encoded - started, seconds_exchange=exchanged - encoded,
-                    seconds_decode=done - exchanged)
+        self._count(syncs=1, bytes_sent=bytes_sent, bytes_dense=self.anchor.numel() * 4,
+                    bytes_received=bytes_received, elements_sent=indices.numel(),
+                    elements_total=self.anchor.numel(), seconds_encode=encoded - started,
+                    seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
 
     @torch.no_grad()
     def _sync_owner(self, step: int) -> None:
@@ -310,7 +299,7 @@ class SparseDeltaAverager:
         mean.div_(world_size)
         new_anchor = torch.sub(self.anchor, mean, alpha=self.outer_lr)
         if not all_finite(new_anchor):  # the same replies, so the same verdict, on every rank
-            raise self._refusal_naming_senders(sent_values, step)
+            raise self._refusal_naming_senders(bool(torch.isfinite(sent_values).all()), step)
         self.anchor, self.error, self.owner_residual = new_anchor, new_error, new_owner_residual
         self._write_weights(self.anchor)
         done = time.perf_counter()
@@ -319,11 +308,11 @@ class SparseDeltaAverager:
                     elements_total=self.anchor.numel(), seconds_encode=encoded - started,
                     seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
 
-    def _refusal_naming_senders(self, sent: torch.Tensor, step: int):
+    def _refusal_naming_senders(self, finite: bool, step: int):
         """The refusal of a sync whose values were summed (no rank's payload on its own):
-        every rank's own verdict on ``sent`` gathered, one row per rank, Inf where that rank's
-        values were not finite."""
-        mine = torch.tensor([0.0 if bool(torch.isfinite(sent).all()) else math.inf], device=sent.device)
+        every rank's own verdict (``finite``: what it sent, or its error buffer, was finite)
+        gathered, one row per rank, Inf where it was not."""
+        mine = torch.tensor([0.0 if finite else math.inf], device=self.anchor.device)
         verdicts = torch.empty(self.world_size, dtype=mine.dtype, device=mine.device)
         allgather_future(verdicts, mine, self.process_group).wait()
         return refusal(verdicts.view(self.world_size, 1), lambda row: row, step)
