@@ -470,3 +470,118 @@ def test_auto_picks_by_the_links_latency_and_bandwidth_alike_on_every_rank():
         assert result["10gbit@20ms"] == ("allgather", "auto", "10gbit@20ms", False)
         assert result["100mbit@1us"] == ("owner", "auto", "100mbit@1us", True)
         assert "link" in result["refused"] and "auto" in result["refused"]
+
+
+OVERLAPPED = {**SPARSE, "overlap": True}
+
+
+def _overlapped_syncs(rank, world_size):
+    """4 syncs with overlap: the weights when each starts, the local weights when the next
+    step() applies it, and the weights, anchor and error buffer after that."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    averager = SparseDeltaAverager(model, **OVERLAPPED)
+    generator = torch.Generator().manual_seed(100 + rank)
+    record = {"initial": _flat(model), "started": [], "local": [], "after": [], "anchor": [], "error": []}
+    for step in range(1, 4 * PERIOD + 2):
+        x = torch.randn(8, 15, generator=generator)
+        loss = (model(x) - x[:, :4].sin()).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        applying = averager.pending_collectives == 1
+        if step % PERIOD == 0:
+            record["started"].append(_flat(model))
+        if applying:
+            record["local"].append(_flat(model))
+        averager.step()
+        if applying:
+            record["after"].append(_flat(model))
+            record["anchor"].append(averager.anchor.clone())
+            record["error"].append(averager.error.clone())
+        if step == 4 * PERIOD:  # a sync in flight: no state dict until it is applied
+            try:
+                averager.state_dict()
+            except RuntimeError as error:
+                record["refused"] = str(error)
+    # A last sync, flushed right away: the replicas hold one model again.
+    for _ in range(PERIOD - 1):
+        x = torch.randn(8, 15, generator=generator)
+        optimizer.zero_grad()
+        (model(x) - x[:, :4].sin()).square().mean().backward()
+        optimizer.step()
+        averager.step()
+    averager.flush()
+    record["flushed"] = _flat(model)
+    record["stats"] = averager.stats()
+    return record
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_overlapped_sync_is_applied_one_step_late_with_the_local_step_kept(world_size):
+    """overlap=True: the sync started at step t (the all-gather not waited for) is applied
+    by the step() of step t + 1: its anchor and error buffers are the replay's
+    (_outer_step, from the weights at t), and the weights are that anchor plus the local step
+    taken meanwhile, fl(anchor' + fl(w_{t+1} - w_t)) bit for bit."""
+    results = run_on_ranks(_overlapped_syncs, world_size=world_size, timeout=120)
+    anchor = results[0]["initial"]
+    errors = [torch.zeros_like(anchor)] * world_size
+    for sync in range(4):
+        want, bound, want_errors = _outer_step(anchor, errors, [r["started"][sync] for r in results], OVERLAPPED)
+        got = results[0]["anchor"][sync]
+        assert all(torch.equal(got, r["anchor"][sync]) for r in results)  # one anchor on every rank
+        assert ((got - want).abs() <= bound).all()
+        for rank, result in enumerate(results):
+            assert torch.equal(result["error"][sync], want_errors[rank])
+            kept = got + (result["local"][sync] - result["started"][sync])
+            assert torch.equal(result["after"][sync], kept)
+        assert not torch.equal(results[0]["after"][sync], results[1]["after"][sync])  # each keeps its own step
+        anchor, errors = got, [r["error"][sync] for r in results]
+    assert all("flush()" in r["refused"] for r in results)
+    assert all(torch.equal(r["flushed"], results[0]["flushed"]) for r in results)
+    assert results[0]["stats"]["syncs"] == 5
+
+
+def test_overlap_needs_the_allgather_and_a_bool():
+    with pytest.raises(ValueError, match="overlap=True .* exchange='allgather'"):
+        check_settings(**{**OVERLAPPED, "exchange": "owner"})
+    with pytest.raises(TypeError, match="overlap must be True or False"):
+        check_settings(**{**SPARSE, "overlap": "yes"})
+
+
+def _overlapped_refusal(rank, world_size):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    averager = SparseDeltaAverager(model, **OVERLAPPED)
+    generator = torch.Generator().manual_seed(100 + rank)
+    _train(model, optimizer, averager, PERIOD - 1, generator)
+    anchor, error = averager.anchor.clone(), averager.error.clone()
+    x = torch.randn(8, 15, generator=generator)
+    optimizer.zero_grad()
+    (model(x) - x[:, :4].sin()).square().mean().backward()
+    optimizer.step()
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[3] = float("nan")
+    averager.step()  # the sync starts with rank 1's NaN in it
+    started = averager.pending_collectives
+    local = _flat(model)
+    try:
+        averager.step()  # (no optimizer step: the weights are the ones it started from)
+        outcome = None
+    except Exception as failure:  # noqa: BLE001 - the type is what the test checks
+        outcome = (type(failure).__name__, str(failure))
+    return {"started": started, "outcome": outcome, "pending": averager.pending_collectives,
+            "steps": averager.optimizer_steps, "anchor_kept": torch.equal(averager.anchor, anchor),
+            "error_kept": torch.equal(averager.error, error),
+            "weights_kept": torch.equal(_flat(model).nan_to_num(7.0), local.nan_to_num(7.0))}
+
+
+def test_an_overlapped_sync_with_a_non_finite_value_is_refused_by_the_step_that_applies_it():
+    results = run_on_ranks(_overlapped_refusal, world_size=3, timeout=120)
+    messages = {r["outcome"][1] for r in results}
+    assert len(messages) == 1 and "rank(s) [1]" in messages.pop()
+    for r in results:
+        assert r["started"] == 1 and r["outcome"][0] == "NonFiniteSyncError"
+        assert (r["pending"], r["steps"]) == (0, PERIOD)  # dropped; the refusing step not counted
+        assert r["anchor_kept"] and r["error_kept"] and r["weights_kept"]

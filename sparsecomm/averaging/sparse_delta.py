@@ -33,6 +33,7 @@ sends for a bucket of the model's size (``selector``, ``chunk_size``, ``index_co
 """
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 
@@ -59,8 +60,19 @@ STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent"
 EXCHANGES = ("allgather", "owner", "shared-index", "auto")
 
 
+@dataclasses.dataclass
+class StartedSync:
+    """A sync whose exchange is under way: applied by ``_finish`` (at once, or one step late)."""
+
+    step: int  # the optimizer step that started it
+    future: torch.futures.Future | None  # the all-gather's (None: the exchange already ran and was applied)
+    new_error: torch.Tensor | None  # the error buffer once it is applied
+    weights: torch.Tensor | None  # overlap: the local weights when it started
+    counts: dict | None  # counters known when it started
+
+
 def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
-                   exchange="allgather", link=None) -> TopKConfig:
+                   exchange="allgather", link=None, overlap=False) -> TopKConfig:
     """The averager's settings checked (ValueError/TypeError naming the argument and its
     range); returns the wire's TopKConfig. Needs no model: configs are checked before a run."""
     check_int("period", period, 1)
@@ -68,6 +80,12 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     check_real("ef_decay", ef_decay, 0.0, 1.0, low_open=False, high_open=False)
     check_choice("selector", selector, ("chunk", "exact"))
     check_choice("exchange", exchange, EXCHANGES)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if overlap and exchange != "allgather":
+        raise ValueError(f"overlap=True runs the sync's all-gather behind the next step: it needs "
+                         f"exchange='allgather' (the owner and shared-index exchanges chain blocking "
+                         f"collectives), got exchange={exchange!r}")
     # The wire's own validation: the same refusals and messages as the hook's (shared-index:
     # a float wire). The averager keeps its own error feedback, so the hook's (and its
     # warm-up) is off here, and so is the wire checksum (the averager does not seal its payloads).
@@ -117,20 +135,28 @@ class SparseDeltaAverager:
             choice is :attr:`exchange`). Only time is modelled, not quality.
         link: the link "auto" models, e.g. "1gbit@100us" (None: the hook's default,
             10 Gb/s with 50 us per message); only with ``exchange="auto"``.
+        overlap: False (default): a sync finishes inside the :meth:`step` that starts it.
+            True (all-gather only): the sync's all-gather runs while the next optimizer step
+            computes, and the next :meth:`step` applies it one step late, keeping the local
+            step taken meanwhile (``weights = new anchor + (weights - weights at the sync)``:
+            the eager correction); the wait it still costs is the exposed communication.
+            The replicas then agree only after :meth:`flush` (a checkpoint needs one).
         process_group: the group to average over (None: the default group).
     """
 
     def __init__(self, ddp_model, *, period: int = 16, density: float = 64 / 4096, selector: str = "chunk",
                  chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
-                 register_hook: bool = True, exchange: str = "allgather", link: str | None = None):
+                 register_hook: bool = True, exchange: str = "allgather", link: str | None = None,
+                 overlap: bool = False):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
-                                     ef_decay=ef_decay, exchange=exchange, link=link)
+                                     ef_decay=ef_decay, exchange=exchange, link=link, overlap=overlap)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
-        self.exchange_setting, self.link = exchange, link
+        self.exchange_setting, self.link, self.overlap = exchange, link, overlap
+        self._in_flight = None  # with overlap: the started sync, applied by the next step()
         self.density, self.selector, self.chunk_size = wire_config.density, selector, chunk_size
         self.index_codec, self.value_codec = index_codec, value_codec
         self.process_group = process_group
@@ -202,46 +228,82 @@ class SparseDeltaAverager:
         therefore end on :attr:`optimizer_steps`, the same on every rank, not on a count of
         batches. Raises :class:`~sparsecomm.averaging.NonFiniteSyncError` on every rank
         alike, with nothing changed and this step not counted, when the sync would put
-        Inf or NaN into the weights."""
+        Inf or NaN into the weights (with ``overlap``: raised by the step() that applies
+        the sync, which then is dropped: the weights keep their local progress, the anchor
+        and the error buffer are as before it, and the next sync sends it all)."""
         step = self.step_count + 1
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._finish(in_flight)
         if step % self.period == 0:
-            self._sync(step)
+            if self.overlap:
+                self._in_flight = self._start(step)
+            else:
+                self._finish(self._start(step))
         self.step_count = step
         return step % self.period == 0
 
+    @property
+    def pending_collectives(self) -> int:
+        """Syncs started and not yet applied (0 or 1; with ``overlap`` only). The checkpoint
+        manager refuses to save while one is in flight: call :meth:`flush` first."""
+        return int(self._in_flight is not None)
+
+    def flush(self) -> None:
+        """Apply the sync in flight now, if any (``overlap``): right after a sync step the
+        replicas then hold the same weights, as without overlap."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._finish(in_flight)
+
     @torch.no_grad()
-    def _sync(self, step: int) -> None:
-        """The outer step into new buffers, assigned only when the new anchor is finite."""
+    def _start(self, step: int) -> "StartedSync":
+        """Encode this rank's outer step and start its exchange (the all-gather, not waited
+        for); the owner and shared-index exchanges run whole here (their collectives chain)."""
         if self.exchange == "shared-index":
-            return self._sync_shared_index(step)
+            return StartedSync(step, None, None, None, self._sync_shared_index(step))
         if self.exchange == "owner":
-            return self._sync_owner(step)
+            return StartedSync(step, None, None, None, self._sync_owner(step))
         started = time.perf_counter()
-        delta = self.anchor - self._flat_weights()
+        weights = self._flat_weights()
+        delta = self.anchor - weights
         new_error = self.error * self.ef_decay
         payload = torch.empty(self.wire.layout.nbytes, dtype=torch.uint8, device=new_error.device)
         # new_error <- ef_decay * error + delta - decoded
         sent = self.wire.write(delta, new_error, 1.0, True, payload).count
         encoded = time.perf_counter()
-        world_size = self.world_size
-        gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        allgather_future(gathered, payload, self.process_group).wait()
+        gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        future = allgather_future(gathered, payload, self.process_group)
+        counts = dict(bytes_sent=payload.numel(), bytes_received=(self.world_size - 1) * payload.numel(),
+                      elements_sent=sent, seconds_encode=encoded - started)
+        return StartedSync(step, future, new_error, weights if self.overlap else None, counts)
+
+    @torch.no_grad()
+    def _finish(self, sync: "StartedSync") -> None:
+        """Wait for a started all-gather and apply it: the outer step into new buffers,
+        assigned only when the new anchor is finite (with overlap, plus the local step taken
+        since the sync started)."""
+        if sync.future is None:  # owner / shared-index: applied when started
+            return
+        waited = time.perf_counter()
+        gathered = sync.future.wait()
         exchanged = time.perf_counter()
+        world_size = self.world_size
         gathered = gathered.view(world_size, -1)
         new_anchor = torch.empty_like(self.anchor)
         self.wire.decode_add(gathered, new_anchor)
         new_anchor.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
         torch.sub(self.anchor, new_anchor, alpha=self.outer_lr, out=new_anchor)
         if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
-            raise refusal(gathered, self._decoded, step)
-        self.anchor, self.error = new_anchor, new_error
-        self._write_weights(self.anchor)
+            raise refusal(gathered, self._decoded, sync.step)
+        weights = new_anchor
+        if sync.weights is not None:  # overlap: keep the local step(s) taken while it travelled
+            weights = new_anchor + (self._flat_weights() - sync.weights)
+        self.anchor, self.error = new_anchor, sync.new_error
+        self._write_weights(weights)
         done = time.perf_counter()
-        dense = self.anchor.numel() * 4
-        self._count(syncs=1, bytes_sent=payload.numel(), bytes_dense=dense,
-                    bytes_received=(world_size - 1) * payload.numel(), elements_sent=sent,
-                    elements_total=self.anchor.numel(), seconds_encode=encoded - started,
-                    seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
+        self._count(syncs=1, bytes_dense=self.anchor.numel() * 4, elements_total=self.anchor.numel(),
+                    seconds_exchange=exchanged - waited, seconds_decode=done - exchanged, **sync.counts)
 
     @torch.no_grad()
     def _sync_shared_index(self, step: int) -> None:
@@ -356,12 +418,18 @@ class SparseDeltaAverager:
             settings["exchange"] = self.exchange_setting
         if self.link is not None:
             settings["link"] = self.link
+        if self.overlap:
+            settings["overlap"] = True
         return settings
 
     def state_dict(self) -> dict:
         """This rank's state: its error buffer and the anchor (the weights at the last sync),
         and with the owner exchange its owner residual, under ``rank<r>.`` keys, with the
         settings and the step count."""
+        if self._in_flight is not None:
+            raise RuntimeError("SparseDeltaAverager.state_dict(): a sync is in flight (overlap=True) and its result "
+                               "is in no buffer yet; call flush() first (right after a sync step the replicas then "
+                               "agree, as a checkpoint needs)")
         rank = dist.get_rank(self.process_group)
         return {"kind": "SparseDeltaAverager", "settings": self.settings(), "step": self.step_count,
                 "world_size": self.world_size, "counters": dict(self.counters),

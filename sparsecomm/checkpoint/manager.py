@@ -214,7 +214,8 @@ class CheckpointManager:
         problems = []
         if self.hook_state is not None:
             if getattr(self.hook_state, "pending_collectives", 0):
-                problems.append(f"{self.hook_state.pending_collectives} hook collective(s) in flight (save after optimizer.step())")
+                problems.append(f"{self.hook_state.pending_collectives} hook collective(s) in flight (save after "
+                                "optimizer.step(); a SparseDeltaAverager with overlap=True: call its flush() first)")
             # A TopKState counts its steps in .step; an averager, whose step() is its API, in .optimizer_steps.
             counted = getattr(self.hook_state, "optimizer_steps", None)
             counted = self.hook_state.step if counted is None else counted

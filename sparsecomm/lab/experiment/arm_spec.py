@@ -82,7 +82,7 @@ seed (the run's seed), grad_scaler and on_overflow (tasks run without a loss sca
 default on_overflow="rollback")."""
 POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
 SPARSE_DELTA_OPTIONS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr",
-                        "ef_decay", "exchange", "link")
+                        "ef_decay", "exchange", "link", "overlap")
 """SparseDeltaAverager keywords: local steps, then every ``period`` steps a sparse outer sync."""
 SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, "index_codec": "rice",
                          "value_codec": "int2", "outer_lr": 0.7, "ef_decay": 0.95}
@@ -272,6 +272,10 @@ def _check_sparse_delta(name: str, options: dict, config) -> None:
     except (TypeError, ValueError) as error:
         raise ValueError(f"experiment config: arm {name!r}: {error}") from None
     period = options["period"]
+    if options.get("overlap") and config.monitor_every:
+        raise ValueError(f"experiment config: arm {name!r}: overlap=True keeps each replica's local step after every "
+                         f"sync, so the replicas never hold the same weights for the replica monitor; set "
+                         f"monitor_every to 0 (got {config.monitor_every})")
     # Checkpoints and replica checks need the replicas equal: right after a sync.
     for field_name in ("checkpoint_every", "monitor_every"):
         value = getattr(config, field_name)

@@ -242,6 +242,8 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             optimizer.step()
             try:
                 after = after_optimizer_step(arm_hook)  # an averager's outer sync, every period steps
+                if checkpoints is not None and step % config.checkpoint_every == 0 and arm_hook.averager is not None:
+                    arm_hook.averager.flush()  # overlap: the sync in flight lands before the checkpoint's cut
             except NonFiniteSyncError as error:
                 # A replica's weights stopped being finite and the averager refused the sync on
                 # every rank alike: the run diverged. That is a measured result (a non-finite
