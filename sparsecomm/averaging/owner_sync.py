@@ -61,9 +61,10 @@ class OwnerSync:
         all_to_all_bytes(received, payload, layout.message_nbytes, [mine] * self.world_size, self.process_group)
         return indices.numel(), received.view(self.world_size, mine), decoded
 
-    def reduce_and_gather(self, messages: torch.Tensor, owner_residual: torch.Tensor) -> torch.Tensor:
+    def reduce_and_gather(self, messages: torch.Tensor, owner_residual: torch.Tensor) -> torch.futures.Future:
         """Steps 3 and 4: this owner's reply from ``messages`` and ``owner_residual`` (updated
-        in place: pass a copy to keep the old one), gathered from every owner: [p, slot bytes]."""
+        in place: pass a copy to keep the old one); the all-gather of every owner's reply is
+        issued, its future returned (its value: [p * slot bytes], for :meth:`decode_sum`)."""
         layout, rank = self.layout, self.rank
         slot = torch.zeros(layout.slot_nbytes, dtype=torch.uint8, device=messages.device)
         part = layout.parts[rank]
@@ -77,12 +78,12 @@ class OwnerSync:
             total += mine
             part.encode(total, mine, slot[: part.nbytes])
         gathered = torch.empty(self.world_size * slot.numel(), dtype=torch.uint8, device=slot.device)
-        allgather_future(gathered, slot, self.process_group).wait()
-        return gathered.view(self.world_size, -1)
+        return allgather_future(gathered, slot, self.process_group)
 
     def decode_sum(self, replies: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Every owner's reply in ``replies`` ([p, slot bytes]) written into its range of the
-        zeroed ``out``: the sum over ranks of what the owners sent on."""
+        """Every owner's reply in ``replies`` (the gathered slots) written into its range of
+        the zeroed ``out``: the sum over ranks of what the owners sent on."""
+        replies = replies.view(self.world_size, -1)
         out.zero_()
         for owner, part, section in self.layout.sections():
             indices, values = part.decode(replies[owner, : part.nbytes])

@@ -108,14 +108,20 @@ class SharedIndexSync:
 
     # -- float values: one allreduce --------------------------------------------------------------
 
-    def float_sum(self, error: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's values at ``indices`` in the wire dtype, their sum over ranks)."""
+    def float_sum(self, error: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.futures.Future]:
+        """(this rank's values at ``indices`` in the wire dtype, the future of their sum over
+        ranks: the allreduce is issued, not waited for)."""
         sent = error[indices].to(self.value_dtype)
         if sent.numel() and not all_finite(error):  # make sure the sum sees it (module docstring)
             sent[0] = float("nan")
         summed = sent.clone()
-        dist.all_reduce(summed, group=self.process_group)
-        return sent, summed
+        work = dist.all_reduce(summed, group=self.process_group, async_op=True)
+
+        def reduced(future: torch.futures.Future) -> torch.Tensor:
+            future.value()  # re-raises a failed or timed-out collective
+            return summed
+
+        return sent, work.get_future().then(reduced)
 
     def float_bytes(self, k: int, sync: int) -> tuple[int, int]:
         """(sent, received) by this rank: k values around the ring, and the index region once."""
@@ -133,7 +139,9 @@ class SharedIndexSync:
     def quantized_sum(self, error: torch.Tensor, indices: torch.Tensor, owner_residual: torch.Tensor):
         """Sorted ``indices``; ``error`` loses what this rank sends and ``owner_residual`` (pass
         a copy) takes what its reply leaves, in place. Returns (this rank's values as decoded,
-        the sum over ranks as the owners sent it on, (bytes sent, bytes received))."""
+        the future of the replies' all-gather (issued, not waited for), the function that
+        turns its value into the sum over ranks as the owners sent it on, (bytes sent,
+        bytes received))."""
         p, rank, values = self.world_size, self.rank, self.values
         slices = self.slices(indices)
         sizes = [values.nbytes(s.stop - s.start) for s in slices]
@@ -162,8 +170,11 @@ class SharedIndexSync:
         reply = torch.zeros(slot, dtype=torch.uint8, device=error.device)
         owner_residual[at] = total - values.encode(total, reply[: sizes[rank]])  # exact: the owner's error feedback
         gathered = torch.empty(p * slot, dtype=torch.uint8, device=error.device)
-        allgather_future(gathered, reply, self.process_group).wait()
-        summed = torch.cat([values.decode(gathered[o * slot: o * slot + sizes[o]], s.stop - s.start)
-                            for o, s in enumerate(slices)])
+        future = allgather_future(gathered, reply, self.process_group)
+
+        def summed_of(gathered: torch.Tensor) -> torch.Tensor:
+            return torch.cat([values.decode(gathered[o * slot: o * slot + sizes[o]], s.stop - s.start)
+                              for o, s in enumerate(slices)])
+
         traffic = (sum(sizes) - sizes[rank] + slot, (p - 1) * (sizes[rank] + slot))  # messages to others, the reply
-        return torch.cat(sent_values), summed, traffic
+        return torch.cat(sent_values), future, summed_of, traffic

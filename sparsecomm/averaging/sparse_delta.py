@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,13 +63,17 @@ EXCHANGES = ("allgather", "owner", "shared-index", "auto")
 
 @dataclasses.dataclass
 class StartedSync:
-    """A sync whose exchange is under way: applied by ``_finish`` (at once, or one step late)."""
+    """A sync whose last collective is under way: applied by ``_finish`` (at once, or one
+    step late with ``overlap``)."""
 
     step: int  # the optimizer step that started it
-    future: torch.futures.Future | None  # the all-gather's (None: the exchange already ran and was applied)
-    new_error: torch.Tensor | None  # the error buffer once it is applied
-    weights: torch.Tensor | None  # overlap: the local weights when it started
-    counts: dict | None  # counters known when it started
+    future: torch.futures.Future  # the last collective's: its result feeds outer_step
+    new_error: torch.Tensor  # the error buffer once it is applied
+    outer_step: Callable[[torch.Tensor], torch.Tensor]  # the collective's result -> the new anchor
+    refusal: Callable[[torch.Tensor], Exception]  # the error every rank raises when the new anchor is not finite
+    commit: Callable[[], None] | None = None  # the exchange's own buffers, assigned with the anchor
+    counts: dict = dataclasses.field(default_factory=dict)  # counters known when it started
+    weights: torch.Tensor | None = None  # overlap: the local weights when it started
 
 
 def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
@@ -82,10 +87,6 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     check_choice("exchange", exchange, EXCHANGES)
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    if overlap and exchange != "allgather":
-        raise ValueError(f"overlap=True runs the sync's all-gather behind the next step: it needs "
-                         f"exchange='allgather' (the owner and shared-index exchanges chain blocking "
-                         f"collectives), got exchange={exchange!r}")
     # The wire's own validation: the same refusals and messages as the hook's (shared-index:
     # a float wire). The averager keeps its own error feedback, so the hook's (and its
     # warm-up) is off here, and so is the wire checksum (the averager does not seal its payloads).
@@ -136,7 +137,8 @@ class SparseDeltaAverager:
         link: the link "auto" models, e.g. "1gbit@100us" (None: the hook's default,
             10 Gb/s with 50 us per message); only with ``exchange="auto"``.
         overlap: False (default): a sync finishes inside the :meth:`step` that starts it.
-            True (all-gather only): the sync's all-gather runs while the next optimizer step
+            True: the sync's last collective (the all-gather of the payloads or of the
+            owners' replies, or the shared-index allreduce) runs while the next optimizer step
             computes, and the next :meth:`step` applies it one step late, keeping the local
             step taken meanwhile (``weights = new anchor + (weights - weights at the sync)``:
             the eager correction); the wait it still costs is the exposed communication.
@@ -258,44 +260,107 @@ class SparseDeltaAverager:
 
     @torch.no_grad()
     def _start(self, step: int) -> "StartedSync":
-        """Encode this rank's outer step and start its exchange (the all-gather, not waited
-        for); the owner and shared-index exchanges run whole here (their collectives chain)."""
-        if self.exchange == "shared-index":
-            return StartedSync(step, None, None, None, self._sync_shared_index(step))
-        if self.exchange == "owner":
-            return StartedSync(step, None, None, None, self._sync_owner(step))
+        """Encode this rank's outer step and run its exchange up to the last collective,
+        which is issued and not waited for (the all-gather of the payloads or of the owners'
+        replies, or the allreduce of the shared-index values)."""
         started = time.perf_counter()
         weights = self._flat_weights()
-        delta = self.anchor - weights
         new_error = self.error * self.ef_decay
+        if self.exchange == "allgather":
+            sync = self._start_allgather(step, weights, new_error)
+        else:
+            new_error += self.anchor - weights
+            sync = (self._start_owner if self.exchange == "owner" else self._start_shared_index)(step, new_error)
+        sync.weights = weights if self.overlap else None
+        sync.counts["seconds_encode"] = time.perf_counter() - started
+        return sync
+
+    def _start_allgather(self, step: int, weights: torch.Tensor, new_error: torch.Tensor) -> "StartedSync":
         payload = torch.empty(self.wire.layout.nbytes, dtype=torch.uint8, device=new_error.device)
         # new_error <- ef_decay * error + delta - decoded
-        sent = self.wire.write(delta, new_error, 1.0, True, payload).count
-        encoded = time.perf_counter()
-        gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        future = allgather_future(gathered, payload, self.process_group)
-        counts = dict(bytes_sent=payload.numel(), bytes_received=(self.world_size - 1) * payload.numel(),
-                      elements_sent=sent, seconds_encode=encoded - started)
-        return StartedSync(step, future, new_error, weights if self.overlap else None, counts)
+        sent = self.wire.write(self.anchor - weights, new_error, 1.0, True, payload).count
+        world_size = self.world_size
+        gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+
+        def outer_step(gathered: torch.Tensor) -> torch.Tensor:
+            new_anchor = torch.empty_like(self.anchor)
+            self.wire.decode_add(gathered.view(world_size, -1), new_anchor)
+            new_anchor.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
+            return torch.sub(self.anchor, new_anchor, alpha=self.outer_lr, out=new_anchor)
+
+        return StartedSync(step, allgather_future(gathered, payload, self.process_group), new_error, outer_step,
+                           lambda gathered: refusal(gathered.view(world_size, -1), self._decoded, step),
+                           counts=dict(bytes_sent=payload.numel(), elements_sent=sent,
+                                       bytes_received=(world_size - 1) * payload.numel()))
+
+    def _start_shared_index(self, step: int, new_error: torch.Tensor) -> "StartedSync":
+        """The leader's indices: ``e`` there, summed by an allreduce (float values) or through
+        the owners (quantized values: :mod:`~sparsecomm.averaging.shared_index_sync`)."""
+        number = step // self.period - 1  # this sync's number, the same on every rank
+        wire = self.wire
+        indices = wire.indices(new_error, number)
+        if wire.quantized:
+            indices = torch.sort(indices).values
+            new_owner_residual = self.owner_residual.clone()
+            sent, future, summed_of, (bytes_sent, bytes_received) = wire.quantized_sum(
+                new_error, indices, new_owner_residual)
+            index_bytes = wire.index_nbytes
+            bytes_sent += index_bytes if wire.led(number) else 0
+            bytes_received += 0 if wire.led(number) else index_bytes
+
+            def commit():
+                self.owner_residual = new_owner_residual
+        else:
+            sent, future = wire.float_sum(new_error, indices)
+            summed_of = None
+            bytes_sent, bytes_received = wire.float_bytes(indices.numel(), number)
+
+            def commit():
+                new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
+
+        def outer_step(result: torch.Tensor) -> torch.Tensor:
+            summed = result if summed_of is None else summed_of(result)
+            new_anchor = self.anchor.clone()
+            new_anchor[indices] -= self.outer_lr * (summed.float() / self.world_size)
+            return new_anchor
+
+        return StartedSync(step, future, new_error, outer_step,
+                           lambda _: self._refusal_naming_senders(bool(torch.isfinite(new_error).all()), step),
+                           commit, dict(bytes_sent=bytes_sent, bytes_received=bytes_received,
+                                        elements_sent=indices.numel()))
+
+    def _start_owner(self, step: int, new_error: torch.Tensor) -> "StartedSync":
+        """The owners' replies (:mod:`sparsecomm.averaging.owner_sync`)."""
+        sent, messages, sent_values = self.wire.send(new_error)
+        new_owner_residual = self.owner_residual.clone()
+        future = self.wire.reduce_and_gather(messages, new_owner_residual)
+
+        def outer_step(replies: torch.Tensor) -> torch.Tensor:
+            mean = self.wire.decode_sum(replies, torch.empty_like(self.anchor))
+            mean.div_(self.world_size)
+            return torch.sub(self.anchor, mean, alpha=self.outer_lr)
+
+        def commit():
+            self.owner_residual = new_owner_residual
+
+        return StartedSync(step, future, new_error, outer_step,
+                           lambda _: self._refusal_naming_senders(bool(torch.isfinite(sent_values).all()), step),
+                           commit, dict(bytes_sent=self.wire.bytes_sent, bytes_received=self.wire.bytes_received,
+                                        elements_sent=sent))
 
     @torch.no_grad()
     def _finish(self, sync: "StartedSync") -> None:
-        """Wait for a started all-gather and apply it: the outer step into new buffers,
-        assigned only when the new anchor is finite (with overlap, plus the local step taken
-        since the sync started)."""
-        if sync.future is None:  # owner / shared-index: applied when started
-            return
+        """Wait for a started sync's last collective and apply it: the outer step into new
+        buffers, assigned only when the new anchor is finite (the same bits, so the same
+        verdict, on every rank); with overlap, plus the local step taken since it started."""
         waited = time.perf_counter()
-        gathered = sync.future.wait()
+        result = sync.future.wait()
         exchanged = time.perf_counter()
-        world_size = self.world_size
-        gathered = gathered.view(world_size, -1)
-        new_anchor = torch.empty_like(self.anchor)
-        self.wire.decode_add(gathered, new_anchor)
-        new_anchor.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
-        torch.sub(self.anchor, new_anchor, alpha=self.outer_lr, out=new_anchor)
-        if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
-            raise refusal(gathered, self._decoded, sync.step)
+        new_anchor = sync.outer_step(result)
+        if not all_finite(new_anchor):
+            raise sync.refusal(result)
+        if sync.commit is not None:
+            sync.commit()
         weights = new_anchor
         if sync.weights is not None:  # overlap: keep the local step(s) taken while it travelled
             weights = new_anchor + (self._flat_weights() - sync.weights)
@@ -304,71 +369,6 @@ class SparseDeltaAverager:
         done = time.perf_counter()
         self._count(syncs=1, bytes_dense=self.anchor.numel() * 4, elements_total=self.anchor.numel(),
                     seconds_exchange=exchanged - waited, seconds_decode=done - exchanged, **sync.counts)
-
-    @torch.no_grad()
-    def _sync_shared_index(self, step: int) -> None:
-        """The outer step on the leader's indices: ``e`` there, summed by an allreduce (float
-        values) or through the owners (quantized values: :mod:`~sparsecomm.averaging.shared_index_sync`)."""
-        started = time.perf_counter()
-        new_error = self.error * self.ef_decay
-        new_error += self.anchor - self._flat_weights()
-        sync = step // self.period - 1  # this sync's number, the same on every rank
-        wire = self.wire
-        indices = wire.indices(new_error, sync)
-        encoded = time.perf_counter()
-        new_owner_residual = None
-        if wire.quantized:
-            indices = torch.sort(indices).values
-            new_owner_residual = self.owner_residual.clone()
-            sent, summed, (bytes_sent, bytes_received) = wire.quantized_sum(new_error, indices, new_owner_residual)
-            index_bytes = wire.index_nbytes
-            bytes_sent += index_bytes if wire.led(sync) else 0
-            bytes_received += 0 if wire.led(sync) else index_bytes
-        else:
-            sent, summed = wire.float_sum(new_error, indices)
-            bytes_sent, bytes_received = wire.float_bytes(indices.numel(), sync)
-        exchanged = time.perf_counter()
-        average = summed.float() / self.world_size
-        new_anchor = self.anchor.clone()
-        new_anchor[indices] -= self.outer_lr * average
-        if not all_finite(new_anchor):  # the same bits, so the same verdict, on every rank
-            raise self._refusal_naming_senders(bool(torch.isfinite(new_error).all()), step)
-        if not wire.quantized:
-            new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
-        else:
-            self.owner_residual = new_owner_residual
-        self.anchor, self.error = new_anchor, new_error
-        self._write_weights(self.anchor)
-        done = time.perf_counter()
-        self._count(syncs=1, bytes_sent=bytes_sent, bytes_dense=self.anchor.numel() * 4,
-                    bytes_received=bytes_received, elements_sent=indices.numel(),
-                    elements_total=self.anchor.numel(), seconds_encode=encoded - started,
-                    seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
-
-    @torch.no_grad()
-    def _sync_owner(self, step: int) -> None:
-        """The outer step on the owners' replies (:mod:`sparsecomm.averaging.owner_sync`)."""
-        started = time.perf_counter()
-        new_error = self.error * self.ef_decay
-        new_error += self.anchor - self._flat_weights()
-        sent, messages, sent_values = self.wire.send(new_error)
-        encoded = time.perf_counter()
-        new_owner_residual = self.owner_residual.clone()
-        replies = self.wire.reduce_and_gather(messages, new_owner_residual)
-        exchanged = time.perf_counter()
-        world_size = self.world_size
-        mean = self.wire.decode_sum(replies, torch.empty_like(self.anchor))
-        mean.div_(world_size)
-        new_anchor = torch.sub(self.anchor, mean, alpha=self.outer_lr)
-        if not all_finite(new_anchor):  # the same replies, so the same verdict, on every rank
-            raise self._refusal_naming_senders(bool(torch.isfinite(sent_values).all()), step)
-        self.anchor, self.error, self.owner_residual = new_anchor, new_error, new_owner_residual
-        self._write_weights(self.anchor)
-        done = time.perf_counter()
-        self._count(syncs=1, bytes_sent=self.wire.bytes_sent, bytes_dense=self.anchor.numel() * 4,
-                    bytes_received=self.wire.bytes_received, elements_sent=sent,
-                    elements_total=self.anchor.numel(), seconds_encode=encoded - started,
-                    seconds_exchange=exchanged - encoded, seconds_decode=done - exchanged)
 
     def _refusal_naming_senders(self, finite: bool, step: int):
         """The refusal of a sync whose values were summed (no rank's payload on its own):
