@@ -241,3 +241,33 @@ def test_an_optimizer_momentum_the_arm_can_apply_reaches_its_optimizer(tmp_path)
                                          "momentum setting"):
         adapt_optimizer(adam, script.arm("m"))
     assert adam.param_groups[0]["betas"] == (0.9, 0.999)  # refused before anything changed
+
+
+def test_an_arms_beta2_reaches_adamw_and_adams_and_is_refused_elsewhere(tmp_path):
+    from sparsecomm.lab.script_run import adapt_optimizer
+
+    definitions = {"s": {"reducer": "allreduce", "optimizer": {"optimizer": "adams", "beta2": 0.95}},
+                   "w": {"reducer": "allreduce", "optimizer": {"optimizer": "adamw", "beta2": 0.98}},
+                   "d": {"reducer": "topk", "options": {"momentum": 0.9}, "optimizer": {"beta2": 0.9}}}
+    config = dataclasses.replace(pydoc_gpt(), arms=("dense", *definitions), arm_definitions=definitions)
+    model = torch.nn.Linear(3, 2)
+    adams = make_optimizer(config, model.parameters(), "s")
+    assert isinstance(adams, sparsecomm.AdamS) and adams.param_groups[0]["betas"] == (0.9, 0.95)
+    assert make_optimizer(config, model.parameters(), "w").param_groups[0]["betas"] == (0.9, 0.98)
+    assert make_optimizer(config, model.parameters(), "d").param_groups[0]["betas"] == (0.0, 0.9)  # DGC: no beta1
+    assert "adams lr=0.003 beta2=0.95" in config.arm("s").describe()
+    # An arm that does not set beta2 keeps torch's default and its run hash (no beta2 key).
+    assert "beta2" not in config.arm("dense").optimizer
+    assert make_optimizer(config, model.parameters(), "dense").param_groups[0]["betas"] == (0.9, 0.999)
+    for bad, message in (({"optimizer": "sgd", "beta2": 0.9}, r"beta2 applies to adamw and adams only.*'sgd'"),
+                         ({"beta2": 1.0}, r"optimizer beta2 must be in \[0, 1\), got 1.0")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(pydoc_gpt(), arms=("dense", "b"), arm_definitions={"b": {"reducer": "allreduce",
+                                                                                          "optimizer": bad}})
+    script = _script_config(tmp_path, {"b": {"reducer": "topk", "optimizer": {"beta2": 0.95}}})
+    adamw = torch.optim.AdamW(model.parameters())
+    adapt_optimizer(adamw, script.arm("b"))
+    assert adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="arm 'b' sets the optimizer's beta2 to 0.95, but the script's SGD has no betas"):
+        adapt_optimizer(sgd, script.arm("b"))

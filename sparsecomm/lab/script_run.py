@@ -77,7 +77,7 @@ class Run:
         The optimizer is changed in place when the arm asks for it: a hook with momentum
         correction (topk-dgc) needs an optimizer without momentum of its own (AdamW/Adam
         ``betas[0] = 0``, SGD ``momentum = 0``), and an arm's ``optimizer`` settings (lr,
-        momentum, weight_decay) are written into every parameter group. Call it once, after
+        momentum, weight_decay, beta2) are written into every parameter group. Call it once, after
         wrapping the model in DDP and before the first backward.
         """
         from torch.nn.parallel import DistributedDataParallel
@@ -279,7 +279,12 @@ def adapt_optimizer(optimizer: torch.optim.Optimizer, spec) -> None:
     if "momentum" in changes and not all("momentum" in group for group in optimizer.param_groups):
         raise ValueError(f"arm {spec.name!r} sets the optimizer's momentum to {changes['momentum']!r}, but the "
                          f"script's {type(optimizer).__name__} has no momentum setting (SGD has): it cannot apply")
+    if "beta2" in changes and not all("betas" in group for group in optimizer.param_groups):
+        raise ValueError(f"arm {spec.name!r} sets the optimizer's beta2 to {changes['beta2']!r}, but the script's "
+                         f"{type(optimizer).__name__} has no betas (AdamW, Adam and AdamS have): it cannot apply")
     for group in optimizer.param_groups:
+        if "beta2" in changes:
+            group["betas"] = (group["betas"][0], changes["beta2"])
         for key in ("lr", "weight_decay"):
             if key in changes:
                 group[key] = changes[key]

@@ -28,8 +28,9 @@ Reducers and their options:
 
 A topk arm with ``momentum`` > 0 (DGC momentum correction) runs an optimizer without
 momentum of its own, as the ``topk-dgc`` preset does. Optimizer changes (``optimizer``:
-adamw, sgd, signsgd or adams, ``lr``, ``momentum``, ``weight_decay``) override the experiment's
-for that arm only; ``signsgd`` with a topk arm is the sign mode (DeMo-style: error feedback,
+adamw, sgd, signsgd or adams, ``lr``, ``momentum``, ``weight_decay``, ``beta2``) override the
+experiment's for that arm only (``beta2``, AdamW's or AdamS's second beta, only where the arm sets
+it: 0.999, torch's default, otherwise); ``signsgd`` with a topk arm is the sign mode (DeMo-style: error feedback,
 then the sign of the aggregate); ``adams`` is :class:`sparsecomm.optim.AdamS` (Adam without
 the second moment, at AdamW's betas and eps), refused on an arm whose hook corrects momentum
 (its momentum is also its normalizer: it cannot be handed to the hook).
@@ -88,7 +89,11 @@ SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, 
                          "value_codec": "int2", "outer_lr": 0.7, "ef_decay": 0.95}
 """What a sparse-delta arm leaves out (density: the experiment's): SparseLoCo's wire (chunks
 of 4096, Rice indices, 2-bit values), its outer learning rate and error-feedback decay."""
-OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay")
+OPTIMIZER_OPTIONS = ("optimizer", "lr", "momentum", "weight_decay", "beta2")
+"""What an arm may change of its optimizer; ``beta2`` is in the resolved arm only where the arm sets it
+(so the arms that do not keep their run hashes)."""
+BETA2_DEFAULT = 0.999
+"""AdamW's and AdamS's second beta where an arm does not set ``beta2``: torch's default."""
 ARM_OPTIMIZERS = ("adamw", "sgd", "signsgd", "adams")
 """An arm's optimizer: the experiment's three (adamw, sgd, adams: ``sparsecomm.optim.AdamS``), or
 sign-SGD (the sign mode: ``sparsecomm.hooks.sign_sgd``)."""
@@ -127,6 +132,8 @@ class ArmSpec:
             optimizer = f"{opt['optimizer']} lr={opt['lr']:g}"
             if opt["weight_decay"]:
                 optimizer += f" weight_decay={opt['weight_decay']:g}"
+            if "beta2" in opt:
+                optimizer += f" beta2={opt['beta2']:g}"
             if opt["optimizer"] == "sgd" and not self.momentum_correction:
                 optimizer += f" momentum={opt['momentum']:g}"
         else:  # a script's optimizer, with this arm's changes
@@ -303,11 +310,15 @@ def _check_optimizer(name: str, optimizer: dict) -> None:
     checks = {"optimizer": (lambda v: v in ARM_OPTIMIZERS, f"one of {ARM_OPTIMIZERS}"),
               "lr": (lambda v: _is_real(v) and v > 0, "a finite number > 0"),
               "momentum": (lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
-              "weight_decay": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0")}
+              "weight_decay": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
+              "beta2": (lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)")}
     for key, value in optimizer.items():  # all four for a task's arm; a script's arm, what it changes
         ok, accepted = checks[key]
         if not ok(value):
             bad(key, accepted)
+    if "beta2" in optimizer and optimizer.get("optimizer", "adamw") not in ("adamw", "adams"):
+        raise ValueError(f"experiment config: arm {name!r}: optimizer beta2 applies to adamw and adams only (the "
+                         f"second moment's beta; AdamS's normalizer weight), got optimizer {optimizer['optimizer']!r}")
 
 
 def _check_optimizer_momentum_applies(spec: ArmSpec) -> None:

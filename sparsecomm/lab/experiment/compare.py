@@ -10,7 +10,7 @@
 
 An arm is a preset name (dense, dense-bf16, powersgd, topk-ef, topk-noef, topk-dgc) or
 NAME=REDUCER[:key=value,...]: reducer allreduce, fp16, bf16, powersgd or topk, any TopKState
-option (powersgd: rank, start_iter, ...) and opt.lr / opt.momentum / opt.weight_decay for
+option (powersgd: rank, start_iter, ...) and opt.lr / opt.momentum / opt.weight_decay / opt.beta2 for
 the optimizer (docs/bring_your_own.md). Arguments after "--" go to the --script.
 
 Everything is checked before the first run starts: the config (each bad value names its

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.averaging import NonFiniteSyncError
+from sparsecomm.lab.experiment.arm_spec import BETA2_DEFAULT
 from sparsecomm.lab.experiment.arms import NOTHING_AFTER, HookMeter, after_optimizer_step, make_arm_hook
 from sparsecomm.checkpoint import CheckpointManager, rebuild_buckets
 from sparsecomm.dist import discover, init_distributed
@@ -68,12 +69,14 @@ def optimizer_for_spec(spec, params) -> torch.optim.Optimizer:
     settings = spec.optimizer
     if settings["optimizer"] == "signsgd":  # the sign mode: no momentum to take out
         return SignSGD(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
+    beta2 = settings.get("beta2", BETA2_DEFAULT)
     if spec.momentum_correction:
-        return dgc_optimizer(params, settings["optimizer"], lr=settings["lr"], weight_decay=settings["weight_decay"])
+        return dgc_optimizer(params, settings["optimizer"], lr=settings["lr"], weight_decay=settings["weight_decay"],
+                             beta2=beta2)
     if settings["optimizer"] == "adamw":
-        return torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
-    if settings["optimizer"] == "adams":  # at AdamW's betas and eps (under momentum correction: refused)
-        return AdamS(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
+        return torch.optim.AdamW(params, lr=settings["lr"], betas=(0.9, beta2), weight_decay=settings["weight_decay"])
+    if settings["optimizer"] == "adams":  # at AdamW's beta1 and eps (under momentum correction: refused)
+        return AdamS(params, lr=settings["lr"], betas=(0.9, beta2), weight_decay=settings["weight_decay"])
     return torch.optim.SGD(params, lr=settings["lr"], momentum=settings["momentum"],
                            weight_decay=settings["weight_decay"])
 
