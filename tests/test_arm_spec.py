@@ -198,6 +198,9 @@ def test_the_fixed_presets_resolve_to_their_own_options_and_hash_them():
                             "index_codec": "rice", "value_codec": "int2", "outer_lr": 1.0, "ef_decay": 0.95}
     # The experiment's density does not reach it (its own is fixed), so its runs are kept.
     assert dataclasses.replace(config, density=0.003).run_hash("sparseloco", 0) == config.run_hash("sparseloco", 0)
+    overlapped = dataclasses.replace(config, arms=("dense", "sparseloco-overlap")).arm("sparseloco-overlap")
+    assert overlapped.options == {**loco.options, "selector": "chunk", "chunk_size": 65536, "overlap": True}
+    assert "overlap=true" in overlapped.describe()
     sign = config.arm("topk-sign")
     assert sign.options["value_codec"] == "sign" and sign.optimizer["optimizer"] == "signsgd"
     assert sign.options["density"] == config.density  # the experiment's density, for frontier sweeps

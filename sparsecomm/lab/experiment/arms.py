@@ -14,10 +14,11 @@ its reducer the same way: :mod:`sparsecomm.lab.experiment.arm_spec`):
 | topk-noef  | sparsecomm ``topk_hook`` without error feedback (ablation)    |
 | topk-dgc   | sparsecomm ``topk_hook``, error feedback + DGC momentum correction; the optimizer runs without momentum of its own |
 
-The two presets with options of their own: ``sparseloco``, a ``sparse-delta`` arm, trains
-locally and syncs the weights every ``period`` steps through
-:class:`sparsecomm.SparseDeltaAverager` (its comm hook reduces nothing); ``topk-sign`` is the
-sign mode, a ``topk_hook`` with 1-bit values under sign-SGD. A ``local`` arm (only as data)
+The presets with options of their own (``arm_spec.FIXED_PRESETS``): ``sparseloco`` and
+``sparseloco-overlap``, ``sparse-delta`` arms, train locally and sync the weights every
+``period`` steps through :class:`sparsecomm.SparseDeltaAverager` (their comm hook reduces
+nothing); ``topk-sign`` is the sign mode, a ``topk_hook`` with 1-bit values under sign-SGD;
+``shared-mask`` and ``scape`` are ``topk_hook`` arms on the shared-mask exchange. A ``local`` arm (only as data)
 reduces nothing at all: the no-communication floor of the step time.
 """
 import contextlib
