@@ -15,8 +15,10 @@ codec:
   the codec decodes, the worker's error feedback); each owner decodes the p messages, sums
   them in float32 in rank order, adds its owner residual there, quantizes the total again
   and keeps what the codec did not carry in its owner residual (``reply + new residual ==
-  total + old residual``, entry by entry); one all-gather of the owners' replies (each padded
-  to the largest) gives every rank the same sum. The owner residual of an entry is sent
+  total + old residual``, entry by entry); every owner's reply goes to every rank unpadded
+  (an all-to-all whose splits are the slices' sizes: the leader's indices fall unevenly over
+  the owners' ranges, so an all-gather padded to the largest slice would cost more as p
+  grows) and gives every rank the same sum. The owner residual of an entry is sent
   the next time a leader selects it. No index bytes but the leader's: per rank about
   2 (p-1)/p x k quantized values received, whatever p is.
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from sparsecomm.averaging.sync_guard import all_finite
 from sparsecomm.comm import link_model
-from sparsecomm.comm.collectives import all_to_all_bytes, allgather_future
+from sparsecomm.comm.collectives import all_to_all_bytes, gather_unequal_future
 from sparsecomm.compress import bitpack, index_codecs, value_codecs
 from sparsecomm.compress.chunking import chunk_topk
 from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP
@@ -166,15 +168,17 @@ class SharedIndexSync:
             total += values.decode(received[sender * sizes[rank]: (sender + 1) * sizes[rank]], count)
         at = indices[mine]
         total += owner_residual[at]
-        slot = max(sizes)
-        reply = torch.zeros(slot, dtype=torch.uint8, device=error.device)
-        owner_residual[at] = total - values.encode(total, reply[: sizes[rank]])  # exact: the owner's error feedback
-        gathered = torch.empty(p * slot, dtype=torch.uint8, device=error.device)
-        future = allgather_future(gathered, reply, self.process_group)
+        reply = torch.zeros(sizes[rank], dtype=torch.uint8, device=error.device)
+        owner_residual[at] = total - values.encode(total, reply)  # exact: the owner's error feedback
+        gathered = torch.empty(sum(sizes), dtype=torch.uint8, device=error.device)
+        future = gather_unequal_future(gathered, reply, sizes, self.process_group)
+        starts = [sum(sizes[:o]) for o in range(p)]
 
         def summed_of(gathered: torch.Tensor) -> torch.Tensor:
-            return torch.cat([values.decode(gathered[o * slot: o * slot + sizes[o]], s.stop - s.start)
+            return torch.cat([values.decode(gathered[starts[o]: starts[o] + sizes[o]], s.stop - s.start)
                               for o, s in enumerate(slices)])
 
-        traffic = (sum(sizes) - sizes[rank] + slot, (p - 1) * (sizes[rank] + slot))  # messages to others, the reply
+        # Sent: the messages to the other owners and the reply (once, as an all-gather counts
+        # a payload); received: the p - 1 messages to this owner and the other owners' replies.
+        traffic = (sum(sizes), (p - 1) * sizes[rank] + sum(sizes) - sizes[rank])
         return torch.cat(sent_values), future, summed_of, traffic

@@ -31,6 +31,22 @@ def allgather_future(
     return work.get_future().then(gathered)
 
 
+def gather_unequal_future(out: torch.Tensor, payload: torch.Tensor, sizes, group: dist.ProcessGroup
+                          ) -> torch.futures.Future:
+    """Gather every rank's ``payload`` (``sizes[r]`` bytes from rank r) into ``out``
+    (``sum(sizes)`` bytes, rank order), unpadded: an all-to-all in which each rank sends its
+    payload to every rank, issued and not waited for. What an all-gather of payloads padded
+    to the largest would cost is gone when the sizes differ much (the shared-index replies)."""
+    work = dist.all_to_all_single(out, payload.repeat(len(sizes)), output_split_sizes=list(sizes),
+                                  input_split_sizes=[payload.numel()] * len(sizes), group=group, async_op=True)
+
+    def gathered(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # re-raises a failed or timed-out collective instead of returning stale bytes
+        return out
+
+    return work.get_future().then(gathered)
+
+
 def all_to_all_bytes(received: torch.Tensor, send: torch.Tensor, send_sizes, received_sizes,
                      group: dist.ProcessGroup) -> None:
     """``all_to_all_single`` of byte buffers, blocking: ``send_sizes[r]`` bytes of ``send`` go to
