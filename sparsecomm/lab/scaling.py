@@ -318,10 +318,12 @@ def modelled_traffic(run_dir, arms, world_sizes, measured_p: int) -> list[Modell
         measured = inputs.arm(arm)
         if exchange in SHARED_EXCHANGES and mine:
             received = _median(received_per_step(r, measured_p)[0] for r in mine)
+            broadcast = ", and the leader's index broadcast" if exchange == "shared-index" else ""
+            how = (f"{exchange}: the values summed around a ring (an allreduce, or the owners' all-to-all and "
+                   f"replies for quantized values){broadcast}, scaled from the {_bytes(received)} received per "
+                   f"rank per step at p = {measured_p}; no dense fallback")
             traffic.append(ModelledTraffic(arm, dict.fromkeys(world_sizes) if received is None else ring_scaled(
-                received, measured_p, world_sizes), f"{exchange}: ring allreduce of the values (and the leader's "
-                f"index broadcast), scaled from the {_bytes(received)} received per rank per step at p = "
-                f"{measured_p}; no dense fallback"))
+                received, measured_p, world_sizes), how))
         elif exchange not in ("allgather", "owner"):
             traffic.append(ModelledTraffic(arm, dict.fromkeys(world_sizes), f"exchange {exchange}: not modelled"))
         elif measured is not None and measured.sparse:
