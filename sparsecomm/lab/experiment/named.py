@@ -13,7 +13,7 @@ def pydoc_gpt() -> ExperimentConfig:
 
     7 arms x 3 seeds x 2 gloo ranks, 400 AdamW steps each, a verified checkpoint every 100
     steps and one injected fault per run (rank 1 killed after step 350; torchrun restarts
-    the job, which resumes from the step-300 checkpoint); about 9 minutes on 2 CPU cores.
+    the job, which resumes from the step-300 checkpoint); about 15 minutes on 2 CPU cores.
     The arms: the six hook presets and ``sparseloco`` (local AdamW steps, a sparse outer
     sync every 2 steps).
     """
