@@ -32,6 +32,8 @@ Both levels' updates are exact: every decoded value is 0 or within a factor of t
 value it stands for, with its sign (``sparsecomm.compress.value_codecs``), so ``acc -
 decoded`` is exact in float32 (Sterbenz).
 """
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -172,7 +174,7 @@ class SharedIndexSync:
         owner_residual[at] = total - values.encode(total, reply)  # exact: the owner's error feedback
         gathered = torch.empty(sum(sizes), dtype=torch.uint8, device=error.device)
         future = gather_unequal_future(gathered, reply, sizes, self.process_group)
-        starts = [sum(sizes[:o]) for o in range(p)]
+        starts = [0, *itertools.accumulate(sizes)]
 
         def summed_of(gathered: torch.Tensor) -> torch.Tensor:
             return torch.cat([values.decode(gathered[starts[o]: starts[o] + sizes[o]], s.stop - s.start)

@@ -22,13 +22,7 @@ def allgather_future(
     out: torch.Tensor, payload: torch.Tensor, group: dist.ProcessGroup
 ) -> torch.futures.Future:
     """Gather every rank's equal-size ``payload`` into ``out`` (world_size x payload, in rank order)."""
-    work = _all_gather_single(out, payload, group=group, async_op=True)
-
-    def gathered(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # re-raises a failed or timed-out collective instead of returning stale bytes
-        return out
-
-    return work.get_future().then(gathered)
+    return _holding(_all_gather_single(out, payload, group=group, async_op=True), out)
 
 
 def gather_unequal_future(out: torch.Tensor, payload: torch.Tensor, sizes, group: dist.ProcessGroup
@@ -37,14 +31,19 @@ def gather_unequal_future(out: torch.Tensor, payload: torch.Tensor, sizes, group
     (``sum(sizes)`` bytes, rank order), unpadded: an all-to-all in which each rank sends its
     payload to every rank, issued and not waited for. What an all-gather of payloads padded
     to the largest would cost is gone when the sizes differ much (the shared-index replies)."""
-    work = dist.all_to_all_single(out, payload.repeat(len(sizes)), output_split_sizes=list(sizes),
-                                  input_split_sizes=[payload.numel()] * len(sizes), group=group, async_op=True)
+    return _holding(dist.all_to_all_single(out, payload.repeat(len(sizes)), output_split_sizes=list(sizes),
+                                           input_split_sizes=[payload.numel()] * len(sizes), group=group,
+                                           async_op=True), out)
 
-    def gathered(fut: torch.futures.Future) -> torch.Tensor:
+
+def _holding(work, out: torch.Tensor) -> torch.futures.Future:
+    """The Future of ``work`` that holds ``out`` once the collective that writes it is done."""
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed or timed-out collective instead of returning stale bytes
         return out
 
-    return work.get_future().then(gathered)
+    return work.get_future().then(done)
 
 
 def all_to_all_bytes(received: torch.Tensor, send: torch.Tensor, send_sizes, received_sizes,

@@ -319,7 +319,7 @@ def _check_optimizer(name: str, optimizer: dict) -> None:
               "momentum": (lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
               "weight_decay": (lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
               "beta2": (lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)")}
-    for key, value in optimizer.items():  # all four for a task's arm; a script's arm, what it changes
+    for key, value in optimizer.items():  # a task's arm: the four, and beta2 where set; a script's arm: its changes
         ok, accepted = checks[key]
         if not ok(value):
             bad(key, accepted)
