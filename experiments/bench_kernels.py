@@ -11,7 +11,9 @@ For each bucket size n and density, timed in one run on the same buffers:
 * unpack     scatter-add of world_size payloads into the bucket: zero + scatter, and the
   scatter alone (M adds/s)
 
-and the ratios: fused / floor, reference / fused. For the chunked selection
+and the ratios: fused / floor, reference / fused. Every ratio to the floor is the median of
+per-call ratios, the floor timed in alternation with the kernel (one series after the other
+let the machine's load drift between them). For the chunked selection
 (``selector="chunk"``), per index + value codec pair (``--chunk-pairs``):
 
 * encode     the dispatched ``chunk_encode``: EF + per-chunk top-k + codecs, and / floor
@@ -70,24 +72,35 @@ def _timer(device: torch.device):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def measure(fn, repeats: int, setup=None) -> float:
-        samples = []
-        for attempt in range(repeats + 1):  # the first call warms up (page faults, workspaces)
-            if setup is not None:
-                setup()
-            sync()
-            started = time.perf_counter()
-            fn()
-            sync()
-            if attempt:
-                samples.append(time.perf_counter() - started)
-        return statistics.median(samples)
+    def once(fn, setup=None) -> float:
+        if setup is not None:
+            setup()
+        sync()
+        started = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - started
 
-    return measure
+    def measure(fn, repeats: int, setup=None) -> float:
+        once(fn, setup)  # the first call warms up (page faults, workspaces)
+        return statistics.median(once(fn, setup) for _ in range(repeats))
+
+    return measure, once
+
+
+def _against_floor(device: torch.device, floor, fn, repeats: int, setup) -> tuple[float, float, float]:
+    """(median fn seconds, median floor seconds, median of fn / floor), the two timed in
+    alternation: on a shared machine the load drifts between two separate series, which
+    moved a ratio measured that way by up to 1.5x from one run to the next."""
+    _, once = _timer(device)
+    once(floor), once(fn, setup)  # warm-up
+    pairs = [(once(fn, setup), once(floor)) for _ in range(repeats)]
+    return (statistics.median(f for f, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(f / b for f, b in pairs))
 
 
 def bench(n: int, density: float, world_size: int, repeats: int, reference_repeats: int, device) -> dict:
-    measure = _timer(device)
+    measure, _ = _timer(device)
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=generator).to(device)
     residual0 = (torch.randn(n, generator=generator) * 0.1).to(device)
@@ -102,10 +115,10 @@ def bench(n: int, density: float, world_size: int, repeats: int, reference_repea
     row = {"n": n, "density": density, "k": k, "world_size": world_size,
            "fused_implementation": ops.implementation("ef_topk_pack", device.type).__module__,
            "unpack_implementation": ops.implementation("unpack_add", device.type).__module__}
-    row["floor_seconds"] = measure(lambda: torch.add(grad, residual, out=acc), repeats)
-    row["copy_seconds"] = measure(lambda: acc.copy_(grad), repeats)
-    row["fused_seconds"] = measure(
+    row["fused_seconds"], row["floor_seconds"], row["fused_over_floor"] = _against_floor(
+        device, lambda: torch.add(grad, residual, out=acc),
         lambda: ops.ef_topk_pack(grad, residual, world_size, True, k, indices, values, 0), repeats, reset)
+    row["copy_seconds"] = measure(lambda: acc.copy_(grad), repeats)
     row["reference_seconds"] = measure(
         lambda: reference.ef_topk_pack(grad, residual, world_size, True, k, indices, values, 0),
         reference_repeats, reset)
@@ -134,7 +147,6 @@ def bench(n: int, density: float, world_size: int, repeats: int, reference_repea
 
     element = grad.element_size()
     row.update({
-        "fused_over_floor": row["fused_seconds"] / row["floor_seconds"],
         "fused_over_copy": row["fused_seconds"] / row["copy_seconds"],
         "reference_over_fused": row["reference_seconds"] / row["fused_seconds"],
         "threshold_pack_over_floor": row["threshold_pack_seconds"] / row["floor_seconds"],
@@ -151,7 +163,7 @@ def bench(n: int, density: float, world_size: int, repeats: int, reference_repea
 def bench_chunk(n: int, density: float, world_size: int, repeats: int, device, chunk_size: int,
                 pairs) -> list[dict]:
     """Chunked selection: encode vs the floor, decode + accumulate, bytes per entry, per codec pair."""
-    measure = _timer(device)
+    measure, _ = _timer(device)
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=generator).to(device)
     residual0 = (torch.randn(n, generator=generator) * 0.1).to(device)
@@ -160,14 +172,17 @@ def bench_chunk(n: int, density: float, world_size: int, repeats: int, device, c
     def reset():
         residual.copy_(residual0)
 
-    floor = measure(lambda: torch.add(grad, residual, out=acc), repeats)
+    def floor_pass():
+        torch.add(grad, residual, out=acc)
+
     rows = []
     for pair in pairs:
         index_codec, value_codec = pair.split("+")
         layout = ChunkLayout(n, chunk_size, density, index_codec, value_codec)
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        encode = measure(lambda: ops.dispatch.chunk_encode(grad, residual, world_size, True, layout, payload),
-                         repeats, reset)
+        encode, floor, encode_over_floor = _against_floor(
+            device, floor_pass, lambda: ops.dispatch.chunk_encode(grad, residual, world_size, True, layout, payload),
+            repeats, reset)
         # world_size different payloads: rank r's gradient is the bucket shifted by r entries x 104729.
         gathered = torch.empty(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         for rank in range(world_size):
@@ -180,7 +195,7 @@ def bench_chunk(n: int, density: float, world_size: int, repeats: int, device, c
             "n": n, "density": density, "chunk_size": chunk_size, "world_size": world_size,
             "index_codec": index_codec, "value_codec": value_codec, "entries": layout.capacity,
             "encode_implementation": ops.dispatch._chunk_implementation("chunk_encode", grad, layout).__module__,
-            "floor_seconds": floor, "encode_seconds": encode, "encode_over_floor": encode / floor,
+            "floor_seconds": floor, "encode_seconds": encode, "encode_over_floor": encode_over_floor,
             "decode_seconds": decode, "decode_entries_per_s": world_size * layout.capacity / decode,
             "bytes_per_entry": layout.bytes_per_entry,
         })
@@ -189,7 +204,7 @@ def bench_chunk(n: int, density: float, world_size: int, repeats: int, device, c
 
 def bench_compact(n: int, density: float, world_size: int, repeats: int, device, pairs) -> list[dict]:
     """Exact top-k on the compact wire: encode vs the floor, decode + accumulate, per codec pair."""
-    measure = _timer(device)
+    measure, _ = _timer(device)
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=generator).to(device)
     residual0 = (torch.randn(n, generator=generator) * 0.1).to(device)
@@ -198,14 +213,17 @@ def bench_compact(n: int, density: float, world_size: int, repeats: int, device,
     def reset():
         residual.copy_(residual0)
 
-    floor = measure(lambda: torch.add(grad, residual, out=acc), repeats)
+    def floor_pass():
+        torch.add(grad, residual, out=acc)
+
     rows = []
     for pair in pairs:
         index_codec, value_codec = pair.split("+")
         layout = ChunkLayout(n, n, density, index_codec, value_codec, scale_group=EXACT_SCALE_GROUP)
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        encode = measure(lambda: ops.dispatch.chunk_encode(grad, residual, world_size, True, layout, payload),
-                         repeats, reset)
+        encode, floor, encode_over_floor = _against_floor(
+            device, floor_pass, lambda: ops.dispatch.chunk_encode(grad, residual, world_size, True, layout, payload),
+            repeats, reset)
         gathered = torch.empty(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         for rank in range(world_size):  # rank r's gradient: the bucket shifted by r x 104729 entries
             shifted = torch.roll(grad, rank * 104_729)
@@ -217,7 +235,7 @@ def bench_compact(n: int, density: float, world_size: int, repeats: int, device,
             "n": n, "density": density, "scale_group": EXACT_SCALE_GROUP, "world_size": world_size,
             "index_codec": index_codec, "value_codec": value_codec, "entries": layout.capacity,
             "encode_implementation": ops.dispatch._chunk_implementation("chunk_encode", grad, layout).__module__,
-            "floor_seconds": floor, "encode_seconds": encode, "encode_over_floor": encode / floor,
+            "floor_seconds": floor, "encode_seconds": encode, "encode_over_floor": encode_over_floor,
             "encode_bucket_entries_per_s": n / encode,
             "decode_seconds": decode, "decode_bucket_entries_per_s": n / decode,
             "decode_entries_per_s": world_size * layout.capacity / decode,

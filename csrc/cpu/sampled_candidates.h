@@ -139,6 +139,44 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
     }
     largest = max_lane(largest8);
   }
+#elif defined(__SSE2__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<V, float>) {
+    // The default level on x86-64 (SSE2, which every such CPU has): 4 entries per step as
+    // above. The compiler does not vectorise the scalar loop below (its unsigned min and
+    // data-dependent appends), which made the pass 2x the read-read-write floor. Keys are
+    // below 2^31, so SSE2's signed compares order them as unsigned ones would.
+    const __m128i magnitude_mask = _mm_set1_epi32(0x7FFFFFFF);
+    const __m128i nan_key = _mm_set1_epi32(static_cast<int32_t>(kNanKey));
+    const __m128i below_bound = _mm_set1_epi32(static_cast<int32_t>(bound) - 1);  // key > this: key >= bound
+    const __m128 divisor4 = _mm_set1_ps(divisor);
+    __m128i largest4 = _mm_setzero_si128();
+    for (; i + 4 <= end; i += 4) {
+      __m128 acc = _mm_div_ps(_mm_loadu_ps(g + i), divisor4);  // same roundings as compensate()
+      if (add_residual) acc = _mm_add_ps(acc, _mm_loadu_ps(r + i));
+      const __m128i magnitude = _mm_and_si128(_mm_castps_si128(acc), magnitude_mask);
+      const __m128i is_nan = _mm_cmpgt_epi32(magnitude, nan_key);
+      const __m128i keys = _mm_or_si128(_mm_andnot_si128(is_nan, magnitude), _mm_and_si128(is_nan, nan_key));
+      const __m128i larger = _mm_cmpgt_epi32(keys, largest4);
+      largest4 = _mm_or_si128(_mm_and_si128(larger, keys), _mm_andnot_si128(larger, largest4));
+      if (r) _mm_storeu_ps(r + i, acc);
+      uint32_t hits = static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(keys, below_bound))));
+      if (!hits) continue;
+      alignas(16) float lane[4];
+      _mm_store_ps(lane, acc);
+      for (; hits; hits &= hits - 1) {
+        const int j = __builtin_ctz(hits);
+        if (count < capacity) {
+          slab_index[count] = static_cast<int32_t>(i + j);
+          slab_value[count] = lane[j];
+          if (kSent == SentResidual::remainder && r) r[i + j] = 0.0f;
+        }
+        ++count;
+      }
+    }
+    alignas(16) uint32_t lane_largest[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lane_largest), largest4);
+    largest = *std::max_element(lane_largest, lane_largest + 4);
+  }
 #endif
   for (; i < end; ++i) {
     const T a = compensate<T>(g[i], divisor, add_residual ? r + i : nullptr);
