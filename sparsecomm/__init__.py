@@ -1,9 +1,12 @@
-"""sparsecomm: top-k + error-feedback gradient sparsification for PyTorch DDP.
+"""sparsecomm: top-k + error-feedback gradient sparsification for PyTorch DDP and FSDP2.
 
 Two lines in an existing DDP job::
 
     import sparsecomm
     sparsecomm.register_topk_hook(ddp_model, density=0.01)
+
+or, for an FSDP2 model sharded over ``mesh["shard"]`` of a (replicate, shard) mesh,
+``sparsecomm.register_hsdp_hook(model, mesh, density=0.01)``.
 """
 from sparsecomm.errors import ConservationError, NonFiniteSyncError, SparsecommError, WireIntegrityError
 
@@ -20,6 +23,10 @@ def __getattr__(name):
         from sparsecomm.averaging.sparse_delta import SparseDeltaAverager
 
         return SparseDeltaAverager
+    if name == "register_hsdp_hook":
+        from sparsecomm.fsdp import register_hsdp_hook
+
+        return register_hsdp_hook
     if name == "AdamS":
         from sparsecomm.optim import AdamS
 
@@ -32,4 +39,4 @@ def __getattr__(name):
 
 
 __all__ = ["AdamS", "ConservationError", "NonFiniteSyncError", "SparseDeltaAverager", "SparsecommError", "WireIntegrityError", *_HOOK_NAMES,
-           "__version__"]
+           "register_hsdp_hook", "__version__"]

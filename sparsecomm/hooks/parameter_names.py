@@ -23,6 +23,17 @@ class ParameterNames:
         self.by_id = {id(p): name for name, p in inner.named_parameters()}
         self.shapes = {name: (p.numel(), p.dtype) for name, p in inner.named_parameters()}
 
+    def bind_placeholders(self, owner: torch.nn.Module, placeholders: dict[str, tuple[torch.Tensor, torch.dtype]]) -> None:
+        """Name buffers that are not parameters (FSDP2's per-module shard buffers,
+        :mod:`sparsecomm.fsdp`): each is stood for by a placeholder tensor of its size, which
+        the bucket lists as its one parameter; ``owner`` is the model they belong to."""
+        if self.module_id is not None or self.by_id:
+            raise ValueError("this TopKState is already bound to a module or has run: use a new TopKState")
+        self.module_id = id(owner)
+        self.from_module = True
+        self.by_id = {id(tensor): name for name, (tensor, _) in placeholders.items()}
+        self.shapes = {name: (tensor.numel(), dtype) for name, (tensor, dtype) in placeholders.items()}
+
     def forget_process(self) -> None:
         """What a pickle keeps: ids and the module belong to this process."""
         self.by_id, self.module_id = {}, None

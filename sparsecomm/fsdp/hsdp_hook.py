@@ -1,0 +1,99 @@
+"""Top-k + error feedback across the replicas of an FSDP2 model: hybrid sharding (HSDP)
+whose cross-replica all-reduce, the traffic that crosses the slow links between nodes, is
+the top-k hook's exchange.
+
+The model is ``fully_shard``-ed over ``mesh[shard_dim]`` of a 2-D mesh (replicate, shard),
+so FSDP itself knows only the shard group ("custom HSDP"): after each module's
+reduce-scatter it hands the all-reduce hook that module's flat shard buffer (this rank's
+padded shards of the module's parameters, concatenated, averaged over the shard group), to
+be reduced across replicas in place. Here that buffer goes through
+:func:`sparsecomm.topk_hook` as a DDP bucket would, over ``mesh.get_group(replicate_dim)``:
+error feedback per module shard (float32 for 16-bit reduce dtypes), every selection, codec
+and exchange of the hook, the average written back in place. FSDP then applies its own
+post-division and dtype cast as after a native all-reduce.
+"""
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from sparsecomm.fsdp.fsdp_modules import sharded_modules
+from sparsecomm.fsdp.shard_bucket import ShardArrivals, ShardBucket
+from sparsecomm.hooks.topk import TopKState, topk_hook
+
+
+class ShardReduce:
+    """The hook FSDP calls for one module: ``hook(reduce_output) -> None``, in place."""
+
+    __slots__ = ("state", "arrivals", "index", "placeholder")
+
+    def __init__(self, state: TopKState, arrivals: ShardArrivals, index: int, placeholder: torch.Tensor):
+        self.state, self.arrivals, self.index, self.placeholder = state, arrivals, index, placeholder
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if reduce_output.numel() != self.placeholder.numel():
+            raise RuntimeError(
+                f"FSDP handed the HSDP hook {reduce_output.numel()} entries for module "
+                f"{self.arrivals.names[self.index] or '<root>'!r}, which holds {self.placeholder.numel()} "
+                "per shard: the module was re-sharded after register_hsdp_hook"
+            )
+        bucket = ShardBucket(reduce_output, self.index, self.placeholder, self.arrivals.arrive(self.index))
+        reduced = topk_hook(self.state, bucket).wait()
+        if reduced.data_ptr() != reduce_output.data_ptr():
+            reduce_output.copy_(reduced)
+
+    def __repr__(self) -> str:
+        return f"sparsecomm HSDP hook of {self.arrivals.names[self.index] or '<root>'!r}"
+
+
+def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKState | None = None, *,
+                       replicate_dim: str = "replicate", shard_dim: str = "shard", **state_kwargs) -> TopKState:
+    """Reduce ``model``'s gradients across the replicas of ``mesh`` with :func:`sparsecomm.topk_hook`.
+
+    ``model`` must be ``fully_shard``-ed over ``mesh[shard_dim]`` (every block and the root;
+    not over the 2-D mesh, whose native all-reduce would run first). Pass either a ready
+    ``state`` without a process group or the keyword arguments of :class:`TopKState`
+    (``density=...``, ``exchange=...``, codecs, ``warmup_steps``...); the state reduces over
+    ``mesh.get_group(replicate_dim)``, and its counters (``stats()``: ``bytes_sent``,
+    ``bytes_received``) are bytes on the replica dimension. Residuals are keyed
+    ``<module name>.flat_shard<s>`` (s: this rank's place in its shard group), so
+    ``state.state_dict()`` of every rank is its own, and loading it on another mesh is refused
+    naming the shard that differs.
+
+    Every FSDP module must reduce once per step (FSDP calls the hook per module; the step
+    closes when all have). Gradient accumulation: ``model.set_requires_gradient_sync(False)``
+    on the micro-steps before the last, as without the hook.
+
+    Raises (on every rank, before any collective):
+        TypeError: ``model`` is not an FSDP module, ``mesh`` not a DeviceMesh, ``state``
+            not a TopKState.
+        ValueError: the mesh is not 2-D with the named dims; a module is sharded over the
+            2-D mesh or over other ranks, has several parameter groups, or already has an
+            all-reduce hook; ``state`` already has a process group or was bound; both
+            ``state`` and keyword arguments given.
+    """
+    modules = sharded_modules(model, mesh, replicate_dim, shard_dim)
+    replicas = mesh.get_group(replicate_dim)
+    if state is None:
+        state = TopKState(replicas, **state_kwargs)
+    elif state_kwargs:
+        raise ValueError(f"pass either state or TopKState keyword arguments, not both (got {sorted(state_kwargs)})")
+    elif not isinstance(state, TopKState):
+        raise TypeError(f"state must be a sparsecomm.TopKState, got {type(state).__name__}")
+    elif state.process_group is not None and state.process_group is not replicas:
+        raise ValueError("state has a process group of its own; the HSDP hook reduces over "
+                         f"mesh.get_group({replicate_dim!r}): build the TopKState without one")
+    else:
+        state.process_group = replicas
+    shard = mesh.get_local_rank(shard_dim)
+    placeholders = {}
+    for found in modules:
+        name = f"{found.name}.flat_shard{shard}" if found.name else f"flat_shard{shard}"
+        # The meta device holds no memory: the placeholder only carries the buffer's size.
+        placeholders[name] = (torch.empty(found.numel, device="meta"), found.dtype)
+    state.names.bind_placeholders(model, placeholders)
+    arrivals = ShardArrivals([found.name for found in modules])
+    # On CUDA the exchange gets a stream of its own, so it can overlap backward (FSDP allows
+    # a stream only for custom HSDP, which this is).
+    stream = torch.cuda.Stream() if mesh.device_type == "cuda" else None
+    for index, (found, (placeholder, _)) in enumerate(zip(modules, placeholders.values())):
+        found.module.set_all_reduce_hook(ShardReduce(state, arrivals, index, placeholder), stream=stream)
+    return state

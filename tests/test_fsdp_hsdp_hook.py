@@ -1,0 +1,206 @@
+"""sparsecomm.register_hsdp_hook: top-k + error feedback across the replicas of an FSDP2
+model sharded over mesh["shard"] of a (replicate, shard) mesh, on gloo.
+
+Oracles: FSDP2 itself. At density 1 the hook's dense wire must equal, bit for bit after 30
+steps, custom HSDP with a plain all-reduce (the hook torchtitan installs: divide by the
+replica count, then sum), and at 2 replicas native HSDP (the model sharded over the 2-D
+mesh) too: dividing by 2 is exact, so fl(a / 2 + b / 2) == fl(a + b) / 2, FSDP's average.
+Sparse: conservation checked bit for bit on every call (verify_conservation), and every
+replica of a shard holds the same parameters after every step. Every rank trains on its
+own data; the model's second layer (3 rows) does not split evenly, so shards are padded.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiprocess import run_on_ranks
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::sparsecomm.DenseFallbackWarning")]
+
+STEPS = 30
+
+
+def _mesh(replicas: int, shards: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def _model(shard_mesh, bf16: bool = False):
+    """Two linear blocks, each fully_shard-ed, and a LayerNorm the root holds itself;
+    ``bf16``: computed and reduced in bfloat16 (MixedPrecisionPolicy), stored in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3),
+                                torch.nn.LayerNorm(3))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
+        MixedPrecisionPolicy()
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    return model
+
+
+TEACHER = torch.linspace(-1.0, 1.0, 24).reshape(8, 3)  # the targets: a fixed linear map of the inputs
+
+
+def _loss(model, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) - x @ TEACHER).square().mean()
+
+
+def _train(model, rank: int, steps: int, after_step=None) -> list[torch.Tensor]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own data
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=generator)
+        _loss(model, x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step)
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _plain_allreduce(replicas):
+    def hook(reduce_output: torch.Tensor) -> None:
+        reduce_output.div_(dist.get_world_size(replicas))
+        dist.all_reduce(reduce_output, group=replicas)
+    return hook
+
+
+def _dense_against_fsdp(rank, world_size, replicas, shards):
+    from torch.distributed.fsdp import FSDPModule
+
+    import sparsecomm
+
+    mesh = _mesh(replicas, shards)
+    ours = _model(mesh["shard"])
+    state = sparsecomm.register_hsdp_hook(ours, mesh, density=1.0)  # dense: every call a fallback or warm-up
+    ours_params = _train(ours, rank, STEPS)
+
+    plain = _model(mesh["shard"])
+    for module in plain.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(_plain_allreduce(mesh.get_group("replicate")))
+    plain_params = _train(plain, rank, STEPS)
+
+    native_params = None
+    if replicas == 2:
+        native_params = _train(_model(mesh), rank, STEPS)  # sharded over the 2-D mesh: FSDP's own HSDP
+    stats = state.stats()
+    return ours_params, plain_params, native_params, stats["fallback_calls"] + stats["warmup_calls"], state.step
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2), (2, 4), (4, 2)])
+def test_density_one_equals_custom_hsdp_with_a_plain_allreduce_bit_for_bit(replicas, shards):
+    for rank, (ours, plain, native, dense_calls, steps) in enumerate(
+            run_on_ranks(_dense_against_fsdp, replicas, shards, world_size=replicas * shards, timeout=200)):
+        assert steps == STEPS and dense_calls == 3 * STEPS  # three FSDP modules with parameters, every step
+        for a, b in zip(ours, plain):
+            assert torch.equal(a, b), f"rank {rank}: the dense wire differs from a plain all-reduce"
+        if native is not None:
+            for a, b in zip(ours, native):
+                assert torch.equal(a, b), f"rank {rank}: the dense wire differs from native HSDP at 2 replicas"
+
+
+def _sparse_replicas_agree(rank, world_size, replicas, shards, options, bf16):
+    import sparsecomm
+
+    mesh = _mesh(replicas, shards)
+    model = _model(mesh["shard"], bf16)
+    state = sparsecomm.register_hsdp_hook(model, mesh, verify_conservation=True, **options)
+    replica_group = mesh.get_group("replicate")
+    disagreements = []
+
+    def check(step):
+        # Every replica of this rank's shard must hold the same parameters, bit for bit.
+        for index, p in enumerate(model.parameters()):
+            local = p.to_local().detach().contiguous()
+            copies = [torch.empty_like(local) for _ in range(replicas)]
+            dist.all_gather(copies, local, group=replica_group)
+            if not all(torch.equal(copies[0], c) for c in copies[1:]):
+                disagreements.append((step, index))
+
+    generator = torch.Generator().manual_seed(100 + rank)
+    x0 = torch.randn(16, 8, generator=generator)
+    with torch.no_grad():
+        first_loss = _loss(model, x0).float().item()
+    _train(model, rank, STEPS, check)
+    with torch.no_grad():
+        last_loss = _loss(model, x0).float().item()
+    stats = state.stats()
+    residuals = {k: v.dtype for k, v in state.state_dict().items() if ".residual." in k}
+    return disagreements, stats, state.step, first_loss, last_loss, residuals, mesh.get_local_rank("shard")
+
+
+@pytest.mark.parametrize("options,bf16", [
+    (dict(density=0.1, allow_dense_fallback=False), False),
+    (dict(density=0.1, allow_dense_fallback=False, selector="chunk", chunk_size=16, index_codec="rice",
+          value_codec="int4", exchange="owner"), False),
+    (dict(density=0.1, allow_dense_fallback=False), True),
+], ids=["exact-allgather", "chunk-rice-int4-owner", "bf16-reduce"])
+def test_sparse_replicas_stay_identical_and_conservation_holds(options, bf16):
+    replicas, shards = 4, 2
+    results = run_on_ranks(_sparse_replicas_agree, replicas, shards, options, bf16, world_size=8, timeout=200)
+    for rank, (disagreements, stats, step, first, last, residuals, shard) in enumerate(results):
+        assert not disagreements, f"rank {rank}: replicas differ at (step, parameter) {disagreements[:3]}"
+        assert step == STEPS
+        assert stats["sparse_calls"] > 0 and stats["bytes_sent"] > 0
+        assert last < first, f"rank {rank}: the loss did not fall ({first} -> {last})"
+        # Residuals keyed by module and shard: a rank's state dict is its own shard's.
+        assert sorted(residuals) == [f"rank{rank // shards}.residual.{m}.flat_shard{shard}" for m in ("0", "2")] + \
+            [f"rank{rank // shards}.residual.flat_shard{shard}"]
+        # A bfloat16 reduction keeps float32 residuals, so small gradients are not rounded away.
+        assert set(residuals.values()) == {torch.float32}
+
+
+def _refusals(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    import sparsecomm
+
+    mesh = _mesh(2, 2)
+    messages = {}
+
+    def refused(what, call, error=ValueError):
+        try:
+            call()
+        except error as caught:
+            messages[what] = str(caught)
+        else:
+            messages[what] = None
+
+    refused("not fsdp", lambda: sparsecomm.register_hsdp_hook(torch.nn.Linear(2, 2), mesh), TypeError)
+    model = _model(mesh["shard"])
+    refused("1-d mesh", lambda: sparsecomm.register_hsdp_hook(model, mesh["shard"]))
+    refused("dim names", lambda: sparsecomm.register_hsdp_hook(model, mesh, replicate_dim="dp"))
+    refused("state and kwargs",
+            lambda: sparsecomm.register_hsdp_hook(model, mesh, sparsecomm.TopKState(), density=0.1))
+    refused("own group", lambda: sparsecomm.register_hsdp_hook(model, mesh, sparsecomm.TopKState(dist.group.WORLD)))
+    native = _model(mesh)
+    refused("native hsdp", lambda: sparsecomm.register_hsdp_hook(native, mesh))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(other[0], mesh=mesh["replicate"])
+    fully_shard(other, mesh=mesh["shard"])
+    refused("other ranks", lambda: sparsecomm.register_hsdp_hook(other, mesh))
+    sparsecomm.register_hsdp_hook(model, mesh, density=0.1)
+    refused("twice", lambda: sparsecomm.register_hsdp_hook(model, mesh, density=0.1))
+    return messages
+
+
+def test_misuse_is_refused_by_name_before_any_collective():
+    messages = run_on_ranks(_refusals, world_size=4, timeout=120)[0]
+    expected = {
+        "not fsdp": "fully_shard",
+        "1-d mesh": "2-D",
+        "dim names": "replicate_dim='dp'",
+        "state and kwargs": "not both",
+        "own group": "process group of its own",
+        "native hsdp": "native HSDP",
+        "other ranks": "not over this rank's mesh['shard']",
+        "twice": "already has an all-reduce hook",
+    }
+    for what, fragment in expected.items():
+        assert messages[what] is not None, f"{what}: not refused"
+        assert fragment in messages[what], f"{what}: {messages[what]}"
