@@ -204,3 +204,54 @@ def test_misuse_is_refused_by_name_before_any_collective():
     for what, fragment in expected.items():
         assert messages[what] is not None, f"{what}: not refused"
         assert fragment in messages[what], f"{what}: {messages[what]}"
+
+
+def _overflow_then_resume(rank, world_size, replicas, shards, bad_step):
+    """A run in which one rank's loss is NaN at ``bad_step`` (the loop sees it and skips the
+    optimizer step), and a run that draws the same batch there but does not train on it."""
+    import sparsecomm
+
+    mesh = _mesh(replicas, shards)
+    results = {}
+    for kind in ("overflow", "skipped"):
+        model = _model(mesh["shard"])
+        state = sparsecomm.register_hsdp_hook(model, mesh, density=0.1, allow_dense_fallback=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(100 + rank)
+        seen_non_finite = False
+        for step in range(12):
+            x = torch.randn(4, 8, generator=generator)
+            if step == bad_step and kind == "skipped":
+                continue
+            loss = _loss(model, x)
+            if step == bad_step and rank == 0:
+                loss = loss * float("nan")
+            loss.backward()
+            grads_finite = all(torch.isfinite(p.grad.to_local()).all() for p in model.parameters())
+            if step == bad_step:
+                seen_non_finite = not grads_finite
+                optimizer.zero_grad()  # the loop skips the step, as a GradScaler would
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+        memories = {k: v for k, v in state.state_dict().items() if ".residual." in k}
+        results[kind] = ([p.to_local().detach().clone() for p in model.parameters()], memories, state.step,
+                         seen_non_finite, state.stats()["skipped_steps"])
+    return results
+
+
+def test_a_non_finite_step_is_seen_by_every_rank_and_leaves_no_trace():
+    replicas, shards, bad_step = 2, 2, 5
+    for rank, result in enumerate(run_on_ranks(_overflow_then_resume, replicas, shards, bad_step, world_size=4)):
+        params, memories, steps, seen, skipped = result["overflow"]
+        reference, reference_memories, reference_steps, _, _ = result["skipped"]
+        # Rank 0's NaN reaches every rank: within its shard group by FSDP's reduce-scatter,
+        # across replicas by the hook (non-finite entries are sent first).
+        assert seen, f"rank {rank} did not see the non-finite step"
+        assert skipped == 1 and steps == reference_steps == 11
+        assert all(torch.isfinite(m).all() for m in memories.values())
+        # Rolled back: afterwards the run is the one that never took the step, bit for bit.
+        for a, b in zip(params, reference):
+            assert torch.equal(a, b), f"rank {rank}: the skipped step left a trace in the weights"
+        for key in memories:
+            assert torch.equal(memories[key], reference_memories[key]), f"rank {rank}: {key} differs"
