@@ -13,54 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_models import STEPS, loss, mesh_of, model_on, train
 from multiprocess import run_on_ranks
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::sparsecomm.DenseFallbackWarning")]
-
-STEPS = 30
-
-
-def _mesh(replicas: int, shards: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
-
-
-def _model(shard_mesh, bf16: bool = False):
-    """Two linear blocks, each fully_shard-ed, and a LayerNorm the root holds itself;
-    ``bf16``: computed and reduced in bfloat16 (MixedPrecisionPolicy), stored in float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3),
-                                torch.nn.LayerNorm(3))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
-        MixedPrecisionPolicy()
-    for block in (model[0], model[2]):
-        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
-    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
-    return model
-
-
-TEACHER = torch.linspace(-1.0, 1.0, 24).reshape(8, 3)  # the targets: a fixed linear map of the inputs
-
-
-def _loss(model, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x @ TEACHER).square().mean()
-
-
-def _train(model, rank: int, steps: int, after_step=None) -> list[torch.Tensor]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own data
-    for step in range(steps):
-        x = torch.randn(4, 8, generator=generator)
-        _loss(model, x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if after_step is not None:
-            after_step(step)
-    return [p.to_local().detach().clone() for p in model.parameters()]
-
 
 def _plain_allreduce(replicas):
     def hook(reduce_output: torch.Tensor) -> None:
@@ -74,20 +30,20 @@ def _dense_against_fsdp(rank, world_size, replicas, shards):
 
     import sparsecomm
 
-    mesh = _mesh(replicas, shards)
-    ours = _model(mesh["shard"])
+    mesh = mesh_of(replicas, shards)
+    ours = model_on(mesh["shard"])
     state = sparsecomm.register_hsdp_hook(ours, mesh, density=1.0)  # dense: every call a fallback or warm-up
-    ours_params = _train(ours, rank, STEPS)
+    ours_params = train(ours, rank, STEPS)
 
-    plain = _model(mesh["shard"])
+    plain = model_on(mesh["shard"])
     for module in plain.modules():
         if isinstance(module, FSDPModule):
             module.set_all_reduce_hook(_plain_allreduce(mesh.get_group("replicate")))
-    plain_params = _train(plain, rank, STEPS)
+    plain_params = train(plain, rank, STEPS)
 
     native_params = None
     if replicas == 2:
-        native_params = _train(_model(mesh), rank, STEPS)  # sharded over the 2-D mesh: FSDP's own HSDP
+        native_params = train(model_on(mesh), rank, STEPS)  # sharded over the 2-D mesh: FSDP's own HSDP
     stats = state.stats()
     return ours_params, plain_params, native_params, stats["fallback_calls"] + stats["warmup_calls"], state.step
 
@@ -107,8 +63,8 @@ def test_density_one_equals_custom_hsdp_with_a_plain_allreduce_bit_for_bit(repli
 def _sparse_replicas_agree(rank, world_size, replicas, shards, options, bf16):
     import sparsecomm
 
-    mesh = _mesh(replicas, shards)
-    model = _model(mesh["shard"], bf16)
+    mesh = mesh_of(replicas, shards)
+    model = model_on(mesh["shard"], bf16)
     state = sparsecomm.register_hsdp_hook(model, mesh, verify_conservation=True, **options)
     replica_group = mesh.get_group("replicate")
     disagreements = []
@@ -125,10 +81,10 @@ def _sparse_replicas_agree(rank, world_size, replicas, shards, options, bf16):
     generator = torch.Generator().manual_seed(100 + rank)
     x0 = torch.randn(16, 8, generator=generator)
     with torch.no_grad():
-        first_loss = _loss(model, x0).float().item()
-    _train(model, rank, STEPS, check)
+        first_loss = loss(model, x0).float().item()
+    train(model, rank, STEPS, check)
     with torch.no_grad():
-        last_loss = _loss(model, x0).float().item()
+        last_loss = loss(model, x0).float().item()
     stats = state.stats()
     residuals = {k: v.dtype for k, v in state.state_dict().items() if ".residual." in k}
     return disagreements, stats, state.step, first_loss, last_loss, residuals, mesh.get_local_rank("shard")
@@ -160,7 +116,7 @@ def _refusals(rank, world_size):
 
     import sparsecomm
 
-    mesh = _mesh(2, 2)
+    mesh = mesh_of(2, 2)
     messages = {}
 
     def refused(what, call, error=ValueError):
@@ -172,13 +128,13 @@ def _refusals(rank, world_size):
             messages[what] = None
 
     refused("not fsdp", lambda: sparsecomm.register_hsdp_hook(torch.nn.Linear(2, 2), mesh), TypeError)
-    model = _model(mesh["shard"])
+    model = model_on(mesh["shard"])
     refused("1-d mesh", lambda: sparsecomm.register_hsdp_hook(model, mesh["shard"]))
     refused("dim names", lambda: sparsecomm.register_hsdp_hook(model, mesh, replicate_dim="dp"))
     refused("state and kwargs",
             lambda: sparsecomm.register_hsdp_hook(model, mesh, sparsecomm.TopKState(), density=0.1))
     refused("own group", lambda: sparsecomm.register_hsdp_hook(model, mesh, sparsecomm.TopKState(dist.group.WORLD)))
-    native = _model(mesh)
+    native = model_on(mesh)
     refused("native hsdp", lambda: sparsecomm.register_hsdp_hook(native, mesh))
     other = torch.nn.Sequential(torch.nn.Linear(4, 4))
     fully_shard(other[0], mesh=mesh["replicate"])
@@ -211,10 +167,10 @@ def _overflow_then_resume(rank, world_size, replicas, shards, bad_step):
     optimizer step), and a run that draws the same batch there but does not train on it."""
     import sparsecomm
 
-    mesh = _mesh(replicas, shards)
+    mesh = mesh_of(replicas, shards)
     results = {}
     for kind in ("overflow", "skipped"):
-        model = _model(mesh["shard"])
+        model = model_on(mesh["shard"])
         state = sparsecomm.register_hsdp_hook(model, mesh, density=0.1, allow_dense_fallback=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         generator = torch.Generator().manual_seed(100 + rank)
@@ -223,10 +179,10 @@ def _overflow_then_resume(rank, world_size, replicas, shards, bad_step):
             x = torch.randn(4, 8, generator=generator)
             if step == bad_step and kind == "skipped":
                 continue
-            loss = _loss(model, x)
+            value = loss(model, x)
             if step == bad_step and rank == 0:
-                loss = loss * float("nan")
-            loss.backward()
+                value = value * float("nan")
+            value.backward()
             grads_finite = all(torch.isfinite(p.grad.to_local()).all() for p in model.parameters())
             if step == bad_step:
                 seen_non_finite = not grads_finite

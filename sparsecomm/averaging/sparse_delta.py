@@ -43,12 +43,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm import compress
-from sparsecomm.averaging import state_check
+from sparsecomm.averaging import sharded_model, state_check
+from sparsecomm.averaging.sharded_model import local_tensor
 from sparsecomm.averaging.owner_sync import OwnerSync
 from sparsecomm.averaging.shared_index_sync import SharedIndexSync
 from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm.collectives import allgather_future
 from sparsecomm.compress.value_codecs import FLOAT_CODECS
+from sparsecomm.fsdp.fsdp_modules import FSDPModule
 from sparsecomm.hooks.config import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
 from sparsecomm.hooks.wires import AllgatherWire, payload_layout
@@ -144,15 +146,29 @@ class SparseDeltaAverager:
             the eager correction); the wait it still costs is the exposed communication.
             The replicas then agree only after :meth:`flush` (a checkpoint needs one).
         process_group: the group to average over (None: the default group).
+        mesh, replicate_dim, shard_dim: for an FSDP2 model (``fully_shard`` over
+            ``mesh[shard_dim]`` of a (replicate, shard) mesh, as for
+            :func:`sparsecomm.register_hsdp_hook`) instead of a DDP model: every rank averages its
+            local shards with the same shards of the other replicas, over
+            ``mesh.get_group(replicate_dim)``; between syncs FSDP reduces inside the shard
+            group only. The replicas must start from the same weights (checked: FSDP does not
+            broadcast them).
     """
 
     def __init__(self, ddp_model, *, period: int = 16, density: float = 64 / 4096, selector: str = "chunk",
                  chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
                  register_hook: bool = True, exchange: str = "allgather", link: str | None = None,
-                 overlap: bool = False):
-        if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError(f"ddp_model must be a torch DistributedDataParallel model, got {type(ddp_model).__name__}")
+                 overlap: bool = False, mesh=None, replicate_dim: str = "replicate", shard_dim: str = "shard"):
+        sharded = FSDPModule is not None and isinstance(ddp_model, FSDPModule)
+        if not sharded and not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(f"ddp_model must be a torch DistributedDataParallel model or an FSDP2 (fully_shard) "
+                            f"model with mesh=, got {type(ddp_model).__name__}")
+        if sharded and (mesh is None or process_group is not None):
+            raise ValueError("an FSDP2 model averages over the replicas of mesh=(replicate, shard): pass mesh, "
+                             "not process_group")
+        if not sharded and mesh is not None:
+            raise ValueError("mesh is for FSDP2 models; a DDP model averages over process_group")
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
                                      ef_decay=ef_decay, exchange=exchange, link=link, overlap=overlap)
@@ -161,13 +177,16 @@ class SparseDeltaAverager:
         self._in_flight = None  # with overlap: the started sync, applied by the next step()
         self.density, self.selector, self.chunk_size = wire_config.density, selector, chunk_size
         self.index_codec, self.value_codec = index_codec, value_codec
+        if sharded:
+            process_group = sharded_model.replica_group(ddp_model, mesh, replicate_dim, shard_dim)
+            register_hook = False  # FSDP reduces inside the shard group only: nothing crosses replicas
         self.process_group = process_group
-        self.module = ddp_model.module
+        self.module = ddp_model if sharded else ddp_model.module
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("ddp_model has no parameter that requires grad: nothing to average")
-        numel = sum(p.numel() for p in self.params)
-        device = self.params[0].device
+        numel = sum(local_tensor(p).numel() for p in self.params)
+        device = local_tensor(self.params[0]).device
         if exchange == "auto":
             exchange = choose_exchange(wire_config, numel, self.density, dist.get_world_size(process_group))
         self.exchange = exchange  # the exchange the syncs use ("auto"'s choice)
@@ -187,6 +206,8 @@ class SparseDeltaAverager:
             self.wire = AllgatherWire(wire_config, layout, dist.get_world_size(process_group))
         with torch.no_grad():
             self.anchor = self._flat_weights()  # replicas are equal here: DDP broadcast rank 0's weights
+        if sharded:
+            sharded_model.check_replicas_start_equal(self.anchor, process_group)  # FSDP broadcasts nothing
         self.error = torch.zeros(numel, dtype=torch.float32, device=device)
         self.step_count = 0
         self.counters = dict.fromkeys(STATS, 0)
@@ -385,13 +406,14 @@ class SparseDeltaAverager:
         return out
 
     def _flat_weights(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        return torch.cat([local_tensor(p.detach()).reshape(-1).float() for p in self.params])
 
     def _write_weights(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
-            p.data.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+            local = local_tensor(p.data)  # an FSDP2 parameter: this rank's shard, written in place
+            local.copy_(flat[offset: offset + local.numel()].view_as(local))
+            offset += local.numel()
 
     def _count(self, **increments) -> None:
         for name, value in increments.items():
