@@ -45,7 +45,8 @@ class ShardReduce:
 
 
 def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKState | None = None, *,
-                       replicate_dim: str = "replicate", shard_dim: str = "shard", **state_kwargs) -> TopKState:
+                       replicate_dim: str = "replicate", shard_dim: str = "shard", wrap=None,
+                       **state_kwargs) -> TopKState:
     """Reduce ``model``'s gradients across the replicas of ``mesh`` with :func:`sparsecomm.topk_hook`.
 
     ``model`` must be ``fully_shard``-ed over ``mesh[shard_dim]`` (every block and the root;
@@ -57,6 +58,9 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     ``<module name>.flat_shard<s>`` (s: this rank's place in its shard group), so
     ``state.state_dict()`` of every rank is its own, and loading it on another mesh is refused
     naming the shard that differs.
+
+    ``wrap`` (for measurements, e.g. the lab's): each module's hook passes through
+    ``wrap(hook, module_name)`` before FSDP gets it; the wrapper must call the hook.
 
     Every FSDP module must reduce once per step (FSDP calls the hook per module; the step
     closes when all have). Gradient accumulation: ``model.set_requires_gradient_sync(False)``
@@ -95,5 +99,6 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     # a stream only for custom HSDP, which this is).
     stream = torch.cuda.Stream() if mesh.device_type == "cuda" else None
     for index, (found, (placeholder, _)) in enumerate(zip(modules, placeholders.values())):
-        found.module.set_all_reduce_hook(ShardReduce(state, arrivals, index, placeholder), stream=stream)
+        hook = ShardReduce(state, arrivals, index, placeholder)
+        found.module.set_all_reduce_hook(hook if wrap is None else wrap(hook, found.name), stream=stream)
     return state

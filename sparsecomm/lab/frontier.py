@@ -33,7 +33,7 @@ from pathlib import Path
 from sparsecomm.lab.experiment.compare import (
     add_experiment_source,
     add_job_arguments,
-    add_link_argument,
+    add_link_argument, add_parallelism_argument,
     check_link_possible,
     check_local_world_size,
     check_writable_directory,
@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exchange", choices=EXCHANGE_CHOICES,
                    help="how the top-k arms' payloads travel (default allgather; docs/exchange.md)")
     add_link_argument(p)
+    add_parallelism_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"), help="root of plot folders (default: ./plots)")
     return p

@@ -44,7 +44,7 @@ from sparsecomm.lab.experiment.compare import (
     LOCAL_RANKS_PER_CORE,
     add_experiment_source,
     add_job_arguments,
-    add_link_argument,
+    add_link_argument, add_parallelism_argument,
     check_has_compared_arm,
     check_launcher_possible,
     check_link_possible,
@@ -544,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, help="override the seeds (integers in [0, 2**32 - 1])")
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     add_link_argument(p)
+    add_parallelism_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: ./runs)")
     p.add_argument("--plots", type=Path, default=Path("plots"),
                    help="root of plot folders (default: ./plots); the study goes to <plots>/<experiment>-scaling/")

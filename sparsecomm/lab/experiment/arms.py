@@ -134,14 +134,8 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
         from sparsecomm.hooks.local_gradient import local_gradient_hook
 
         averager = SparseDeltaAverager(ddp_model, process_group=process_group, register_hook=False, **spec.options)
-        options = spec.options
-        return ArmHook(
-            f"sparsecomm SparseDeltaAverager period {options['period']} density {options['density']:g} "
-            f"{options['selector']} {options['index_codec']}/{options['value_codec']} outer_lr {options['outer_lr']:g} "
-            f"ef_decay {options['ef_decay']:g} via {averager.exchange}"
-            + (" (auto)" if averager.exchange_setting == "auto" else ""),
-            None, local_gradient_hook, lambda state, bucket, before: 0, stats=lambda state: averager.stats(),
-            averager=averager)
+        return ArmHook(averager_description(spec, averager), None, local_gradient_hook,
+                       lambda state, bucket, before: 0, stats=lambda state: averager.stats(), averager=averager)
     if spec.reducer == "powersgd":
         options = spec.options
         state = powerSGD_hook.PowerSGDState(
@@ -160,20 +154,32 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
             snapshot=lambda s: s.total_numel_after_compression,
         )
     state = TopKState(process_group, seed=seed, module=ddp_model, **topk_state_kwargs(spec.options))
-    if spec.name in ("topk-ef", "topk-noef", "topk-dgc"):
-        detail = {"topk-ef": "", "topk-noef": " without error feedback",
-                  "topk-dgc": f" with momentum correction {spec.momentum_correction:g}"}[spec.name]
-        description = f"sparsecomm topk_hook density {state.density:g}{wire}{detail}"
-    else:
-        description = f"sparsecomm topk_hook {spec.describe().split(';')[0].removeprefix('topk ')}"
     return ArmHook(
-        description,
+        topk_description(spec, state, wire),
         state,
         topk_hook,
         _topk_bytes,
         snapshot=lambda s: s.stats()["bytes_sent"],
         stats=lambda s: s.stats(),
     )
+
+
+def topk_description(spec: ArmSpec, state: TopKState, wire: str) -> str:
+    """How a top-k arm reduces, in the run's record, e.g. "sparsecomm topk_hook density 0.01"."""
+    if spec.name in ("topk-ef", "topk-noef", "topk-dgc"):
+        detail = {"topk-ef": "", "topk-noef": " without error feedback",
+                  "topk-dgc": f" with momentum correction {spec.momentum_correction:g}"}[spec.name]
+        return f"sparsecomm topk_hook density {state.density:g}{wire}{detail}"
+    return f"sparsecomm topk_hook {spec.describe().split(';')[0].removeprefix('topk ')}"
+
+
+def averager_description(spec: ArmSpec, averager) -> str:
+    """How an averager arm syncs, in the run's record."""
+    options = spec.options
+    return (f"sparsecomm SparseDeltaAverager period {options['period']} density {options['density']:g} "
+            f"{options['selector']} {options['index_codec']}/{options['value_codec']} outer_lr {options['outer_lr']:g} "
+            f"ef_decay {options['ef_decay']:g} via {averager.exchange}"
+            + (" (auto)" if averager.exchange_setting == "auto" else ""))
 
 
 class HookMeter:

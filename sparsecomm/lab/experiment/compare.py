@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override the steps per run (>= 1)")
     p.add_argument("--name", help=f"override the experiment name (the run directory's name): {NAME_ACCEPTED}")
     add_link_argument(p)
+    add_parallelism_argument(p)
     return p
 
 
@@ -97,6 +98,12 @@ def add_link_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=lambda text: text.strip().lower(),
                         help="link between the ranks: loopback (default), or emulated, e.g. 1gbit, 10gbit, 100mbit "
                              "(one network namespace per rank, tc-shaped; needs root, ip and tc)")
+
+
+def add_parallelism_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parallelism", help='how the model is spread over the ranks: "ddp" (default) or '
+                        '"hsdp:RxS" (FSDP2 hybrid sharding, R replicas of S shards, R x S = world size; the arms '
+                        'act across replicas; docs/fsdp.md)')
 
 
 def check_link_possible(config: ExperimentConfig) -> None:
@@ -157,9 +164,11 @@ def load_config(args: argparse.Namespace) -> ExperimentConfig:
 
 def with_job_overrides(config: ExperimentConfig, args: argparse.Namespace, *, arms=None, definitions=None,
                        name=None) -> ExperimentConfig:
-    """``config`` with the command line's choices: arms, seeds, steps, link, your task or script, metric."""
+    """``config`` with the command line's choices: arms, seeds, steps, link, parallelism, your task or
+    script, metric."""
     overrides = dict(arms=arms, seeds=tuple(args.seeds) if args.seeds else None, steps=args.steps, name=name,
-                     link=args.link, metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
+                     link=args.link, parallelism=getattr(args, "parallelism", None),
+                     metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
                      world_size=getattr(args, "world_size", None), launcher=getattr(args, "launcher", None),
                      sources=tuple(args.sources) if getattr(args, "sources", None) else None)
     if definitions:

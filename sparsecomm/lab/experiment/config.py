@@ -24,6 +24,7 @@ OPTIMIZERS = ("adamw", "sgd", "adams")
 MODES = ("min", "max")
 LAUNCHERS = ("torchrun", "mpiexec")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
+HSDP_REDUCERS = ("allreduce", "topk", "sparse-delta", "local")  # the arms parallelism "hsdp:RxS" runs
 CORRUPTION_ACTIONS = ("stop", "rollback")
 MAX_SEED = 2**32 - 1
 """Seeds go to torch.manual_seed (64 bits) and, for the powersgd arm, to numpy's
@@ -136,6 +137,14 @@ class ExperimentConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     """One paired run per arm and seed: same initial weights and data order in every arm."""
     world_size: int = 2
+    parallelism: str = "ddp"
+    """How the model is spread over the ranks: "ddp" (every rank a whole replica; the arms'
+    comm hooks on DDP), or "hsdp:RxS": FSDP2 hybrid sharding, R replicas of S shards each
+    (R x S = world_size, R >= 2), every transformer block (each element of the model's
+    ModuleLists) and the root ``fully_shard``-ed over the shard dimension; the arms then act
+    on the cross-replica reduction (:func:`sparsecomm.register_hsdp_hook`; dense: a plain
+    all-reduce there; averager arms: their sync over the replicas). Arms "allreduce", "topk",
+    "sparse-delta" and "local" only; built-in tasks; no checkpoints, faults or replica monitors yet."""
     link: str = "loopback"
     """Link between the ranks: "loopback" (the machine's own), or an emulated link such as
     "1gbit" or "10gbit" (one network namespace per rank, shaped with tc; needs root; see
@@ -312,6 +321,35 @@ class ExperimentConfig:
         _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.lab.policy.Policy", self.policy)
         for name in self.arms:  # last: an arm resolves against the fields checked above
             self.arm(name)  # every arm's options are checked before anything runs
+        if self.parallelism != "ddp":
+            self._check_hsdp()
+
+    @property
+    def hsdp_shape(self) -> tuple[int, int] | None:
+        """(replicas, shards) of ``parallelism="hsdp:RxS"``, None for "ddp"."""
+        if self.parallelism == "ddp":
+            return None
+        replicas, shards = self.parallelism.removeprefix("hsdp:").split("x")
+        return int(replicas), int(shards)
+
+    def _check_hsdp(self) -> None:
+        accepted = f'"ddp" or "hsdp:RxS" with R x S = world_size ({self.world_size}) and R >= 2, e.g. "hsdp:2x2"'
+        shape = self.parallelism.removeprefix("hsdp:").split("x") if isinstance(self.parallelism, str) else []
+        _check(isinstance(self.parallelism, str) and self.parallelism.startswith("hsdp:") and len(shape) == 2 and all(part.isdigit() for part in shape)
+               and int(shape[0]) >= 2 and int(shape[1]) >= 1 and int(shape[0]) * int(shape[1]) == self.world_size,
+               "parallelism", accepted, self.parallelism)
+        _check(self.script is None, "parallelism", '"ddp" with a script (a script builds and wraps its own model)',
+               self.parallelism)
+        for name, value, ok in (("checkpoint_every", self.checkpoint_every, self.checkpoint_every == 0),
+                                ("fault", self.fault, self.fault is None),
+                                ("monitor_every", self.monitor_every, self.monitor_every == 0)):
+            _check(ok, name, f"{'0' if name != 'fault' else 'None'} with parallelism {self.parallelism!r} "
+                   "(sharded checkpoints, fault injection and replica monitors are not in the lab's HSDP runs yet)",
+                   value)
+        for name in self.arms:
+            reducer = self.arm(name).reducer
+            _check(reducer in HSDP_REDUCERS, "arms", f"arms whose reducer is one of {HSDP_REDUCERS} with parallelism "
+                   f"{self.parallelism!r} (arm {name!r} is {reducer!r})", self.arms)
 
     def arm(self, name: str) -> "arm_spec.ArmSpec":
         """The arm ``name`` resolved against this experiment: every option explicit."""
@@ -405,6 +443,8 @@ class ExperimentConfig:
             d.pop(key)
         if d["link"] == "loopback":
             d.pop("link")  # runs from before links existed keep their hash
+        if d["parallelism"] == "ddp":
+            d.pop("parallelism")  # likewise for runs from before HSDP
         for key, default in WIRE_DEFAULTS.items():
             # The wire changes only what top-k arms send; at its default, runs keep their earlier hash.
             if not arm.startswith("topk-") or d[key] == default:

@@ -171,10 +171,18 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     task = get_task(config.task)
     torch.manual_seed(seed)
     model = task.build_model()
-    ddp = DDP(model, bucket_cap_mb=config.bucket_cap_mb)
-    arm_hook = make_arm_hook(arm, config, ddp, seed)
-    meter = HookMeter(arm_hook)
-    meter.register(ddp)
+    if config.hsdp_shape is None:
+        ddp = DDP(model, bucket_cap_mb=config.bucket_cap_mb)
+        arm_hook = make_arm_hook(arm, config, ddp, seed)
+        meter = HookMeter(arm_hook)
+        meter.register(ddp)
+    else:  # FSDP2 hybrid sharding: the model is trained as it is, sharded in place
+        from sparsecomm.lab.experiment import hsdp_arms
+
+        mesh = hsdp_arms.build_mesh(config)
+        hsdp_arms.shard_model(model, mesh)
+        ddp = model
+        arm_hook, meter = hsdp_arms.hsdp_arm(arm, config, model, mesh, seed)
     optimizer = make_optimizer(config, ddp.parameters(), arm)
     checkpoints = None
     start_step, counters, rows, evals = 0, {}, [], []
@@ -258,7 +266,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             comm_wait = max(0.0, backward_done - measured["last_hook_return"]) if measured["last_hook_return"] else 0.0
-            comm_wait += after["comm_seconds"]
+            comm_wait += after["comm_seconds"] + measured.get("exchange_seconds", 0.0)  # HSDP: the hooks wait
             compress = measured["hook_seconds"] + after["compress_seconds"]
             row = {
                 "kind": "train",
@@ -350,6 +358,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         "evals": evals,
         "hook_stats": arm_hook.stats(arm_hook.state),
         "world_size": world_size,
+        "parallelism": config.parallelism,
         "torch_version": torch.__version__,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
