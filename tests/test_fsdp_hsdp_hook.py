@@ -211,3 +211,51 @@ def test_a_non_finite_step_is_seen_by_every_rank_and_leaves_no_trace():
             assert torch.equal(a, b), f"rank {rank}: the skipped step left a trace in the weights"
         for key in memories:
             assert torch.equal(memories[key], reference_memories[key]), f"rank {rank}: {key} differs"
+
+
+def _first_step_gradients(rank, world_size, replicas, shards):
+    """Sharded gradients after one backward: ours at density 1 (with every module's hook input
+    recorded) and native HSDP's, from the same weights and data."""
+    import sparsecomm
+
+    mesh = mesh_of(replicas, shards)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + rank))
+    inputs = []
+
+    def recording(hook, name):
+        def recorded(reduce_output):
+            inputs.append(reduce_output.detach().clone())  # this replica's shard-group average
+            hook(reduce_output)
+        return recorded
+
+    ours = model_on(mesh["shard"])
+    sparsecomm.register_hsdp_hook(ours, mesh, density=1.0, wrap=recording)
+    loss(ours, x).backward()
+    native = model_on(mesh)
+    loss(native, x).backward()
+    # The sum over replicas of |hook input|, per module, for the bound.
+    group = mesh.get_group("replicate")
+    magnitudes = []
+    for tensor in inputs:
+        total = tensor.abs()
+        dist.all_reduce(total, group=group)
+        magnitudes.append(total)
+    ours_grads = [p.grad.to_local().reshape(-1).clone() for p in ours.parameters()]
+    native_grads = [p.grad.to_local().reshape(-1).clone() for p in native.parameters()]
+    return ours_grads, native_grads, magnitudes, [p.to_local().numel() for p in ours.parameters()]
+
+
+def test_density_one_equals_native_hsdp_within_rounding_at_four_replicas():
+    replicas = 4
+    u = 2.0 ** -24
+    for rank, (ours, native, magnitudes, numels) in enumerate(
+            run_on_ranks(_first_step_gradients, replicas, 2, world_size=8, timeout=200)):
+        # Both sum the same R terms g_r / R (dividing by R = 4 is exact in binary), in
+        # orders of their own: each sum is within (R - 1) u sum_r |g_r| / R of the exact one,
+        # so the two differ by at most twice that. The hook's buffers are padded and come in
+        # backward order, so the bound is taken at its largest entry over all of them.
+        largest = max(m.max().item() for m in magnitudes)
+        bound = 2 * (replicas - 1) * u * largest / replicas
+        ours, native = torch.cat(ours), torch.cat(native)
+        assert ours.numel() == native.numel() == sum(numels)
+        assert (ours != 0).any() and (ours - native).abs().max().item() <= bound, f"rank {rank}"
