@@ -13,11 +13,12 @@ from sparsecomm.lab.results import load_runs
 
 def _hash_without_wire(config: ExperimentConfig, arm: str, seed: int) -> str:
     """The run hash as it was computed before the wire fields existed (an independent recomputation;
-    the fields added after them, for your own script and metric, did not exist either)."""
+    the fields added after them, for your own script and metric and for sharded models, did not
+    exist either)."""
     d = config.to_dict()
     for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour",
                 "selector", "chunk_size", "index_codec", "value_codec", "exchange",
-                "script", "script_args", "metric", "mode", "launcher"):
+                "script", "script_args", "metric", "mode", "launcher", "parallelism"):
         d.pop(key)
     d.pop("link")
     d.update(arm=arm, seed=seed)
