@@ -106,3 +106,44 @@ def test_overwrite_another_mesh_and_changed_bytes_are_refused_on_every_rank(tmp_
         assert "never overwritten" in messages["overwrite"]
         assert "another mesh" in messages["mesh"] and "[2, 2]" in messages["mesh"] and "[1, 4]" in messages["mesh"]
         assert "SHA-256" in messages["corrupt"] and messages["unchanged"]
+
+
+def _resume_averager(rank, world_size, root):
+    import sparsecomm
+    from sparsecomm.fsdp.checkpoint import load_hsdp_checkpoint, save_hsdp_checkpoint
+
+    mesh = mesh_of(2, 2)
+
+    def job():
+        model = model_on(mesh["shard"])
+        averager = sparsecomm.SparseDeltaAverager(model, mesh=mesh, period=3, density=0.25, chunk_size=64)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), averager
+
+    def steps(model, optimizer, averager, generator, count):
+        for _ in range(count):
+            _steps(model, optimizer, generator, 1)
+            averager.step()
+
+    def snapshot(model, averager):
+        return ([p.to_local().detach().clone() for p in model.parameters()], averager.anchor.clone(),
+                averager.error.clone(), averager.optimizer_steps)
+
+    generator = torch.Generator().manual_seed(100 + rank)
+    straight = job()
+    steps(*straight, generator, 12)
+    expected = snapshot(straight[0], straight[2])
+    generator = torch.Generator().manual_seed(100 + rank)
+    first = job()
+    steps(*first, generator, 7)  # a step past a sync: the replicas' local weights differ
+    save_hsdp_checkpoint(root, model=first[0], optimizer=first[1], averager=first[2], mesh=mesh, step=7)
+    resumed = job()
+    load_hsdp_checkpoint(root, model=resumed[0], optimizer=resumed[1], averager=resumed[2], mesh=mesh)
+    steps(*resumed, generator, 5)
+    return expected, snapshot(resumed[0], resumed[2])
+
+
+def test_a_resumed_averager_on_a_sharded_model_continues_bit_for_bit(tmp_path):
+    for rank, (expected, got) in enumerate(run_on_ranks(_resume_averager, str(tmp_path), world_size=4)):
+        assert got[3] == expected[3] == 12
+        assert all(torch.equal(a, b) for a, b in zip(got[0], expected[0])), f"rank {rank}: weights differ"
+        assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2]), f"rank {rank}: averager"

@@ -1,5 +1,6 @@
 """Sharded checkpoints of an HSDP job: the FSDP2 model, its optimizer and every rank's
-error-feedback memories, in one ``torch.distributed.checkpoint`` (DCP) directory.
+error-feedback memories (the hook's, an averager's), in one ``torch.distributed.checkpoint``
+(DCP) directory.
 
 Each rank writes only what it holds: its shards of the weights and of the optimizer state
 (DCP's sharded state dicts, ``torch.distributed.checkpoint.state_dict``), and its own
@@ -36,20 +37,50 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
 
-def save_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TopKState,
-                         mesh, step: int) -> Path:
-    """Save ``step`` under ``root/step-<step>`` (collective: every rank calls it, between steps).
+def _model_and_optimizer(model, optimizer, averager) -> dict:
+    """DCP's sharded state dicts of the model and optimizer. DCP keeps one copy of a key that
+    several ranks hold alike: the replicas of a shard under the hook, which agree after every
+    step. With an averager the replicas train apart between syncs (weights and optimizer
+    states differ), so each replica's are saved under its own key."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    both = {"model": model_sd, "optimizer": optim_sd}
+    return both if averager is None else {f"replica{dist.get_rank(averager.process_group)}": both}
+
+
+def _restore_model_and_optimizer(model, optimizer, averager, loaded: dict) -> None:
+    both = loaded if averager is None else loaded[f"replica{dist.get_rank(averager.process_group)}"]
+    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
+
+
+def _extras(state: TopKState | None, averager) -> dict:
+    """The per-rank memories beside model and optimizer: the hook's (keys unique per replica and
+    shard already), and an averager's, under this process's global rank (its own keys name the
+    replica only)."""
+    extras = {}
+    if state is not None:
+        extras["hook"] = state.state_dict()
+    if averager is not None:
+        extras["averager"] = {f"global_rank{dist.get_rank()}": averager.state_dict()}
+    return extras
+
+
+def save_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         state: TopKState | None = None, mesh, step: int, averager=None) -> Path:
+    """Save ``step`` under ``root/step-<step>`` (collective: every rank calls it, between steps),
+    with the hook's ``state`` and/or a :class:`~sparsecomm.SparseDeltaAverager` over the model.
 
     Raises :class:`~sparsecomm.checkpoint.CheckpointRefused` on every rank, before writing,
-    while a hook collective is in flight or when ``step-<step>`` exists already.
+    while a hook collective or an averager's sync is in flight or when ``step-<step>`` exists.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     root = Path(root)
     final = _step_dir(root, step)
     problem = None
-    if state.lifecycle.pending:
+    if state is not None and state.lifecycle.pending:
         problem = f"{state.lifecycle.pending} hook collective(s) in flight: save between steps"
+    elif averager is not None and averager.pending_collectives:
+        problem = "the averager's sync is in flight (overlap=True): call averager.flush() first"
     elif final.exists():
         problem = f"{final} exists already: a checkpoint is never overwritten"
     verdicts = [None] * dist.get_world_size()
@@ -57,8 +88,7 @@ def save_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim
     refusals = [f"rank {r}: {p}" for r, p in enumerate(verdicts) if p]
     if refusals:
         raise CheckpointRefused("; ".join(refusals))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    payload = {"model": model_sd, "optimizer": optim_sd, "hook": state.state_dict()}
+    payload = {**_model_and_optimizer(model, optimizer, averager), **_extras(state, averager)}
     # One temporary name for all ranks (rank 0's choice), named after it so a load ignores it.
     tmp = [str(root / f".tmp-step-{step}-{os.getpid()}")] if dist.get_rank() == 0 else [None]
     dist.broadcast_object_list(tmp, src=0)
@@ -112,10 +142,10 @@ def _verify(directory: Path, mesh) -> dict:
     return manifest
 
 
-def load_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TopKState,
-                         mesh, step: int | None = None) -> int:
-    """Restore ``model``, ``optimizer`` and ``state`` from ``root/step-<step>`` (the latest when
-    None; collective) and return the step. Every rank verifies the manifest, every file's
+def load_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         state: TopKState | None = None, mesh, step: int | None = None, averager=None) -> int:
+    """Restore ``model``, ``optimizer``, ``state`` and ``averager`` (those saved with it) from
+    ``root/step-<step>`` (the latest when None; collective) and return the step. Every rank verifies the manifest, every file's
     checksum and the mesh first; the ranks agree before anything changes, and all raise the
     same :class:`~sparsecomm.checkpoint.CheckpointError` otherwise."""
     root = Path(root)
@@ -138,13 +168,16 @@ def load_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim
         kind = {"NoCheckpoint": NoCheckpoint, "CheckpointCorrupt": CheckpointCorrupt,
                 "CheckpointMismatch": CheckpointMismatch}[failed[0][1][0]]
         raise kind("; ".join(f"rank {r}: {message}" for r, (_, message) in failed))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    payload = {"model": model_sd, "optimizer": optim_sd, "hook": state.state_dict()}  # templates DCP fills in place
+    # Templates that DCP fills in place.
+    payload = {**_model_and_optimizer(model, optimizer, averager), **_extras(state, averager)}
     try:
         dcp.load(payload, checkpoint_id=str(directory))
     except BaseException as error:
         raise CheckpointCorrupt(f"reading {directory} failed: {error}") from None
-    set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
-    state.load_state_dict(payload["hook"])
+    _restore_model_and_optimizer(model, optimizer, averager, payload)
+    if state is not None:
+        state.load_state_dict(payload["hook"])
+    if averager is not None:
+        averager.load_state_dict(payload["averager"][f"global_rank{dist.get_rank()}"])
     return step
 
