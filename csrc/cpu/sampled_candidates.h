@@ -59,6 +59,24 @@ bool sample_bound(const T* g, const T* r, float divisor, bool add_residual, int6
   return true;
 }
 
+// The vector paths without compress instructions append their (few) hits one by one:
+// lane j of `lane` is entry first + j, `hits` a bit per lane. Each sent entry leaves +0
+// in the residual (kSent == remainder). Returns the new count (stored while < capacity).
+template <SentResidual kSent>
+inline int64_t append_hits(const float* lane, uint32_t hits, int64_t first, float* r, int32_t* slab_index,
+                           float* slab_value, int64_t capacity, int64_t count) {
+  for (; hits; hits &= hits - 1) {
+    const int j = __builtin_ctz(hits);
+    if (count < capacity) {
+      slab_index[count] = static_cast<int32_t>(first + j);
+      slab_value[count] = lane[j];
+      if (kSent == SentResidual::remainder && r) r[first + j] = 0.0f;
+    }
+    ++count;
+  }
+  return count;
+}
+
 // The streaming pass over [begin, end): entries with key >= bound go into the slab
 // (index, acc), in index order, while it has room, and leave the remainder of sending
 // them in the residual (kSent == remainder; acc with SentResidual::acc); all other entries
@@ -127,15 +145,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       if (!hits) continue;
       alignas(32) float lane[8];
       _mm256_store_ps(lane, acc);
-      for (; hits; hits &= hits - 1) {
-        const int j = __builtin_ctz(hits);
-        if (count < capacity) {
-          slab_index[count] = static_cast<int32_t>(i + j);
-          slab_value[count] = lane[j];
-          if (kSent == SentResidual::remainder && r) r[i + j] = 0.0f;
-        }
-        ++count;
-      }
+      count = append_hits<kSent>(lane, hits, i, r, slab_index, slab_value, capacity, count);
     }
     largest = max_lane(largest8);
   }
@@ -163,15 +173,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
       if (!hits) continue;
       alignas(16) float lane[4];
       _mm_store_ps(lane, acc);
-      for (; hits; hits &= hits - 1) {
-        const int j = __builtin_ctz(hits);
-        if (count < capacity) {
-          slab_index[count] = static_cast<int32_t>(i + j);
-          slab_value[count] = lane[j];
-          if (kSent == SentResidual::remainder && r) r[i + j] = 0.0f;
-        }
-        ++count;
-      }
+      count = append_hits<kSent>(lane, hits, i, r, slab_index, slab_value, capacity, count);
     }
     alignas(16) uint32_t lane_largest[4];
     _mm_store_si128(reinterpret_cast<__m128i*>(lane_largest), largest4);

@@ -67,9 +67,6 @@ class HSDPMeter:
             return metered
         return wrapped
 
-    def fail_next_call(self, armed: bool = True) -> None:
-        raise ValueError("fault injection is not available in the lab's HSDP runs")
-
     def take_step(self) -> dict:
         """This step's figures (the keys of HookMeter.take_step, plus the hooks' time); resets."""
         figures = {"hook_seconds": 0.0, "exchange_seconds": self.exchange_seconds, "bytes_sent": self.bytes_sent,
