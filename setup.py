@@ -22,7 +22,7 @@ import os
 from setuptools import find_packages, setup
 
 BUILD_EXT = os.environ.get("SPARSECOMM_BUILD_EXT", "")
-LAB_REQUIRES = ["scipy", "matplotlib", "scikit-learn"]
+LAB_REQUIRES = ["scipy", "matplotlib", "scikit-learn", "submitit>=1.5"]
 
 
 def _say(message: str) -> None:

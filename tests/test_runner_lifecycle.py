@@ -21,88 +21,15 @@ import pytest
 from sparsecomm.lab.experiment import runner
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.lab.results import load_runs, load_steps
+from lab_processes import REPO, finish, start_command, wait_for, processes_mentioning, survivors_after, sweep  # noqa: F401
 from network_namespaces import emulation_unavailable, network_namespaces_lock
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parent.parent
 LONG = 100_000  # steps: a run that is still training whenever it is stopped (~5 min at full speed)
 
 
-# ----- processes ------------------------------------------------------------------------------
-
-
-def processes_mentioning(text: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every process but this one whose command line or environment
-    contains ``text`` (independent of the runner's own bookkeeping)."""
-    needle, found = text.encode(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if needle in cmdline or needle in environ:
-            found.append((int(entry), cmdline.replace(b"\0", b" ").decode(errors="replace")[:300]))
-    return found
-
-
-def survivors_after(text: str, grace: float) -> list[tuple[int, str]]:
-    """Processes mentioning ``text`` still there after up to ``grace`` seconds."""
-    deadline = time.monotonic() + grace
-    while True:
-        found = processes_mentioning(text)
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def sweep(tmp_path):
-    """At the end (pass or fail), SIGKILL whatever still mentions tmp_path."""
-    yield tmp_path
-    for _ in range(50):
-        found = processes_mentioning(str(tmp_path))
-        if not found:
-            return
-        for pid, _ in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-
-
-def _start(argv, *, env=None) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    """Its output once it exits; past the deadline its group is killed and the test fails."""
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"still running after {timeout} s; killed. Output:\n{output[-4000:]}")
-    return output
-
-
-def _wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"exited with {proc.returncode} before {what}:\n{proc.stdout.read()[-4000:]}")
-        time.sleep(0.005)
-    pytest.fail(f"no {what} within {timeout} s")
+# ----- processes: tests/lab_processes.py -------------------------------------------------------
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -147,7 +74,7 @@ def _driver(config, root: Path, command: list[str] | None = None) -> subprocess.
     root.mkdir(parents=True, exist_ok=True)
     path = root.parent / f"{config.name}-config.json"
     path.write_text(json.dumps(config.to_dict()))
-    return _start([sys.executable, "-c", DRIVER, str(path), str(root), *([json.dumps(command)] if command else [])])
+    return start_command([sys.executable, "-c", DRIVER, str(path), str(root), *([json.dumps(command)] if command else [])])
 
 
 def _interruption(output: str) -> dict:
@@ -200,10 +127,10 @@ def test_sigterm_to_the_command_alone_kills_its_run_and_records_it_interrupted(s
     config = digits_quick().with_overrides(name="stop", arms=("dense", "topk-ef"), seeds=(0,))
     run_dir = runner.run_directory(config, root, "dense", 0)
     proc = _driver(config, root, [sys.executable, "-c", STAND_IN_LAUNCHER.format(mark=mark)])
-    _wait_for(lambda: any("-c import time; time.sleep(300)" in line for _, line in processes_mentioning(mark)),
+    wait_for(lambda: any("-c import time; time.sleep(300)" in line for _, line in processes_mentioning(mark)),
               60, "the stand-in rank", proc)
     os.kill(proc.pid, signal.SIGTERM)
-    output = _finish(proc, 60)
+    output = finish(proc, 60)
     assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
     assert survivors_after(str(sweep), 2.0) == []
     stop = _interruption(output)
@@ -231,10 +158,10 @@ def test_ctrl_c_kills_the_ranks_of_an_emulated_link_and_removes_its_namespaces(s
     run_dir = runner.run_directory(config, root, "dense", 0)
     with network_namespaces_lock():
         proc = _driver(config, root)
-        _wait_for(lambda: _train_rows(run_dir) >= 10, 120, "10 training steps", proc)
+        wait_for(lambda: _train_rows(run_dir) >= 10, 120, "10 training steps", proc)
         assert len(_namespaces_of(proc.pid)) == 3 and len(processes_mentioning(str(run_dir))) >= 2
         os.killpg(proc.pid, signal.SIGINT)
-        output = _finish(proc, 60)
+        output = finish(proc, 60)
     assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
     assert survivors_after(str(sweep), 2.0) == [] and _namespaces_of(proc.pid) == []
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -308,12 +235,12 @@ def test_a_process_that_hid_from_the_run_ends_with_it(sweep, monkeypatch, how):
     launcher = [sys.executable, "-c", HIDING_LAUNCHER.format(mark=mark, then=then)]
     config = digits_quick().with_overrides(name="hide", arms=("dense",), seeds=(0,), stall_timeout_s=1.5)
     if how == "runner-sigkilled":
-        driver = _start([sys.executable, "-c", RUNNER_WITH_COMMAND, json.dumps(config.to_dict()), str(sweep / "out"),
+        driver = start_command([sys.executable, "-c", RUNNER_WITH_COMMAND, json.dumps(config.to_dict()), str(sweep / "out"),
                          json.dumps(launcher)])
-        _wait_for(lambda: any("-c import time; time.sleep(300)" in line for _, line in processes_mentioning(mark)),
+        wait_for(lambda: any("-c import time; time.sleep(300)" in line for _, line in processes_mentioning(mark)),
                   60, "hidden process", driver)  # the hidden process itself, not its launcher
         os.kill(driver.pid, signal.SIGKILL)
-        _finish(driver, 30)
+        finish(driver, 30)
     else:
         monkeypatch.setattr(runner, "_torchrun_command", lambda *args: launcher)
         runner.run_experiment(config, sweep / "out", progress=lambda line: None)
@@ -376,12 +303,12 @@ def test_a_run_stopped_by_ctrl_c_then_by_sigkill_resumes_each_time_bit_for_bit(s
 
     config_file = sweep / "resume.json"
     config_file.write_text(json.dumps(RESUME.to_dict()))
-    proc = _start([sys.executable, "-m", "sparsecomm", "compare", "--config", str(config_file), "--out", str(root),
+    proc = start_command([sys.executable, "-m", "sparsecomm", "compare", "--config", str(config_file), "--out", str(root),
                    "--plots", str(sweep / "plots")])
-    _wait_for(lambda: _latest_checkpoint(run_dir) >= 100, 120, "checkpoint at step 100", proc)
-    _wait_for(lambda: len(processes_mentioning(str(run_dir))) >= 3, 10, "torchrun and two ranks", proc)
+    wait_for(lambda: _latest_checkpoint(run_dir) >= 100, 120, "checkpoint at step 100", proc)
+    wait_for(lambda: len(processes_mentioning(str(run_dir))) >= 3, 10, "torchrun and two ranks", proc)
     os.killpg(proc.pid, signal.SIGINT)
-    output = _finish(proc, 60)
+    output = finish(proc, 60)
     assert proc.returncode == 130 and "Traceback" not in output, output[-4000:]
     assert survivors_after(str(sweep), 5.0) == [], output[-3000:]
     summary = _check_interrupted(run_dir, "SIGINT", output, "topk-ef seed 0", "kept: 1 finished run(s): dense seed 0")
@@ -392,10 +319,10 @@ def test_a_run_stopped_by_ctrl_c_then_by_sigkill_resumes_each_time_bit_for_bit(s
     kept_first = [r for r in _check_rows_after_a_kill(run_dir, first) if r["step"] <= first]
 
     proc = _driver(RESUME, root)
-    _wait_for(lambda: _latest_checkpoint(run_dir) >= first + 2 * RESUME.checkpoint_every, 120,
+    wait_for(lambda: _latest_checkpoint(run_dir) >= first + 2 * RESUME.checkpoint_every, 120,
               f"checkpoint at step {first + 2 * RESUME.checkpoint_every}", proc)
     os.kill(proc.pid, signal.SIGKILL)
-    output = _finish(proc, 60)
+    output = finish(proc, 60)
     assert survivors_after(str(sweep), 5.0) == [], output[-3000:]
     assert proc.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
     assert f"[1/2] topk-ef seed 0: resuming from its checkpoint at step {first}" in output, output[-3000:]
@@ -498,7 +425,7 @@ def test_a_run_another_process_holds_is_skipped_then_waited_for_and_its_lock_die
     out_dir.mkdir(parents=True)
     summary = {"arm": "dense", "seed": 0, "status": "ok", "config_hash": config.run_hash("dense", 0),
                "evals": [[20, 1.0, 0.3]], "median_step_seconds": 0.001}
-    holder = _start([sys.executable, "-c", textwrap.dedent(f"""
+    holder = start_command([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, json, os, time
         fd = os.open({str(out_dir / "run.lock")!r}, os.O_RDWR | os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -525,7 +452,7 @@ def test_a_run_another_process_holds_is_skipped_then_waited_for_and_its_lock_die
     lines = []
     runner.run_experiment(config, sweep, progress=lines.append)
     killer.join(10)
-    _finish(holder, 10)
+    finish(holder, 10)
     assert lines == [
         f"[1/1] dense seed 0: another process (pid {holder.pid}) is running it; skipped for now, back to it at the end",
         f"[1/1] dense seed 0: waiting for another process (pid {holder.pid}), which is running it",
@@ -535,7 +462,7 @@ def test_a_run_another_process_holds_is_skipped_then_waited_for_and_its_lock_die
 
 
 def _compare(root: Path, plots: Path, *extra: str) -> subprocess.Popen:
-    return _start([sys.executable, "-m", "sparsecomm", "compare", "--experiment", "digits-quick", "--arms", "dense",
+    return start_command([sys.executable, "-m", "sparsecomm", "compare", "--experiment", "digits-quick", "--arms", "dense",
                    "topk-ef", "--seeds", "0", "--out", str(root), "--plots", str(plots), *extra])
 
 
@@ -559,15 +486,15 @@ def test_commands_on_one_out_train_each_run_once_and_never_mix(sweep):
     root = sweep / "runs"
     first = _compare(root, sweep / "plots1", "--steps", "30")
     second = _compare(root, sweep / "plots2", "--steps", "30")
-    _wait_for(lambda: (root / "digits-quick" / "experiment.json").exists(), 60, "the first experiment.json", first)
+    wait_for(lambda: (root / "digits-quick" / "experiment.json").exists(), 60, "the first experiment.json", first)
     configs = [digits_quick().with_overrides(arms=("dense", "topk-ef"), seeds=(0,), steps=30),
                digits_quick().with_overrides(arms=("dense",), seeds=(0,), steps=40)]
     assert json.loads((root / "digits-quick" / "experiment.json").read_text())["config"] == configs[0].to_dict()
     # Both hold the experiment for their config (a shared lock each) before the third starts.
     (config_lock,) = (root / "digits-quick" / ".locks").glob("config-*.lock")
-    _wait_for(lambda: _flock_holders(config_lock) == 2, 60, "both commands holding the experiment", second)
+    wait_for(lambda: _flock_holders(config_lock) == 2, 60, "both commands holding the experiment", second)
     third = _driver(configs[1], root)
-    outputs = [_finish(first, 200), _finish(second, 200), _finish(third, 200)]
+    outputs = [finish(first, 200), finish(second, 200), finish(third, 200)]
     assert [first.returncode, second.returncode, third.returncode] == [0, 0, 0], outputs
     both = "\n".join(outputs[:2])
     for arm in ("dense", "topk-ef"):

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sparsecomm.lab.cluster.arguments import add_cluster_arguments, cluster_from_arguments
 from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.config import ARM_NAMES, ExperimentConfig
 from sparsecomm.lab.experiment.files import RunDirectoryError
@@ -83,6 +84,7 @@ def add_job_arguments(p: argparse.ArgumentParser, *, world_size: bool = True) ->
     p.add_argument("--launcher", choices=("torchrun", "mpiexec"),
                    help="what starts each run's ranks (default torchrun; a script under mpiexec joins with "
                         "sparsecomm.dist.init_distributed)")
+    add_cluster_arguments(p)
 
 
 def add_experiment_source(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +172,8 @@ def with_job_overrides(config: ExperimentConfig, args: argparse.Namespace, *, ar
                      link=args.link, parallelism=getattr(args, "parallelism", None),
                      metric=getattr(args, "metric", None), mode=getattr(args, "mode", None),
                      world_size=getattr(args, "world_size", None), launcher=getattr(args, "launcher", None),
-                     sources=tuple(args.sources) if getattr(args, "sources", None) else None)
+                     sources=tuple(args.sources) if getattr(args, "sources", None) else None,
+                     cluster=cluster_from_arguments(args, config.cluster))
     if definitions:
         overrides["arm_definitions"] = {**config.arm_definitions, **definitions}
     if getattr(args, "task", None) is not None or getattr(args, "script", None) is not None:
@@ -205,7 +208,9 @@ def local_world_size_limit() -> int:
 
 
 def check_local_world_size(config: ExperimentConfig) -> None:
-    """Every rank runs on this machine: refuse more than LOCAL_RANKS_PER_CORE per core."""
+    """Every rank runs on this machine (unless on SLURM): refuse more than LOCAL_RANKS_PER_CORE per core."""
+    if config.cluster is not None and config.cluster.get("kind") == "slurm":
+        return
     cores = os.cpu_count() or 1
     limit = local_world_size_limit()
     if config.world_size > limit:
@@ -214,7 +219,12 @@ def check_local_world_size(config: ExperimentConfig) -> None:
 
 
 def check_launcher_possible(config: ExperimentConfig) -> None:
-    """launcher mpiexec without mpiexec or mpi4py: say so before anything runs (RuntimeError)."""
+    """launcher mpiexec without mpiexec or mpi4py, or a SLURM cluster without its commands:
+    say so before anything runs (RuntimeError)."""
+    if config.cluster is not None and config.cluster.get("kind") == "slurm":
+        from sparsecomm.lab.cluster.executors import check_slurm_available
+
+        check_slurm_available()
     if config.launcher != "mpiexec":
         return
     import importlib.util

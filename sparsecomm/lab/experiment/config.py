@@ -128,6 +128,11 @@ class ExperimentConfig:
     """What starts a run's ranks on this machine: "torchrun" (restarts possible), or
     "mpiexec" (the one beside the Python interpreter, else on PATH; no restarts). Under
     mpiexec a script joins with :func:`sparsecomm.dist.init_distributed`."""
+    cluster: dict | None = None
+    """Where the runs execute: None, one after another on this machine; or a JSON object of
+    :class:`sparsecomm.lab.cluster.settings.ClusterSettings` fields, e.g. {"kind": "local",
+    "parallel": 2} or {"kind": "slurm", "nodes": 2, "gpus_per_node": 8, "partition": "gpu"}
+    (docs/cluster.md). Not part of the run hash: it changes where a run trains, not what."""
     arms: tuple[str, ...] = HOOK_PRESETS
     """Ways of reducing gradients to compare, by name: presets (ARM_NAMES) or arms defined in
     ``arm_definitions``; "dense" is the baseline every arm is paired with."""
@@ -323,6 +328,8 @@ class ExperimentConfig:
             self.arm(name)  # every arm's options are checked before anything runs
         if self.parallelism != "ddp":
             self._check_hsdp()
+        if self.cluster is not None:
+            self._check_cluster()
 
     @property
     def hsdp_shape(self) -> tuple[int, int] | None:
@@ -367,11 +374,27 @@ class ExperimentConfig:
             return run_sources.script_code(self.script, self.sources, base)
         return run_sources.task_code(self.task, self.sources, base) if is_user_task(self.task) else None
 
+    @property
+    def cluster_settings(self):
+        """The ``cluster`` field as :class:`ClusterSettings` (None: runs one by one here)."""
+        from sparsecomm.lab.cluster.settings import ClusterSettings
+
+        return ClusterSettings.from_dict(self.cluster) if self.cluster is not None else None
+
+    def _check_cluster(self) -> None:
+        settings = self.cluster_settings  # ValueError naming the setting
+        settings.check_world_size(self.world_size)
+        _check(self.link == "loopback", "link", "'loopback' with a cluster (an emulated link is built on this machine "
+               "for runs started here)", self.link)
+        _check(self.launcher == "torchrun" or settings.nodes == 1, "launcher",
+               "'torchrun' for runs on several nodes (one torchrun per node, joined by a c10d rendezvous)",
+               self.launcher)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["arms"], d["seeds"], d["script_args"] = list(self.arms), list(self.seeds), list(self.script_args)
         d["sources"] = list(self.sources)
-        for key in ("arm_definitions", "sources"):
+        for key in ("arm_definitions", "sources", "cluster"):
             if not d[key]:
                 d.pop(key)  # configs without them keep their earlier form
         return d
@@ -441,6 +464,7 @@ class ExperimentConfig:
         d = self.to_dict()
         for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour"):
             d.pop(key)
+        d.pop("cluster", None)  # where a run trains, not what it computes
         if d["link"] == "loopback":
             d.pop("link")  # runs from before links existed keep their hash
         if d["parallelism"] == "ddp":

@@ -34,10 +34,10 @@ class InterruptSignals:
         self._depth = 0
         self._previous: dict = {}
 
-    def install(self) -> None:
+    def install(self, which=(signal.SIGINT, signal.SIGTERM)) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread receives signals (and may set handlers)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in which:
             self._previous.setdefault(sig, signal.getsignal(sig))
             signal.signal(sig, self._handle)
 
@@ -47,8 +47,12 @@ class InterruptSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        self.interrupt(signal.Signals(signum).name)
+
+    def interrupt(self, name: str) -> None:
+        """As if signal ``name`` arrived (another handler that wants the run stopped)."""
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received = name
         self.check()
 
     def check(self) -> None:

@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsecomm.checkpoint.manager import MANIFEST, committed_steps, step_directory
+from sparsecomm.lab.cluster.node_group import NodeGroup
 from sparsecomm.lab.experiment import launch_supervisor, run_sources
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.files import (
@@ -156,10 +157,14 @@ def _worker_arguments(config: ExperimentConfig, arm: str, seed: int, out_dir: Pa
     ]
 
 
-def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path) -> list[str]:
+def _torchrun_command(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path,
+                      nodes: NodeGroup | None = None) -> list[str]:
+    """torchrun on this machine alone, or this node's torchrun of a run on several nodes."""
+    where = (["--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}"] if nodes is None
+             else nodes.torchrun_arguments())
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", f"--nproc-per-node={config.world_size}", f"--max-restarts={config.max_restarts}",
+        *where, f"--max-restarts={config.max_restarts}",
         *_worker_arguments(config, arm, seed, out_dir),
     ]
 
@@ -189,10 +194,11 @@ def _mpiexec_environment() -> dict:
 
 
 def _launch_commands(config: ExperimentConfig, network: EmulatedNetwork | None, experiment_dir: Path, arm: str,
-                     seed: int, out_dir: Path) -> list[tuple[list[str], dict | None]]:
-    """(argv, environment) of the processes that make up one run.
+                     seed: int, out_dir: Path, nodes: NodeGroup | None = None) -> list[tuple[list[str], dict | None]]:
+    """(argv, environment) of the processes that make up one run (on this node).
 
-    On loopback: one torchrun (or mpiexec), which starts the ranks. On an emulated link: one process
+    On loopback: one torchrun (or mpiexec), which starts the ranks; on several nodes, the first
+    node's torchrun (the others start theirs, :mod:`sparsecomm.lab.cluster.run_job`). On an emulated link: one process
     per rank, each inside its own namespace (torchrun's agent cannot span namespaces);
     rank 0 hosts the rendezvous store at its address, and gloo is told to use the link's
     interface (it would otherwise resolve the host name to an address that does not exist
@@ -201,7 +207,7 @@ def _launch_commands(config: ExperimentConfig, network: EmulatedNetwork | None, 
     if network is None and config.launcher == "mpiexec":
         return [(_mpiexec_command(config, arm, seed, out_dir), _mpiexec_environment())]
     if network is None:
-        return [(_torchrun_command(config, experiment_dir, arm, seed, out_dir), None)]
+        return [(_torchrun_command(config, experiment_dir, arm, seed, out_dir, nodes), None)]
     commands = []
     for rank in range(config.world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(config.world_size), "LOCAL_RANK": "0",
@@ -210,6 +216,13 @@ def _launch_commands(config: ExperimentConfig, network: EmulatedNetwork | None, 
         argv = network.command(rank, [sys.executable, *_worker_arguments(config, arm, seed, out_dir)])
         commands.append((argv, env))
     return commands
+
+
+def launch_marks(launch_id: str, out_dir: Path) -> dict:
+    """The environment every process of a launch carries: its marks (for killing it whatever
+    it became) and, for a script's ``sparsecomm.lab.init()``, which run it is and when setup began."""
+    return {LAUNCH_ENV: launch_id, RUN_DIR_ENV: str(out_dir.resolve()),
+            RUN_CONFIG_ENV: str((out_dir / RUN_CONFIG).resolve()), LAUNCH_TIME_ENV: repr(time.time())}
 
 
 def _stalled_for(steps_path: Path, launched: float) -> float:
@@ -385,7 +398,8 @@ def _record(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch
 
 
 def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int, out_dir: Path,
-            network: EmulatedNetwork | None = None, signals: InterruptSignals | None = None) -> dict:
+            network: EmulatedNetwork | None = None, signals: InterruptSignals | None = None,
+            nodes: NodeGroup | None = None) -> dict:
     """Run one arm x seed; returns its summary (a "failed" one on error or stall).
 
     A run that writes no step for ``stall_timeout_s`` is killed (every process of the
@@ -396,15 +410,15 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
     kills the run's processes first and records the run.
     """
     signals = signals if signals is not None else InterruptSignals()
+    # On several nodes every node's processes carry the run's rendezvous id as theirs.
+    launch_id = nodes.run_id if nodes is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
     write_json_atomically(out_dir / RUN_CONFIG, {
         "config": config.to_dict(), "arm": arm, "seed": seed, "config_hash": config.run_hash(arm, seed),
         # What the ranks need to read the config as this command does, whatever their directory,
         # and to check that your code is still what the hash covers.
-        "directory": str(Path.cwd()), "code": config.code.to_record() if config.code is not None else None})
-    launch_id = f"{os.getpid()}-{secrets.token_hex(8)}"
-    marks = {LAUNCH_ENV: launch_id, RUN_DIR_ENV: str(out_dir.resolve()),
-             # For a script's sparsecomm.lab.init(): which run it is, and when setup began.
-             RUN_CONFIG_ENV: str((out_dir / RUN_CONFIG).resolve()), LAUNCH_TIME_ENV: repr(time.time())}
+        "directory": str(Path.cwd()), "code": config.code.to_record() if config.code is not None else None,
+        "launch_id": launch_id})  # the other nodes of a run start once they see their launch here
+    marks = launch_marks(launch_id, out_dir)
     steps_path = out_dir / STEPS_FILE
     launched = time.time()
     processes: list[subprocess.Popen] = []
@@ -413,7 +427,7 @@ def _launch(config: ExperimentConfig, experiment_dir: Path, arm: str, seed: int,
     progress = RunProgress(f"{arm} seed {seed}", steps_path, config.steps)  # quiet unless a terminal
     try:
         try:
-            for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir):
+            for argv, env in _launch_commands(config, network, experiment_dir, arm, seed, out_dir, nodes):
                 env = {**(os.environ if env is None else env), **marks}
                 processes.append(subprocess.Popen(launch_supervisor.command(argv), env=env, stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True,
@@ -474,7 +488,13 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
 
     SIGINT or SIGTERM: the current run's processes are killed, the run is recorded as
     "interrupted", and :class:`ExperimentInterrupted` is raised with a report.
+
+    With ``config.cluster`` the runs are jobs instead (:mod:`sparsecomm.lab.cluster.submit`).
     """
+    if config.cluster is not None:
+        from sparsecomm.lab.cluster.submit import run_on_cluster
+
+        return run_on_cluster(config, root, progress=progress)
     jobs = [(arm, seed) for seed in config.seeds for arm in config.arms]
     signals, state = InterruptSignals(), _State()
     signals.install()
@@ -512,7 +532,7 @@ def _run_jobs(config, root, experiment_dir, jobs, network, progress, signals=Non
 
 
 def _run_job(config, root, experiment_dir, number, total, arm, seed, network, progress, signals, state, *,
-             wait: bool) -> bool:
+             wait: bool, nodes: NodeGroup | None = None) -> bool:
     """Run one job unless it is finished; False when another process holds it (and not ``wait``)."""
     out_dir = run_directory(config, root, arm, seed)
     expected = config.run_hash(arm, seed)
@@ -557,7 +577,7 @@ def _run_job(config, root, experiment_dir, number, total, arm, seed, network, pr
         if resume is not None:
             progress(f"{label}: resuming from its checkpoint at step {resume}")
         started = time.perf_counter()
-        summary = _launch(config, experiment_dir, arm, seed, out_dir, network, signals)
+        summary = _launch(config, experiment_dir, arm, seed, out_dir, network, signals, nodes)
         took = time.perf_counter() - started
         if summary["status"] == "ok":
             progress(f"{label}: {result_line(summary)}, {took:.0f} s")

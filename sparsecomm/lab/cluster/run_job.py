@@ -1,0 +1,146 @@
+"""One (arm, seed) run as a job: what a submitit job executes, on this machine or a node.
+
+The job trains the run exactly as the one-by-one runner does (:func:`runner._run_job`):
+the run directory's lock (a run is trained once, even when two commands submit it), the
+checks of what a directory already holds, resumption from the run's latest checkpoint, the
+launch under a supervisor, and the run's summary, "failed" with the rank's own error when it
+fails. The job returns that summary; the submitting command reads the run directory.
+
+Signals. Locally the job's controller forwards SIGTERM (the command's cancel): the run is
+killed and recorded "interrupted", and the job ends. On SLURM, SIGTERM is left to submitit
+(which ignores it: preemption sends SIGTERM before SIGUSR2) and the command cancels with
+SIGINT. SIGUSR2 (SLURM's warning before a time limit or a preemption) lets submitit requeue
+the job (:meth:`RunJob.checkpoint`); the run is recorded "interrupted" with its latest
+checkpoint, and the requeued job resumes from it.
+
+On several nodes, the job's task on node 0 does all of the above; the other nodes' tasks
+start their node's torchrun once node 0 has written this attempt's launch into the run's
+``run-config.json``, and end when it ends (:mod:`sparsecomm.lab.cluster.node_group`).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import submitit
+
+from sparsecomm.lab.cluster.node_group import NodeGroup
+from sparsecomm.lab.experiment import launch_supervisor, runner
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals
+from sparsecomm.lab.experiment.process_tree import death_signal_preexec
+
+FOLLOWER_WAIT_S = 600.0
+"""How long a node other than the first waits for the first to start the run."""
+
+
+class RunJob(submitit.helpers.Checkpointable):
+    """The job of one run. ``record`` is the run's config as its ranks read it (config,
+    directory, code; :meth:`ExperimentConfig.of_run`), so a job computes the run hash the
+    command computed, and refuses code that changed since the command started."""
+
+    def __init__(self, record: dict, root: str, arm: str, seed: int, number: int, total: int,
+                 cores: list[int] | None = None):
+        self.record, self.root, self.arm, self.seed = record, root, arm, seed
+        self.number, self.total = number, total
+        self.cores = cores
+        """Local runs in parallel: the CPU cores this run's processes are pinned to."""
+
+    def __call__(self) -> dict | None:
+        config = ExperimentConfig.of_run(self.record)
+        root = Path(self.root)
+        settings = config.cluster_settings
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)  # inherited by the launch and every rank
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the one-by-one runner: identical results
+        nodes = _node_group(config, settings)
+        out_dir = runner.run_directory(config, root, self.arm, self.seed)
+        if nodes is not None and nodes.node != 0:
+            return _follow(config, self.arm, self.seed, out_dir, nodes)
+        signals = InterruptSignals()
+        requeued = []
+        if settings.kind == "slurm":
+            # SIGTERM stays submitit's (ignored); SIGUSR2 requeues, then stops the run here.
+            signals.install((signal.SIGINT,))
+            _on_usr2(signals, requeued)
+        else:
+            signals.install()
+        try:
+            runner._run_job(config, root, root / config.name, self.number, self.total, self.arm, self.seed, None,
+                            _print, signals, runner._State(), wait=True, nodes=nodes)
+        except Interrupt:
+            if requeued:
+                sys.exit(-1)  # submitit has requeued the job; it resumes from the run's checkpoint
+        finally:
+            signals.restore()
+        return runner._read_summary(out_dir)
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        """Requeue as is: the run's own checkpoints (``checkpoint_every``) carry its state."""
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _on_usr2(signals, requeued: list) -> None:
+    """SIGUSR2: submitit's handler (checkpoint + requeue, then SystemExit), then an Interrupt
+    that kills and records the run; ``requeued`` says whether submitit requeued the job."""
+    submitits = signal.getsignal(signal.SIGUSR2)
+
+    def handle(signum, frame):
+        if callable(submitits):
+            try:
+                submitits(signum, frame)
+            except SystemExit:
+                requeued.append(True)
+            except Exception as error:  # noqa: BLE001 - e.g. timed out too often: not requeued
+                _print(f"job not requeued: {error}")
+        signals.interrupt("SIGUSR2")
+
+    signal.signal(signal.SIGUSR2, handle)
+
+
+def _node_group(config, settings) -> NodeGroup | None:
+    """This task's place in a run on several nodes (None on one node)."""
+    if settings.nodes == 1:
+        return None
+    env = submitit.JobEnvironment()
+    job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job_id = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else env.job_id
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return NodeGroup(nodes=settings.nodes, ranks_per_node=settings.ranks_per_node(config.world_size),
+                     first_node=env.hostnames[0], run_id=f"job{job_id}-{restart}", node=env.node)
+
+
+def _follow(config, arm: str, seed: int, out_dir: Path, nodes: NodeGroup) -> None:
+    """A node other than the first: its torchrun, once node 0 has started this attempt."""
+    deadline = time.monotonic() + FOLLOWER_WAIT_S
+    while _launch_in(out_dir) != nodes.run_id:
+        if runner.finished_ok(out_dir, config.run_hash(arm, seed)):
+            return None  # finished earlier: node 0 skipped it
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node {nodes.node}: node 0 did not start run {out_dir.name} within "
+                               f"{FOLLOWER_WAIT_S:g} s")
+        time.sleep(1.0)
+    argv = runner._torchrun_command(config, out_dir.parent.parent, arm, seed, out_dir, nodes)
+    env = {**os.environ, **runner.launch_marks(nodes.run_id, out_dir)}
+    with open(out_dir / f"launch-node{nodes.node}.log", "w") as log:
+        process = subprocess.Popen(launch_supervisor.command(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=death_signal_preexec())
+        code = process.wait()
+    if code != 0:
+        raise RuntimeError(f"node {nodes.node}: torchrun exited with {code} (see {out_dir}/launch-node{nodes.node}.log)")
+    return None
+
+
+def _launch_in(out_dir: Path) -> str | None:
+    """The launch id node 0 wrote for the attempt it started (None before it did)."""
+    try:
+        return json.loads((out_dir / runner.RUN_CONFIG).read_text()).get("launch_id")
+    except (OSError, ValueError, AttributeError):
+        return None

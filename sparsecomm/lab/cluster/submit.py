@@ -1,0 +1,256 @@
+"""An experiment's unfinished runs as jobs: submitted, waited for, cancelled on Ctrl-C.
+
+What the one-by-one runner guarantees holds here too, because each job trains its run
+through the same code (:mod:`sparsecomm.lab.cluster.run_job`): finished runs are skipped
+(re-running the command submits only what is missing), a run is trained once even when two
+commands submit it (the run directory's lock), a failed run records its rank's own error,
+and a run resumes from its latest checkpoint. The command adds:
+
+- ``parallel``: locally, at most N jobs at once, each pinned to its share of the cores
+  (:func:`core_slots`); on SLURM, one job array of every run, at most N at once (``%N``).
+- A job that ended without recording its run (killed, or it failed before training, e.g. a
+  module missing on the node) gets a "failed" record in its run directory with the job's
+  own log tail, once the run's lock is free.
+- SIGINT/SIGTERM: every job this command submitted is cancelled (locally SIGTERM, which the
+  job turns into a recorded "interrupted" run; on SLURM ``scancel --signal=INT``, then a
+  plain ``scancel`` for what is left after ``CANCEL_GRACE_S``); the command waits for them
+  to end, then raises ExperimentInterrupted with what was stopped and what was kept.
+"""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sparsecomm.lab.cluster import executors
+from sparsecomm.lab.cluster.run_job import RunJob
+from sparsecomm.lab.experiment import run_sources, runner
+from sparsecomm.lab.experiment.config import ExperimentConfig
+from sparsecomm.lab.experiment.files import private_directory
+from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
+from sparsecomm.lab.experiment.progress import RunProgress
+from sparsecomm.lab.experiment.run_locks import RunLock, hold_experiment
+from sparsecomm.lab.experiment.worker import result_line
+
+POLL_S = 1.0
+CANCEL_GRACE_S = 60.0
+"""After cancelling, how long the jobs get to record their runs before they are killed."""
+STATUS_EVERY_S = 30.0
+
+
+def core_slots(parallel: int, cores: list[int] | None = None) -> list[list[int]]:
+    """Slot s of ``parallel`` gets every parallel-th core of this process's cores, from the
+    s-th on (with fewer cores than slots, slots share cores round robin). A run's ranks keep
+    the one-by-one runner's thread count (OMP_NUM_THREADS, default 1), so its results do not
+    depend on the slot: only where its processes run does."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    if len(cores) < parallel:
+        return [[cores[s % len(cores)]] for s in range(parallel)]
+    return [cores[s::parallel] for s in range(parallel)]
+
+
+class _Submitted:
+    """One run's job, while the command watches it."""
+
+    def __init__(self, job, number: int, arm: str, seed: int, out_dir: Path, slot: int | None, steps: int):
+        self.job, self.number, self.arm, self.seed, self.out_dir, self.slot = job, number, arm, seed, out_dir, slot
+        self.submitted = time.time()
+        self.progress = RunProgress(f"{arm} seed {seed}", out_dir / runner.STEPS_FILE, steps, is_terminal=False)
+
+    def done(self, force: bool = False) -> bool:
+        return self.job.done(force_check=force)
+
+
+def run_on_cluster(config: ExperimentConfig, root: Path, *, progress=print) -> Path:
+    """Run what is missing of ``config`` as jobs (``config.cluster``); returns the experiment
+    directory, as :func:`runner.run_experiment` does."""
+    settings = config.cluster_settings
+    runs = [(arm, seed) for seed in config.seeds for arm in config.arms]
+    signals = InterruptSignals()
+    signals.install()
+    in_flight: list[_Submitted] = []
+    try:
+        runner.check_run_directories(config, root)
+        if config.code is not None:
+            for line in run_sources.describe(config.code):
+                progress(line)
+        hold_experiment(config, root, progress)
+        experiment_dir = runner.write_snapshot(config, root)
+        record = {"config": config.to_dict(), "directory": str(Path.cwd()),
+                  "code": config.code.to_record() if config.code is not None else None}
+        todo = []
+        for number, (arm, seed) in enumerate(runs, start=1):
+            out_dir = runner.run_directory(config, root, arm, seed)
+            if runner.finished_ok(out_dir, config.run_hash(arm, seed)):
+                progress(f"[{number}/{len(runs)}] {arm} seed {seed}: finished earlier, skipped ({out_dir.name})")
+            else:
+                private_directory(out_dir, root)  # where its job's outcome is recorded, whatever happens to the job
+                todo.append((number, arm, seed, out_dir))
+        if todo:
+            executor = executors.make_executor(settings, experiment_dir, config.name, config.world_size, len(todo))
+            jobs = [RunJob(record, str(root), arm, seed, number, len(runs)) for number, arm, seed, _ in todo]
+            where = (f"SLURM job array, at most {settings.parallel or len(todo)} at once" if settings.kind == "slurm"
+                     else f"local jobs, {settings.parallel or 1} at a time")
+            progress(f"submitting {len(todo)} run(s) as {where}; job files in {experiment_dir / 'jobs'}")
+            if settings.kind == "slurm":
+                _run_array(executor, jobs, todo, config, in_flight, progress)
+            else:
+                _run_local(executor, jobs, todo, config, settings.parallel or 1, in_flight, progress)
+    except (Interrupt, KeyboardInterrupt) as stop:
+        name = signal_name(stop)
+        with signals.deferred():
+            _cancel(in_flight, settings.kind, progress)
+        raise runner.ExperimentInterrupted(_interrupt_report(config, root, runs, name), name) from None
+    finally:
+        signals.restore()
+    return experiment_dir
+
+
+def _run_local(executor, jobs, todo, config, parallel: int, in_flight: list, progress) -> None:
+    slots = core_slots(parallel)
+    free = list(range(parallel))
+    waiting = list(zip(jobs, todo))
+    while waiting or in_flight:
+        while waiting and free:
+            job, (number, arm, seed, out_dir) = waiting.pop(0)
+            slot = free.pop(0)
+            job.cores = slots[slot]
+            in_flight.append(_Submitted(executor.submit(job), number, arm, seed, out_dir, slot, config.steps))
+        _wait_for_one(in_flight, config, progress, free)
+
+
+def _run_array(executor, jobs, todo, config, in_flight: list, progress) -> None:
+    with executor.batch():
+        submitted = [executor.submit(job) for job in jobs]
+    for job, (number, arm, seed, out_dir) in zip(submitted, todo):
+        in_flight.append(_Submitted(job, number, arm, seed, out_dir, None, config.steps))
+    progress(f"submitted SLURM job {submitted[0].job_id.split('_')[0]} ({len(submitted)} elements)")
+    while in_flight:
+        _wait_for_one(in_flight, config, progress, [])
+
+
+def _wait_for_one(in_flight: list, config, progress, free: list) -> None:
+    """Wait until a job ends; report it (and free its slot)."""
+    last_status = time.monotonic()
+    polls = 0
+    while True:
+        polls += 1
+        for item in list(in_flight):
+            if item.done(force=polls % 30 == 0):
+                in_flight.remove(item)
+                if item.slot is not None:
+                    free.append(item.slot)
+                _report_end(item, config, progress)
+                return
+            item.progress.poll()
+        if sys.stdout.isatty() and time.monotonic() - last_status > STATUS_EVERY_S:
+            print("running:" + ";".join(i.progress.describe() for i in in_flight), flush=True)
+            last_status = time.monotonic()
+        time.sleep(POLL_S)
+
+
+def _report_end(item: _Submitted, config, progress) -> None:
+    label = f"[{item.number}/{len(config.seeds) * len(config.arms)}] {item.arm} seed {item.seed}"
+    took = time.time() - item.submitted
+    summary = runner._read_summary(item.out_dir)
+    recorded = summary is not None and (item.out_dir / "summary.json").stat().st_mtime >= item.submitted - 1
+    if not recorded:
+        summary = _record_lost_job(item, config)
+    if summary is None:
+        progress(f"{label}: its job {item.job.job_id} ended; another process holds the run, which records it")
+    elif summary.get("status") == "ok":
+        progress(f"{label}: {result_line(summary)}, {took:.0f} s (job {item.job.job_id})")
+    else:
+        progress(f"{label}: {str(summary.get('status')).upper()} after {took:.0f} s (job {item.job.job_id}): "
+                 f"{str(summary.get('error'))[:300]}")
+
+
+def _record_lost_job(item: _Submitted, config) -> dict | None:
+    """The job ended without recording its run: record it failed, with the job's log tail
+    (unless another process now holds the run and will record it)."""
+    lock = RunLock(item.out_dir)
+    if not lock.acquire():
+        return None
+    try:
+        if runner.finished_ok(item.out_dir, config.run_hash(item.arm, item.seed)):
+            return runner._read_summary(item.out_dir)  # a job of another command finished it
+        log = _job_log_tail(item.job)
+        return runner._record(config, item.arm, item.seed, item.out_dir, "none", exit_code=None,
+                              error=f"its job {item.job.job_id} ended without recording the run: {log}",
+                              stop=None, survivors=[])
+    finally:
+        lock.release()
+
+
+def _job_log_tail(job, num_lines: int = 8) -> str:
+    try:
+        text = job.paths.stdout.read_text(errors="replace")
+    except OSError:
+        return "(no job log)"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return " | ".join((errors or lines)[-num_lines:])[:2000]
+
+
+def _cancel(in_flight: list, kind: str, progress) -> None:
+    """Cancel every job still running, let them record their runs, then make sure they are gone."""
+    if not in_flight:
+        return
+    progress(f"cancelling {len(in_flight)} job(s): {', '.join(str(i.job.job_id) for i in in_flight)}")
+    for item in in_flight:
+        if kind == "local":
+            item.job._process.terminate()  # SIGTERM: the controller forwards it to the job
+        else:
+            subprocess.call(["scancel", "--signal=INT", "--full", str(item.job.job_id)])
+    deadline = time.monotonic() + CANCEL_GRACE_S
+    while any(not i.done(force=True) for i in in_flight) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for item in in_flight:
+        if not item.done(force=True):
+            if kind == "local":
+                item.job._process.kill()
+                item.job._process.wait()
+            else:
+                item.job.cancel(check=False)
+        if kind == "local" or item.done(force=True):
+            _record_if_lost(item)
+
+
+def _record_if_lost(item: _Submitted) -> None:
+    """A cancelled job that could not record its run (killed): the runner's own cleanup."""
+    summary = runner._read_summary(item.out_dir)
+    if summary is not None and (item.out_dir / "summary.json").stat().st_mtime >= item.submitted - 1:
+        return
+    lock = RunLock(item.out_dir)
+    if lock.acquire():
+        try:
+            runner._kill_leftovers(item.out_dir)
+        finally:
+            lock.release()
+
+
+def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str) -> str:
+    """What the interruption stopped and kept, read back from the run directories."""
+    lines = [f"stopped by {name}: experiment {config.name} in {Path(root) / config.name}; its jobs were cancelled"]
+    finished, interrupted, other = [], [], []
+    for arm, seed in runs:
+        out_dir = runner.run_directory(config, root, arm, seed)
+        summary = runner._read_summary(out_dir) or {}
+        label = f"{arm} seed {seed}"
+        if runner.finished_ok(out_dir, config.run_hash(arm, seed)):
+            finished.append(label)
+        elif summary.get("status") == "interrupted":
+            resume = summary.get("resume_from_step")
+            interrupted.append(f"{label} (after step {summary.get('last_step')}; "
+                               + (f"resumes from its checkpoint at step {resume})" if resume else "starts over)"))
+        elif summary.get("status") is not None:
+            other.append(f"{label} ({summary.get('status')})")
+        else:
+            other.append(f"{label} (not run)")
+    lines.append(f"kept: {len(finished)} finished run(s)" + (f": {', '.join(finished)}" if finished else ""))
+    if interrupted:
+        lines.append(f"interrupted: {', '.join(interrupted)}")
+    if other:
+        lines.append(f"not finished: {', '.join(other)}")
+    lines.append("re-run the same command to continue (finished runs are skipped)")
+    return "\n".join(lines)

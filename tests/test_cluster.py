@@ -1,0 +1,191 @@
+"""Runs as jobs (sparsecomm.lab.cluster): the same results as one by one, locally in parallel
+and through SLURM (stand-in commands on PATH: tests/slurm_standin), the sbatch script of a
+2-node run against its golden file, Ctrl-C that cancels every job and leaves nothing running,
+and a re-run that resumes the interrupted runs to the uninterrupted runs' results.
+
+Every experiment is the digits task (2 ranks, a few dozen steps); the one-by-one runner's
+results are the oracle, computed once per module.
+"""
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab_processes import REPO, finish, processes_mentioning, start_command, survivors_after, sweep, wait_for  # noqa: F401
+from sparsecomm.lab.cluster.arguments import cluster_from_arguments
+from sparsecomm.lab.cluster.executors import sbatch_script
+from sparsecomm.lab.cluster.settings import ClusterSettings
+from sparsecomm.lab.cluster.submit import core_slots
+from sparsecomm.lab.experiment import compare
+from sparsecomm.lab.experiment.named import digits_quick
+
+pytestmark = pytest.mark.timeout(300)
+
+GOLDEN = Path(__file__).parent / "golden" / "sbatch-2-nodes.txt"
+STANDIN = Path(__file__).parent / "slurm_standin" / "standin.py"
+ARGS = ["--experiment", "digits-quick", "--arms", "dense", "topk-dgc", "--seeds", "0", "--steps", "25"]
+
+
+def final_losses(root: Path, name: str = "digits-quick") -> dict:
+    """Run directory name -> (status, final val loss), read from each summary.json."""
+    out = {}
+    for run in sorted((root / name / "runs").iterdir()):
+        summary = json.loads((run / "summary.json").read_text())
+        out[run.name] = (summary["status"], summary["evals"][-1][-1] if summary.get("evals") else None)
+    return out
+
+
+def run_compare(root: Path, *extra: str) -> int:
+    return compare.main([*ARGS, "--out", str(root / "runs"), "--plots", str(root / "plots"), *extra])
+
+
+@pytest.fixture(scope="module")
+def one_by_one(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("one-by-one")
+    assert run_compare(root) == 0
+    return final_losses(root / "runs")
+
+
+# ----- settings and arguments ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({"kind": "pbs"}, "cluster.kind"),
+    ({"kind": "local", "parallel": 0}, "cluster.parallel"),
+    ({"kind": "local", "nodes": 2}, "cluster.nodes"),
+    ({"kind": "local", "partition": "gpu"}, "cluster.partition"),
+    ({"kind": "slurm", "slurm": {"array": "0-3"}}, "cluster.slurm"),
+    ({"kind": "slurm", "tasks_per_node": 2, "gpus_per_node": 4}, "cluster.tasks_per_node"),
+    ({"kind": "slurm", "time_min": 0}, "cluster.time_min"),
+    ({"kind": "slurm", "queue": "x"}, "unknown cluster keys ['queue']"),
+])
+def test_bad_cluster_settings_are_refused_by_name(raw, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        ClusterSettings.from_dict(raw)
+
+
+def test_the_experiment_checks_its_cluster_against_world_size_and_link():
+    base = digits_quick()
+    with pytest.raises(ValueError, match=r"world_size \(2\) must equal nodes \(2\) x ranks per node \(4"):
+        base.with_overrides(cluster={"kind": "slurm", "nodes": 2, "gpus_per_node": 4})
+    with pytest.raises(ValueError, match="link must be 'loopback' with a cluster"):
+        base.with_overrides(cluster={"kind": "local"}, link="1gbit")
+    config = base.with_overrides(cluster={"kind": "slurm", "nodes": 2, "tasks_per_node": 1})
+    assert config.run_hash("dense", 0) == base.run_hash("dense", 0)  # where a run trains is not what it is
+
+
+def test_cluster_arguments_need_a_cluster_and_keep_sparsecomms_own_options(capsys):
+    with pytest.raises(SystemExit):
+        compare.main([*ARGS, "--parallel", "2"])
+    assert "argument --parallel: needs --cluster" in capsys.readouterr().err
+    parser = compare.build_parser()
+    args = parser.parse_args([*ARGS, "--cluster", "slurm", "--slurm", "time=10"])
+    with pytest.raises(ValueError, match="argument --slurm: time is set by sparsecomm itself"):
+        cluster_from_arguments(args, None)
+    args = parser.parse_args([*ARGS, "--cluster", "slurm", "--nodes", "2", "--slurm", "account=ml",
+                              "--slurm", "exclusive=true"])
+    assert cluster_from_arguments(args, {"kind": "local", "parallel": 3}) == {
+        "kind": "slurm", "nodes": 2, "slurm": {"account": "ml", "exclusive": True}}
+
+
+def test_cores_are_divided_between_parallel_runs():
+    assert core_slots(2, [0, 1, 2, 3, 4]) == [[0, 2, 4], [1, 3]]
+    assert core_slots(3, [0, 1]) == [[0], [1], [0]]
+
+
+def test_the_sbatch_script_of_a_2_node_run_matches_its_golden_file():
+    settings = ClusterSettings(kind="slurm", nodes=2, gpus_per_node=4, partition="gpu", time_min=120, parallel=2,
+                               slurm={"account": "ml", "exclusive": True})
+    script = sbatch_script(settings, Path("/EXPERIMENT"), "pydoc-gpt", world_size=8, runs=6)
+    assert script.replace(sys.executable, "PYTHON") == GOLDEN.read_text()
+
+
+# ----- runs as jobs ---------------------------------------------------------------------------
+
+
+def test_local_jobs_two_at_once_give_the_one_by_one_results_to_every_digit(tmp_path, one_by_one, sweep):
+    assert run_compare(tmp_path, "--cluster", "local", "--parallel", "2") == 0
+    assert final_losses(tmp_path / "runs") == one_by_one
+    assert all(status == "ok" for status, _ in one_by_one.values())
+    assert (tmp_path / "runs" / "digits-quick" / "jobs").is_dir()  # submitit's files, beside the runs
+    assert survivors_after(str(tmp_path), 5.0) == []
+
+
+@pytest.fixture
+def slurm_on_path(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "srun", "sacct", "scancel", "scontrol"):
+        (bin_dir / name).symlink_to(STANDIN)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("STANDIN_SLURM_DIR", str(tmp_path / "slurm"))
+    return tmp_path / "slurm"
+
+
+def test_a_slurm_job_array_gives_the_one_by_one_results(tmp_path, one_by_one, slurm_on_path, sweep, capsys):
+    assert run_compare(tmp_path, "--cluster", "slurm", "--parallel", "2", "--partition", "debug") == 0
+    assert final_losses(tmp_path / "runs") == one_by_one
+    assert "submitted SLURM job 1000 (2 elements)" in capsys.readouterr().out
+    script = next((tmp_path / "runs" / "digits-quick" / "jobs").rglob("*_submission.sh")).read_text()
+    assert "#SBATCH --array=0-1%2" in script and "#SBATCH --partition=debug" in script
+    # Each element's script ends just after its job wrote its result.
+    wait_for(lambda: sorted(p.read_text() for p in slurm_on_path.glob("*.state")) == ["COMPLETED"] * 2, 20,
+             "both array elements COMPLETED")
+
+
+def test_a_slurm_job_that_fails_before_training_records_its_own_error(tmp_path, slurm_on_path, sweep, monkeypatch):
+    # The job's Python cannot import the package: the run's directory says so, with the job's log.
+    bad = tmp_path / "badpython"
+    bad.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'raise ImportError(\"no sparsecomm on this node\")'\n")
+    bad.chmod(0o755)
+    from sparsecomm.lab.cluster import executors
+
+    original = executors.make_executor
+
+    def with_bad_python(*args, **kwargs):
+        executor = original(*args, **kwargs)
+        executor.python = str(bad)
+        return executor
+
+    monkeypatch.setattr(executors, "make_executor", with_bad_python)
+    assert run_compare(tmp_path, "--cluster", "slurm") != 0
+    runs = final_losses(tmp_path / "runs")
+    assert [status for status, _ in runs.values()] == ["failed", "failed"]
+    summary = json.loads(next((tmp_path / "runs" / "digits-quick" / "runs").glob("dense-*/summary.json")).read_text())
+    assert "ended without recording the run" in summary["error"] and "no sparsecomm on this node" in summary["error"]
+
+
+def test_ctrl_c_cancels_every_job_and_a_rerun_resumes_them_to_the_same_results(tmp_path, sweep):
+    config = digits_quick().with_overrides(name="digits-jobs", arms=("dense", "topk-dgc"), seeds=(0,), steps=400,
+                                           checkpoint_every=20)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    argv = [sys.executable, "-m", "sparsecomm.lab.cli", "compare", "--config", str(path), "--out", str(tmp_path / "runs"),
+            "--plots", str(tmp_path / "plots"), "--cluster", "local", "--parallel", "2"]
+    runs = tmp_path / "runs" / "digits-jobs" / "runs"
+
+    def both_checkpointed():
+        return runs.is_dir() and len([d for d in runs.iterdir() if (d / "checkpoints").is_dir()
+                                      and any(p.name.startswith("step") for p in (d / "checkpoints").iterdir())]) == 2
+
+    proc = start_command(argv)
+    wait_for(both_checkpointed, 120, "a checkpoint in both runs", proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal sends (the jobs have sessions of their own)
+    output = finish(proc, 120)
+    assert proc.returncode == 130, output
+    assert "cancelling 2 job(s)" in output and "interrupted: " in output, output
+    assert "resumes from its checkpoint at step" in output, output
+    assert survivors_after(str(tmp_path), 10.0) == [], output  # no job, torchrun or rank is left
+    assert [s for s, _ in final_losses(tmp_path / "runs", "digits-jobs").values()] == ["interrupted"] * 2
+
+    again = finish(start_command(argv), 240)
+    assert "resuming from its checkpoint" in "".join(
+        p.read_text() for p in (tmp_path / "runs" / "digits-jobs" / "jobs").rglob("*_log.out")), again
+    resumed = final_losses(tmp_path / "runs", "digits-jobs")
+    assert [s for s, _ in resumed.values()] == ["ok"] * 2, again
+    plain = tmp_path / "plain"
+    assert compare.main(["--config", str(path), "--out", str(plain / "runs"), "--plots", str(plain / "plots")]) == 0
+    assert final_losses(plain / "runs", "digits-jobs") == resumed
