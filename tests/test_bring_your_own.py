@@ -182,6 +182,7 @@ def test_a_user_script_runs_paired_through_compare_and_check(user_script_run):
     assert (plots / run_dir.name / "time_to_loss.png").is_file()
 
 
+@pytest.mark.slow  # ~1 min; the Trainer integration itself is test_integrations_transformers.py, scripts in the lab above
 def test_a_hugging_face_trainer_script_runs_paired_through_compare_and_check(tmp_path):
     pytest.importorskip("transformers")
     run_dir = _compare(tmp_path, "--script", EXAMPLES / "hf_trainer.py", "--arms", "dense", "topk-dgc", "--steps", 10,

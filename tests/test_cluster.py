@@ -136,6 +136,15 @@ def test_a_slurm_job_array_gives_the_one_by_one_results(tmp_path, one_by_one, sl
              "both array elements COMPLETED")
 
 
+def test_a_run_on_two_nodes_joins_its_torchruns_and_gives_the_one_by_one_results(tmp_path, one_by_one,
+                                                                                    slurm_on_path, sweep):
+    # Two stand-in "nodes" on this host: one torchrun each (1 rank), met by a c10d rendezvous.
+    assert run_compare(tmp_path, "--cluster", "slurm", "--nodes", "2", "--tasks-per-node", "1") == 0
+    assert final_losses(tmp_path / "runs") == one_by_one
+    runs = tmp_path / "runs" / "digits-quick" / "runs"
+    assert all((run / "launch-node1.log").is_file() for run in runs.iterdir())  # node 1 started its own torchrun
+
+
 def test_a_slurm_job_that_fails_before_training_records_its_own_error(tmp_path, slurm_on_path, sweep, monkeypatch):
     # The job's Python cannot import the package: the run's directory says so, with the job's log.
     bad = tmp_path / "badpython"
