@@ -6,7 +6,9 @@ and a re-run that resumes the interrupted runs to the uninterrupted runs' result
 Every experiment is the digits task (2 ranks, a few dozen steps); the one-by-one runner's
 results are the oracle, computed once per module.
 """
+import itertools
 import json
+import re
 import os
 import signal
 import sys
@@ -24,6 +26,7 @@ from sparsecomm.lab.experiment.named import digits_quick
 
 pytestmark = pytest.mark.timeout(300)
 
+JOB_IDS = itertools.count(1000, 100)
 GOLDEN = Path(__file__).parent / "golden" / "sbatch-2-nodes.txt"
 STANDIN = Path(__file__).parent / "slurm_standin" / "standin.py"
 ARGS = ["--experiment", "digits-quick", "--arms", "dense", "topk-dgc", "--seeds", "0", "--steps", "25"]
@@ -118,17 +121,20 @@ def test_local_jobs_two_at_once_give_the_one_by_one_results_to_every_digit(tmp_p
 def slurm_on_path(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("sbatch", "srun", "sacct", "scancel", "scontrol"):
+    for name in ("sbatch", "srun", "sacct", "squeue", "scancel", "scontrol"):
         (bin_dir / name).symlink_to(STANDIN)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("STANDIN_SLURM_DIR", str(tmp_path / "slurm"))
+    (tmp_path / "slurm").mkdir()
+    # Job ids unique in this process, as a real cluster's are (submitit caches finished jobs' states by id).
+    (tmp_path / "slurm" / "next_id").write_text(str(next(JOB_IDS)))
     return tmp_path / "slurm"
 
 
 def test_a_slurm_job_array_gives_the_one_by_one_results(tmp_path, one_by_one, slurm_on_path, sweep, capsys):
     assert run_compare(tmp_path, "--cluster", "slurm", "--parallel", "2", "--partition", "debug") == 0
     assert final_losses(tmp_path / "runs") == one_by_one
-    assert "submitted SLURM job 1000 (2 elements)" in capsys.readouterr().out
+    assert re.search(r"submitted SLURM job \d+ \(2 elements\)", capsys.readouterr().out)
     script = next((tmp_path / "runs" / "digits-quick" / "jobs").rglob("*_submission.sh")).read_text()
     assert "#SBATCH --array=0-1%2" in script and "#SBATCH --partition=debug" in script
     # Each element's script ends just after its job wrote its result.
@@ -136,6 +142,7 @@ def test_a_slurm_job_array_gives_the_one_by_one_results(tmp_path, one_by_one, sl
              "both array elements COMPLETED")
 
 
+@pytest.mark.slow  # ~50 s: the rendezvous of two torchruns; scripts/run_slow_tests.sh
 def test_a_run_on_two_nodes_joins_its_torchruns_and_gives_the_one_by_one_results(tmp_path, one_by_one,
                                                                                     slurm_on_path, sweep):
     # Two stand-in "nodes" on this host: one torchrun each (1 rank), met by a c10d rendezvous.
@@ -145,8 +152,17 @@ def test_a_run_on_two_nodes_joins_its_torchruns_and_gives_the_one_by_one_results
     assert all((run / "launch-node1.log").is_file() for run in runs.iterdir())  # node 1 started its own torchrun
 
 
-def test_a_slurm_job_that_fails_before_training_records_its_own_error(tmp_path, slurm_on_path, sweep, monkeypatch):
+@pytest.mark.parametrize("accounting", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["sacct", "no-accounting-storage"])
+def test_a_slurm_job_that_fails_before_training_records_its_own_error(tmp_path, slurm_on_path, sweep, monkeypatch,
+                                                                     accounting):
     # The job's Python cannot import the package: the run's directory says so, with the job's log.
+    # Without accounting storage sacct knows no job: that the job left squeue tells it ended.
+    if not accounting:
+        sacct = tmp_path / "bin" / "sacct"
+        sacct.unlink()
+        sacct.write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled'\nexit 1\n")
+        sacct.chmod(0o755)
     bad = tmp_path / "badpython"
     bad.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'raise ImportError(\"no sparsecomm on this node\")'\n")
     bad.chmod(0o755)
@@ -167,21 +183,32 @@ def test_a_slurm_job_that_fails_before_training_records_its_own_error(tmp_path, 
     assert "ended without recording the run" in summary["error"] and "no sparsecomm on this node" in summary["error"]
 
 
-def test_ctrl_c_cancels_every_job_and_a_rerun_resumes_them_to_the_same_results(tmp_path, sweep):
-    config = digits_quick().with_overrides(name="digits-jobs", arms=("dense", "topk-dgc"), seeds=(0,), steps=400,
-                                           checkpoint_every=20)
+def latest_checkpoint(run_dir: Path) -> int:
+    """The step of the run's latest committed checkpoint (manifest written), 0 if none."""
+    return max((int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step-*/manifest.json")), default=0)
+
+
+def job_processes(tmp_path: Path) -> list[int]:
+    """The jobs' own processes (submitit's task process, which runs RunJob)."""
+    return [pid for pid, cmdline in processes_mentioning(str(tmp_path)) if "submitit.core._submit" in cmdline]
+
+
+def test_ctrl_c_cancels_every_job_then_requeued_jobs_resume_to_the_uninterrupted_results(tmp_path, sweep):
+    config = digits_quick().with_overrides(name="digits-jobs", arms=("dense", "topk-dgc"), seeds=(0,), steps=240,
+                                           checkpoint_every=10)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
     argv = [sys.executable, "-m", "sparsecomm.lab.cli", "compare", "--config", str(path), "--out", str(tmp_path / "runs"),
             "--plots", str(tmp_path / "plots"), "--cluster", "local", "--parallel", "2"]
     runs = tmp_path / "runs" / "digits-jobs" / "runs"
 
-    def both_checkpointed():
-        return runs.is_dir() and len([d for d in runs.iterdir() if (d / "checkpoints").is_dir()
-                                      and any(p.name.startswith("step") for p in (d / "checkpoints").iterdir())]) == 2
+    def checkpointed_past(steps: dict):
+        return lambda: runs.is_dir() and len(list(runs.iterdir())) == 2 and all(
+            latest_checkpoint(run) > steps.get(run.name, 0) for run in runs.iterdir())
 
+    # 1. Ctrl-C: both jobs cancelled, both runs recorded interrupted, nothing left running.
     proc = start_command(argv)
-    wait_for(both_checkpointed, 120, "a checkpoint in both runs", proc)
+    wait_for(checkpointed_past({}), 120, "a checkpoint in both runs", proc)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal sends (the jobs have sessions of their own)
     output = finish(proc, 120)
     assert proc.returncode == 130, output
@@ -190,9 +217,20 @@ def test_ctrl_c_cancels_every_job_and_a_rerun_resumes_them_to_the_same_results(t
     assert survivors_after(str(tmp_path), 10.0) == [], output  # no job, torchrun or rank is left
     assert [s for s, _ in final_losses(tmp_path / "runs", "digits-jobs").values()] == ["interrupted"] * 2
 
-    again = finish(start_command(argv), 240)
-    assert "resuming from its checkpoint" in "".join(
-        p.read_text() for p in (tmp_path / "runs" / "digits-jobs" / "jobs").rglob("*_log.out")), again
+    # 2. The re-run resumes both; SIGUSR2 (a time limit's warning) to both jobs once each has saved a newer
+    # checkpoint: each records its run interrupted, is requeued, and resumes again.
+    interrupted_at = {run.name: latest_checkpoint(run) for run in runs.iterdir()}
+    proc = start_command(argv)
+    wait_for(checkpointed_past(interrupted_at), 120, "a newer checkpoint in both runs", proc)
+    jobs = job_processes(tmp_path)
+    assert len(jobs) == 2
+    for pid in jobs:
+        os.kill(pid, signal.SIGUSR2)
+    again = finish(proc, 240)
+    assert proc.returncode == 0, again
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "digits-jobs" / "jobs").rglob("*_log.out"))
+    assert logs.count("resuming from its checkpoint") >= 4, logs[-3000:]  # after Ctrl-C and after the requeue
+    assert all(len(list(run.glob("interrupted-*.json"))) == 2 for run in runs.iterdir())  # both stops kept
     resumed = final_losses(tmp_path / "runs", "digits-jobs")
     assert [s for s, _ in resumed.values()] == ["ok"] * 2, again
     plain = tmp_path / "plain"

@@ -173,7 +173,7 @@ def _fake_tree(monkeypatch, child_code: str):
     """Stands in for torchrun: a launcher that starts one 'rank' in a session of its own (as
     torchrun does) and sleeps; the rank runs ``child_code`` with OUT set to the run directory."""
 
-    def command(config, experiment_dir, arm, seed, out_dir):
+    def command(config, experiment_dir, arm, seed, out_dir, nodes=None):
         child = f"OUT = {str(out_dir)!r}\n" + textwrap.dedent(child_code)
         launcher = ("import subprocess, sys, time\n"
                     f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"

@@ -40,10 +40,10 @@ def run_point(config, out_root: Path) -> PointOutcome:
     """Run what is missing of ``config``'s experiment under ``out_root`` (finished runs are
     reused, as ``compare`` reuses them) and read its runs, ledger and verdicts."""
     from sparsecomm.lab import ledger, tolerance
-    from sparsecomm.lab.experiment import runner
+    from sparsecomm.lab.experiment.run_where import run_experiment
     from sparsecomm.lab.results import describe_counts, load_experiment, load_runs, status_counts
 
-    run_dir = runner.run_experiment(config, out_root)
+    run_dir = run_experiment(config, out_root)
     runs = load_runs(run_dir)
     missing = ledger.missing_runs(load_experiment(run_dir), runs)
     counts = {}

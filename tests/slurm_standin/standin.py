@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Stand-ins for SLURM's commands (sbatch, srun, sacct, scancel, scontrol) on one machine.
+"""Stand-ins for SLURM's commands (sbatch, srun, sacct, squeue, scancel, scontrol) on one machine.
 
 For tests of the SLURM path without a cluster: ``sbatch`` runs each array element's script
 with bash in the background (at most the array's ``%N`` at once) with the environment SLURM
 gives a job; the script's ``srun`` starts its tasks (nodes x tasks per node, all on this
 host, "localhost") with SLURM's task variables; ``sacct`` reports each element's state from
-the files below ``$STANDIN_SLURM_DIR``; ``scancel`` signals or kills an element's process
+the files below ``$STANDIN_SLURM_DIR`` (``squeue`` lists those pending or running); ``scancel`` signals or kills an element's process
 group. Each command is this file under its own name (symlinks in a directory on PATH).
 """
 import os
@@ -119,6 +119,14 @@ def sacct(args):
             print(f"{element}|{path.read_text()}|localhost")
 
 
+def squeue(args):
+    ids = args[args.index("--jobs") + 1].split(",")
+    for path in sorted(STATE.glob("*.state")):
+        element = path.name[:-len(".state")]
+        if (element in ids or element.split("_")[0] in ids) and path.read_text() in ("PENDING", "RUNNING"):
+            print(element)
+
+
 def scancel(args):
     sig = next((a.split("=", 1)[1] for a in args if a.startswith("--signal=")), None)
     target = [a for a in args if not a.startswith("-")][0]
@@ -147,5 +155,5 @@ if __name__ == "__main__":
         name, argv = sys.argv[1], sys.argv[2:]
     else:
         argv = sys.argv[1:]
-    {"sbatch": sbatch, "srun": srun, "sacct": sacct, "scancel": scancel, "scontrol": scontrol,
+    {"sbatch": sbatch, "srun": srun, "sacct": sacct, "squeue": squeue, "scancel": scancel, "scontrol": scontrol,
      "_run_array": _run_array}[name](argv)

@@ -9,9 +9,10 @@ fails. The job returns that summary; the submitting command reads the run direct
 Signals. Locally the job's controller forwards SIGTERM (the command's cancel): the run is
 killed and recorded "interrupted", and the job ends. On SLURM, SIGTERM is left to submitit
 (which ignores it: preemption sends SIGTERM before SIGUSR2) and the command cancels with
-SIGINT. SIGUSR2 (SLURM's warning before a time limit or a preemption) lets submitit requeue
-the job (:meth:`RunJob.checkpoint`); the run is recorded "interrupted" with its latest
-checkpoint, and the requeued job resumes from it.
+SIGINT. SIGUSR2 (the warning before a job's time limit: SLURM's, or a local job's
+controller's; on SLURM also before a preemption) lets submitit requeue the job
+(:meth:`RunJob.checkpoint`); the run is recorded "interrupted" with its latest checkpoint,
+and the requeued job resumes from it.
 
 On several nodes, the job's task on node 0 does all of the above; the other nodes' tasks
 start their node's torchrun once node 0 has written this attempt's launch into the run's
@@ -21,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -62,18 +62,15 @@ class RunJob(submitit.helpers.Checkpointable):
             return _follow(config, self.arm, self.seed, out_dir, nodes)
         signals = InterruptSignals()
         requeued = []
-        if settings.kind == "slurm":
-            # SIGTERM stays submitit's (ignored); SIGUSR2 requeues, then stops the run here.
-            signals.install((signal.SIGINT,))
-            _on_usr2(signals, requeued)
-        else:
-            signals.install()
+        # On SLURM, SIGTERM stays submitit's (ignored: preemption sends it before SIGUSR2).
+        signals.install((signal.SIGINT,) if settings.kind == "slurm" else (signal.SIGINT, signal.SIGTERM))
+        _on_usr2(signals, requeued)  # SIGUSR2 requeues the job, then stops the run here
         try:
             runner._run_job(config, root, root / config.name, self.number, self.total, self.arm, self.seed, None,
                             _print, signals, runner._State(), wait=True, nodes=nodes)
         except Interrupt:
             if requeued:
-                sys.exit(-1)  # submitit has requeued the job; it resumes from the run's checkpoint
+                raise requeued[0]  # submitit's exit: the job is requeued and resumes from the run's checkpoint
         finally:
             signals.restore()
         return runner._read_summary(out_dir)
@@ -89,15 +86,16 @@ def _print(line: str) -> None:
 
 def _on_usr2(signals, requeued: list) -> None:
     """SIGUSR2: submitit's handler (checkpoint + requeue, then SystemExit), then an Interrupt
-    that kills and records the run; ``requeued`` says whether submitit requeued the job."""
+    that kills and records the run; ``requeued`` receives submitit's SystemExit when it
+    requeued the job, for the job to exit with once the run is recorded."""
     submitits = signal.getsignal(signal.SIGUSR2)
 
     def handle(signum, frame):
         if callable(submitits):
             try:
                 submitits(signum, frame)
-            except SystemExit:
-                requeued.append(True)
+            except SystemExit as requeue:  # locally its exit code asks the controller to start the job again
+                requeued.append(requeue)
             except Exception as error:  # noqa: BLE001 - e.g. timed out too often: not requeued
                 _print(f"job not requeued: {error}")
         signals.interrupt("SIGUSR2")

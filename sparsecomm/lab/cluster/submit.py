@@ -36,6 +36,9 @@ POLL_S = 1.0
 CANCEL_GRACE_S = 60.0
 """After cancelling, how long the jobs get to record their runs before they are killed."""
 STATUS_EVERY_S = 30.0
+REFRESH_POLLS = 15
+"""Every this many polls the cluster is asked for the jobs' states (between, submitit's
+result files and its own sacct schedule say when a job ended)."""
 
 
 def core_slots(parallel: int, cores: list[int] | None = None) -> list[list[int]]:
@@ -52,13 +55,29 @@ def core_slots(parallel: int, cores: list[int] | None = None) -> list[list[int]]
 class _Submitted:
     """One run's job, while the command watches it."""
 
-    def __init__(self, job, number: int, arm: str, seed: int, out_dir: Path, slot: int | None, steps: int):
-        self.job, self.number, self.arm, self.seed, self.out_dir, self.slot = job, number, arm, seed, out_dir, slot
+    def __init__(self, job, kind: str, number: int, arm: str, seed: int, out_dir: Path, slot: int | None, steps: int):
+        self.job, self.kind, self.number, self.arm, self.seed = job, kind, number, arm, seed
+        self.out_dir, self.slot = out_dir, slot
         self.submitted = time.time()
         self.progress = RunProgress(f"{arm} seed {seed}", out_dir / runner.STEPS_FILE, steps, is_terminal=False)
 
     def done(self, force: bool = False) -> bool:
         return self.job.done(force_check=force)
+
+
+def _left_the_queue(in_flight: list) -> set[str]:
+    """SLURM jobs among ``in_flight`` that squeue no longer lists (one call for all). submitit
+    asks sacct, which a cluster without accounting storage does not answer: a job that left the
+    queue without a result has ended all the same. Empty when squeue cannot say."""
+    ids = [str(item.job.job_id) for item in in_flight if item.kind == "slurm"]
+    if not ids:
+        return set()
+    try:
+        listed = subprocess.run(["squeue", "--noheader", "--array", "--jobs", ",".join(ids), "--format=%i"],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set() if listed.returncode != 0 else set(ids) - set(listed.stdout.split())
 
 
 def run_on_cluster(config: ExperimentConfig, root: Path, *, progress=print) -> Path:
@@ -99,7 +118,7 @@ def run_on_cluster(config: ExperimentConfig, root: Path, *, progress=print) -> P
     except (Interrupt, KeyboardInterrupt) as stop:
         name = signal_name(stop)
         with signals.deferred():
-            _cancel(in_flight, settings.kind, progress)
+            _cancel(in_flight, settings.kind, config, progress)
         raise runner.ExperimentInterrupted(_interrupt_report(config, root, runs, name), name) from None
     finally:
         signals.restore()
@@ -115,7 +134,7 @@ def _run_local(executor, jobs, todo, config, parallel: int, in_flight: list, pro
             job, (number, arm, seed, out_dir) = waiting.pop(0)
             slot = free.pop(0)
             job.cores = slots[slot]
-            in_flight.append(_Submitted(executor.submit(job), number, arm, seed, out_dir, slot, config.steps))
+            in_flight.append(_Submitted(executor.submit(job), "local", number, arm, seed, out_dir, slot, config.steps))
         _wait_for_one(in_flight, config, progress, free)
 
 
@@ -123,7 +142,7 @@ def _run_array(executor, jobs, todo, config, in_flight: list, progress) -> None:
     with executor.batch():
         submitted = [executor.submit(job) for job in jobs]
     for job, (number, arm, seed, out_dir) in zip(submitted, todo):
-        in_flight.append(_Submitted(job, number, arm, seed, out_dir, None, config.steps))
+        in_flight.append(_Submitted(job, "slurm", number, arm, seed, out_dir, None, config.steps))
     progress(f"submitted SLURM job {submitted[0].job_id.split('_')[0]} ({len(submitted)} elements)")
     while in_flight:
         _wait_for_one(in_flight, config, progress, [])
@@ -135,8 +154,10 @@ def _wait_for_one(in_flight: list, config, progress, free: list) -> None:
     polls = 0
     while True:
         polls += 1
+        refresh = polls % REFRESH_POLLS == 0  # ask the cluster itself (sacct through submitit, squeue)
+        gone = _left_the_queue(in_flight) if refresh else set()
         for item in list(in_flight):
-            if item.done(force=polls % 30 == 0):
+            if item.done(force=refresh) or str(item.job.job_id) in gone:
                 in_flight.remove(item)
                 if item.slot is not None:
                     free.append(item.slot)
@@ -192,7 +213,7 @@ def _job_log_tail(job, num_lines: int = 8) -> str:
     return " | ".join((errors or lines)[-num_lines:])[:2000]
 
 
-def _cancel(in_flight: list, kind: str, progress) -> None:
+def _cancel(in_flight: list, kind: str, config: ExperimentConfig, progress) -> None:
     """Cancel every job still running, let them record their runs, then make sure they are gone."""
     if not in_flight:
         return
@@ -203,30 +224,42 @@ def _cancel(in_flight: list, kind: str, progress) -> None:
         else:
             subprocess.call(["scancel", "--signal=INT", "--full", str(item.job.job_id)])
     deadline = time.monotonic() + CANCEL_GRACE_S
-    while any(not i.done(force=True) for i in in_flight) and time.monotonic() < deadline:
+    while _running(in_flight) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for item in _running(in_flight):  # past the grace: killed
+        if kind == "local":
+            item.job._process.kill()
+            item.job._process.wait()
+        else:
+            item.job.cancel(check=False)
+    deadline = time.monotonic() + CANCEL_GRACE_S
+    while _running(in_flight) and time.monotonic() < deadline:
         time.sleep(POLL_S)
     for item in in_flight:
-        if not item.done(force=True):
-            if kind == "local":
-                item.job._process.kill()
-                item.job._process.wait()
-            else:
-                item.job.cancel(check=False)
-        if kind == "local" or item.done(force=True):
-            _record_if_lost(item)
+        _record_if_lost(item, config)
 
 
-def _record_if_lost(item: _Submitted) -> None:
-    """A cancelled job that could not record its run (killed): the runner's own cleanup."""
+def _running(in_flight: list) -> list:
+    gone = _left_the_queue(in_flight)
+    return [item for item in in_flight if not (item.done(force=True) or str(item.job.job_id) in gone)]
+
+
+def _record_if_lost(item: _Submitted, config: ExperimentConfig) -> None:
+    """A cancelled job that could not record its run (it was killed): its leftovers killed and
+    the run recorded "interrupted", as the runner records a run it stops."""
     summary = runner._read_summary(item.out_dir)
     if summary is not None and (item.out_dir / "summary.json").stat().st_mtime >= item.submitted - 1:
         return
     lock = RunLock(item.out_dir)
-    if lock.acquire():
-        try:
-            runner._kill_leftovers(item.out_dir)
-        finally:
-            lock.release()
+    if not lock.acquire():
+        return  # another process trains it now, and records it
+    try:
+        runner._kill_leftovers(item.out_dir)
+        if not runner.finished_ok(item.out_dir, config.run_hash(item.arm, item.seed)):
+            runner._record(config, item.arm, item.seed, item.out_dir, "none", exit_code=None, error=None,
+                           stop=f"the cancellation of job {item.job.job_id}", survivors=[])
+    finally:
+        lock.release()
 
 
 def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str) -> str:

@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         check_launcher_possible(config)
         check_writable_directory(args.out / config.name, "--out")
         check_writable_directory(args.plots / config.name, "--plots")
-        from sparsecomm.lab.experiment.runner import ExperimentInterrupted, check_run_directories, run_experiment
+        from sparsecomm.lab.experiment.run_where import run_experiment
+        from sparsecomm.lab.experiment.runner import ExperimentInterrupted, check_run_directories
 
         check_run_directories(config, args.out)
     except (ValueError, TypeError, OSError, RuntimeError) as error:

@@ -488,13 +488,7 @@ def run_experiment(config: ExperimentConfig, root: Path, *, progress=print) -> P
 
     SIGINT or SIGTERM: the current run's processes are killed, the run is recorded as
     "interrupted", and :class:`ExperimentInterrupted` is raised with a report.
-
-    With ``config.cluster`` the runs are jobs instead (:mod:`sparsecomm.lab.cluster.submit`).
     """
-    if config.cluster is not None:
-        from sparsecomm.lab.cluster.submit import run_on_cluster
-
-        return run_on_cluster(config, root, progress=progress)
     jobs = [(arm, seed) for seed in config.seeds for arm in config.arms]
     signals, state = InterruptSignals(), _State()
     signals.install()
