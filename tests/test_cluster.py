@@ -193,22 +193,39 @@ def job_processes(tmp_path: Path) -> list[int]:
     return [pid for pid, cmdline in processes_mentioning(str(tmp_path)) if "submitit.core._submit" in cmdline]
 
 
-def test_ctrl_c_cancels_every_job_then_requeued_jobs_resume_to_the_uninterrupted_results(tmp_path, sweep):
+def jobs_experiment(tmp_path: Path) -> tuple[list[str], Path, Path]:
+    """A local --parallel 2 compare with checkpoints, as a command line; its config file and runs."""
     config = digits_quick().with_overrides(name="digits-jobs", arms=("dense", "topk-dgc"), seeds=(0,), steps=240,
                                            checkpoint_every=10)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
     argv = [sys.executable, "-m", "sparsecomm.lab.cli", "compare", "--config", str(path), "--out", str(tmp_path / "runs"),
             "--plots", str(tmp_path / "plots"), "--cluster", "local", "--parallel", "2"]
-    runs = tmp_path / "runs" / "digits-jobs" / "runs"
+    return argv, path, tmp_path / "runs" / "digits-jobs" / "runs"
 
-    def checkpointed_past(steps: dict):
-        return lambda: runs.is_dir() and len(list(runs.iterdir())) == 2 and all(
-            latest_checkpoint(run) > steps.get(run.name, 0) for run in runs.iterdir())
 
-    # 1. Ctrl-C: both jobs cancelled, both runs recorded interrupted, nothing left running.
+def checkpointed_past(runs: Path, steps: dict):
+    """A condition: both runs have a committed checkpoint past ``steps`` (run name -> step)."""
+    return lambda: runs.is_dir() and len(list(runs.iterdir())) == 2 and all(
+        latest_checkpoint(run) > steps.get(run.name, 0) for run in runs.iterdir())
+
+
+def assert_equal_to_an_uninterrupted_run(tmp_path: Path, config_path: Path) -> None:
+    resumed = final_losses(tmp_path / "runs", "digits-jobs")
+    assert [s for s, _ in resumed.values()] == ["ok"] * 2
+    plain = tmp_path / "plain"
+    assert compare.main(["--config", str(config_path), "--out", str(plain / "runs"), "--plots", str(plain / "plots")]) == 0
+    assert final_losses(plain / "runs", "digits-jobs") == resumed
+
+
+def job_logs(tmp_path: Path) -> str:
+    return "".join(p.read_text() for p in (tmp_path / "runs" / "digits-jobs" / "jobs").rglob("*_log.out"))
+
+
+def test_ctrl_c_cancels_every_job_and_a_rerun_resumes_them_to_the_uninterrupted_results(tmp_path, sweep):
+    argv, config_path, runs = jobs_experiment(tmp_path)
     proc = start_command(argv)
-    wait_for(checkpointed_past({}), 120, "a checkpoint in both runs", proc)
+    wait_for(checkpointed_past(runs, {}), 120, "a checkpoint in both runs", proc)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal sends (the jobs have sessions of their own)
     output = finish(proc, 120)
     assert proc.returncode == 130, output
@@ -217,22 +234,24 @@ def test_ctrl_c_cancels_every_job_then_requeued_jobs_resume_to_the_uninterrupted
     assert survivors_after(str(tmp_path), 10.0) == [], output  # no job, torchrun or rank is left
     assert [s for s, _ in final_losses(tmp_path / "runs", "digits-jobs").values()] == ["interrupted"] * 2
 
-    # 2. The re-run resumes both; SIGUSR2 (a time limit's warning) to both jobs once each has saved a newer
-    # checkpoint: each records its run interrupted, is requeued, and resumes again.
-    interrupted_at = {run.name: latest_checkpoint(run) for run in runs.iterdir()}
+    again = finish(start_command(argv), 240)
+    assert job_logs(tmp_path).count("resuming from its checkpoint") == 2, again
+    assert_equal_to_an_uninterrupted_run(tmp_path, config_path)
+
+
+@pytest.mark.slow  # ~1 min; scripts/run_slow_tests.sh
+def test_a_job_warned_of_its_time_limit_is_requeued_and_resumes_to_the_uninterrupted_results(tmp_path, sweep):
+    # SIGUSR2 (what a job gets before its time limit, or a preemption) to both jobs once each has a
+    # checkpoint: each records its run interrupted, is requeued by submitit and resumes.
+    argv, config_path, runs = jobs_experiment(tmp_path)
     proc = start_command(argv)
-    wait_for(checkpointed_past(interrupted_at), 120, "a newer checkpoint in both runs", proc)
+    wait_for(checkpointed_past(runs, {}), 120, "a checkpoint in both runs", proc)
     jobs = job_processes(tmp_path)
     assert len(jobs) == 2
     for pid in jobs:
         os.kill(pid, signal.SIGUSR2)
-    again = finish(proc, 240)
-    assert proc.returncode == 0, again
-    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "digits-jobs" / "jobs").rglob("*_log.out"))
-    assert logs.count("resuming from its checkpoint") >= 4, logs[-3000:]  # after Ctrl-C and after the requeue
-    assert all(len(list(run.glob("interrupted-*.json"))) == 2 for run in runs.iterdir())  # both stops kept
-    resumed = final_losses(tmp_path / "runs", "digits-jobs")
-    assert [s for s, _ in resumed.values()] == ["ok"] * 2, again
-    plain = tmp_path / "plain"
-    assert compare.main(["--config", str(path), "--out", str(plain / "runs"), "--plots", str(plain / "plots")]) == 0
-    assert final_losses(plain / "runs", "digits-jobs") == resumed
+    output = finish(proc, 240)
+    assert proc.returncode == 0, output
+    assert job_logs(tmp_path).count("resuming from its checkpoint") == 2, output
+    assert all(len(list(run.glob("interrupted-*.json"))) == 1 for run in runs.iterdir())  # the stop is kept
+    assert_equal_to_an_uninterrupted_run(tmp_path, config_path)

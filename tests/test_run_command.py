@@ -20,6 +20,7 @@ def _train_losses(run) -> list[float]:
     return [row["train_loss"] for row in load_steps(run.path) if row["kind"] == "train"]
 
 
+@pytest.mark.slow  # ~1 min; scripts launched by mpiexec are tested in test_bring_your_own.py, the hook in test_dist.py
 def test_mpiexec_runs_match_torchrun_runs_bit_for_bit(tmp_path):
     arms = ("dense", "topk-ef")
     config = digits_quick().with_overrides(arms=arms, seeds=(1,), steps=STEPS)

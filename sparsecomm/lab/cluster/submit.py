@@ -36,9 +36,9 @@ POLL_S = 1.0
 CANCEL_GRACE_S = 60.0
 """After cancelling, how long the jobs get to record their runs before they are killed."""
 STATUS_EVERY_S = 30.0
-REFRESH_POLLS = 15
-"""Every this many polls the cluster is asked for the jobs' states (between, submitit's
-result files and its own sacct schedule say when a job ended)."""
+REFRESH_S = 15.0
+"""How often the cluster is asked for the jobs' states, once for all of them (between,
+submitit's result files and its own sacct schedule say when a job ended)."""
 
 
 def core_slots(parallel: int, cores: list[int] | None = None) -> list[list[int]]:
@@ -129,13 +129,14 @@ def _run_local(executor, jobs, todo, config, parallel: int, in_flight: list, pro
     slots = core_slots(parallel)
     free = list(range(parallel))
     waiting = list(zip(jobs, todo))
+    watch = _Watch()
     while waiting or in_flight:
         while waiting and free:
             job, (number, arm, seed, out_dir) = waiting.pop(0)
             slot = free.pop(0)
             job.cores = slots[slot]
             in_flight.append(_Submitted(executor.submit(job), "local", number, arm, seed, out_dir, slot, config.steps))
-        _wait_for_one(in_flight, config, progress, free)
+        _wait_for_one(in_flight, config, progress, free, watch)
 
 
 def _run_array(executor, jobs, todo, config, in_flight: list, progress) -> None:
@@ -144,29 +145,42 @@ def _run_array(executor, jobs, todo, config, in_flight: list, progress) -> None:
     for job, (number, arm, seed, out_dir) in zip(submitted, todo):
         in_flight.append(_Submitted(job, "slurm", number, arm, seed, out_dir, None, config.steps))
     progress(f"submitted SLURM job {submitted[0].job_id.split('_')[0]} ({len(submitted)} elements)")
+    watch = _Watch()
     while in_flight:
-        _wait_for_one(in_flight, config, progress, [])
+        _wait_for_one(in_flight, config, progress, [], watch)
 
 
-def _wait_for_one(in_flight: list, config, progress, free: list) -> None:
+class _Watch:
+    """When the cluster was last asked, and which jobs squeue then no longer listed."""
+
+    def __init__(self):
+        self.asked = time.monotonic()
+        self.gone: set[str] = set()
+        self.status = time.monotonic()
+
+    def refresh(self, in_flight: list) -> bool:
+        if time.monotonic() - self.asked < REFRESH_S:
+            return False
+        self.asked = time.monotonic()
+        self.gone = _left_the_queue(in_flight)
+        return True
+
+
+def _wait_for_one(in_flight: list, config, progress, free: list, watch: _Watch) -> None:
     """Wait until a job ends; report it (and free its slot)."""
-    last_status = time.monotonic()
-    polls = 0
     while True:
-        polls += 1
-        refresh = polls % REFRESH_POLLS == 0  # ask the cluster itself (sacct through submitit, squeue)
-        gone = _left_the_queue(in_flight) if refresh else set()
+        refresh = watch.refresh(in_flight)  # ask the cluster itself (sacct through submitit, squeue)
         for item in list(in_flight):
-            if item.done(force=refresh) or str(item.job.job_id) in gone:
+            if item.done(force=refresh) or str(item.job.job_id) in watch.gone:
                 in_flight.remove(item)
                 if item.slot is not None:
                     free.append(item.slot)
                 _report_end(item, config, progress)
                 return
             item.progress.poll()
-        if sys.stdout.isatty() and time.monotonic() - last_status > STATUS_EVERY_S:
+        if sys.stdout.isatty() and time.monotonic() - watch.status > STATUS_EVERY_S:
             print("running:" + ";".join(i.progress.describe() for i in in_flight), flush=True)
-            last_status = time.monotonic()
+            watch.status = time.monotonic()
         time.sleep(POLL_S)
 
 
