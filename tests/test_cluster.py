@@ -94,6 +94,19 @@ def test_cluster_arguments_need_a_cluster_and_keep_sparsecomms_own_options(capsy
         "kind": "slurm", "nodes": 2, "slurm": {"account": "ml", "exclusive": True}}
 
 
+def test_slurm_without_its_commands_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    from sparsecomm.lab import frontier
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no srun
+    out = ["--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots"), "--cluster", "slurm"]
+    for main, argv in ((compare.main, ARGS), (frontier.main, ["--experiment", "digits-quick", "--densities", "0.01",
+                                                              "--arms", "topk-ef"])):
+        with pytest.raises(SystemExit):
+            main([*argv, *out])
+        assert "cluster kind 'slurm': no sbatch/srun on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cores_are_divided_between_parallel_runs():
     assert core_slots(2, [0, 1, 2, 3, 4]) == [[0, 2, 4], [1, 3]]
     assert core_slots(3, [0, 1]) == [[0], [1], [0]]

@@ -34,6 +34,7 @@ from sparsecomm.lab.experiment.compare import (
     add_experiment_source,
     add_job_arguments,
     add_link_argument, add_parallelism_argument,
+    check_launcher_possible,
     check_link_possible,
     check_local_world_size,
     check_writable_directory,
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             config = config.with_overrides(name=f"{config.name}-{config.link}")
         check_local_world_size(config)
         check_link_possible(config)
+        check_launcher_possible(config)
         for density in args.densities:
             for value_codec in value_codecs:
                 point_config(config, density, arms, value_codec)
