@@ -64,6 +64,12 @@ class _Submitted:
     def done(self, force: bool = False) -> bool:
         return self.job.done(force_check=force)
 
+    def recorded(self) -> bool:
+        """Whether the run's summary was written since this job was submitted (by the job, or by
+        the command for it), not left from an earlier attempt."""
+        path = self.out_dir / "summary.json"
+        return runner._read_summary(self.out_dir) is not None and path.stat().st_mtime >= self.submitted - 1
+
 
 def _left_the_queue(in_flight: list) -> set[str]:
     """SLURM jobs among ``in_flight`` that squeue no longer lists (one call for all). submitit
@@ -187,10 +193,7 @@ def _wait_for_one(in_flight: list, config, progress, free: list, watch: _Watch) 
 def _report_end(item: _Submitted, config, progress) -> None:
     label = f"[{item.number}/{len(config.seeds) * len(config.arms)}] {item.arm} seed {item.seed}"
     took = time.time() - item.submitted
-    summary = runner._read_summary(item.out_dir)
-    recorded = summary is not None and (item.out_dir / "summary.json").stat().st_mtime >= item.submitted - 1
-    if not recorded:
-        summary = _record_lost_job(item, config)
+    summary = runner._read_summary(item.out_dir) if item.recorded() else _record_lost_job(item, config)
     if summary is None:
         progress(f"{label}: its job {item.job.job_id} ended; another process holds the run, which records it")
     elif summary.get("status") == "ok":
@@ -261,8 +264,7 @@ def _running(in_flight: list) -> list:
 def _record_if_lost(item: _Submitted, config: ExperimentConfig) -> None:
     """A cancelled job that could not record its run (it was killed): its leftovers killed and
     the run recorded "interrupted", as the runner records a run it stops."""
-    summary = runner._read_summary(item.out_dir)
-    if summary is not None and (item.out_dir / "summary.json").stat().st_mtime >= item.submitted - 1:
+    if item.recorded():
         return
     lock = RunLock(item.out_dir)
     if not lock.acquire():
@@ -294,10 +296,4 @@ def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str) -> 
             other.append(f"{label} ({summary.get('status')})")
         else:
             other.append(f"{label} (not run)")
-    lines.append(f"kept: {len(finished)} finished run(s)" + (f": {', '.join(finished)}" if finished else ""))
-    if interrupted:
-        lines.append(f"interrupted: {', '.join(interrupted)}")
-    if other:
-        lines.append(f"not finished: {', '.join(other)}")
-    lines.append("re-run the same command to continue (finished runs are skipped)")
-    return "\n".join(lines)
+    return runner.report_lines(lines, finished, [("interrupted", interrupted), ("not finished", other)])

@@ -606,10 +606,13 @@ def interrupt_report(config: ExperimentConfig, root: Path, jobs, state: _State, 
             not_done.append(label)
     if len(lines) == 1:
         lines.append("no run was training: none was interrupted")
-    lines.append(f"kept: {len(finished)} finished run(s)" + (f": {', '.join(finished)}" if finished else ""))
-    if failed:
-        lines.append(f"failed earlier: {', '.join(failed)}")
-    if not_done:
-        lines.append(f"not run: {', '.join(not_done)}")
+    return report_lines(lines, finished, [("failed earlier", failed), ("not run", not_done)])
+
+
+def report_lines(lines: list[str], finished: list[str], groups: list[tuple[str, list[str]]]) -> str:
+    """An interruption report: ``lines``, the finished runs kept, each non-empty group of
+    other runs (heading, labels), and how to continue (shared by the runner and jobs)."""
+    lines = [*lines, f"kept: {len(finished)} finished run(s)" + (f": {', '.join(finished)}" if finished else "")]
+    lines += [f"{heading}: {', '.join(labels)}" for heading, labels in groups if labels]
     lines.append("re-run the same command to continue (finished runs are skipped)")
     return "\n".join(lines)
