@@ -8,7 +8,8 @@
 # 2^24-element cases; its chunk section, ~470 cases, runs the pure-torch ChunkLayout reference
 # for every index x value codec pair on 9 geometries, ~1-2 min of it; tests/test_kernels_triton.py
 # compiles Triton kernels; tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one
-# GPU, selector="chunk" included), benchmark ~1 min. About 7-10 minutes in all: leave room in
+# GPU, selector="chunk" included; tests/test_hsdp_cuda.py the FSDP2 hook on its own CUDA
+# stream, on 1 GPU, and on 2 or 4 where the machine has them), benchmark ~1 min. About 7-10 minutes in all: leave room in
 # the device budget for one rerun (or run only tests/test_kernels_cuda.py -k chunk first).
 # A failed build stops the script; the benchmark runs even if tests fail; the exit status is
 # non-zero if the build, a test or the benchmark failed.
@@ -57,7 +58,7 @@ PY
 
 status=0
 stamp "tests"
-"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_kernels_triton_chunk.py tests/test_kernels_compact.py tests/test_hook_cuda.py || status=$?
+"$PYTHON" -m pytest -q -rfEs --durations=10 tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_kernels_triton_chunk.py tests/test_kernels_compact.py tests/test_hook_cuda.py tests/test_hsdp_cuda.py tests/test_hsdp_cuda.py || status=$?
 
 stamp "benchmark"
 "$PYTHON" experiments/bench_kernels.py --device cuda --sizes 1e6 25e6 100e6 --densities 0.001 0.01 || status=$?

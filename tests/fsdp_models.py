@@ -6,10 +6,10 @@ import torch
 STEPS = 30
 
 
-def mesh_of(replicas: int, shards: int):
+def mesh_of(replicas: int, shards: int, device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
 def model_on(shard_mesh, bf16: bool = False):
@@ -32,17 +32,17 @@ TEACHER = torch.linspace(-1.0, 1.0, 24).reshape(8, 3)  # the targets: a fixed li
 
 
 def loss(model, x: torch.Tensor) -> torch.Tensor:
-    return (model(x) - x @ TEACHER).square().mean()
+    return (model(x) - x @ TEACHER.to(x.device)).square().mean()
 
 
-def train(model, rank: int, steps: int, after_step=None) -> list[torch.Tensor]:
+def train(model, rank: int, steps: int, after_step=None, device: str = "cpu") -> list[torch.Tensor]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(100 + rank)  # every rank its own data
     for step in range(steps):
-        x = torch.randn(4, 8, generator=generator)
+        x = torch.randn(4, 8, generator=generator).to(device)
         loss(model, x).backward()
         optimizer.step()
         optimizer.zero_grad()
         if after_step is not None:
             after_step(step)
-    return [p.to_local().detach().clone() for p in model.parameters()]
+    return [p.to_local().detach().cpu().clone() for p in model.parameters()]

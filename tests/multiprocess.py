@@ -1,4 +1,4 @@
-"""Run a function on several gloo ranks in separate processes, with a hard timeout.
+"""Run a function on several gloo (or NCCL, one GPU each) ranks in separate processes, with a hard timeout.
 
 Ranks are forked from a server process that has imported torch once (the ``forkserver``
 start method), so a test pays milliseconds per rank instead of a fresh interpreter's import
@@ -35,7 +35,7 @@ def _context():
     return ctx
 
 
-def _rank_main(rank, world_size, workdir, store_port, environment, fn, args):
+def _rank_main(rank, world_size, workdir, store_port, environment, backend, fn, args):
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
     # The fork server's environment is the parent's when the server started; a test may have
     # set variables since (monkeypatch.setenv), so take the parent's at this call.
@@ -43,7 +43,14 @@ def _rank_main(rank, world_size, workdir, store_port, environment, fn, args):
     os.environ.update(environment)
     try:
         store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        device = None
+        if backend == "nccl":  # one GPU per rank
+            import torch
+
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=device)
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException:  # report everything, including assertion errors, to the parent
         outcome = ("error", traceback.format_exc())
@@ -57,7 +64,7 @@ def _rank_main(rank, world_size, workdir, store_port, environment, fn, args):
     os._exit(0)
 
 
-def _spawn(fn, args, world_size: int, timeout: float):
+def _spawn(fn, args, world_size: int, timeout: float, backend: str = "gloo"):
     """Run ``fn`` on every rank; (exit codes, outcomes by rank: ("ok"|"error", value) or None
     for a rank that left no result, ranks still running at the deadline, killed)."""
     with tempfile.TemporaryDirectory() as workdir:
@@ -68,7 +75,7 @@ def _spawn(fn, args, world_size: int, timeout: float):
         # tens of seconds at 8 ranks on 2 cores).
         store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
                               timeout=COLLECTIVE_TIMEOUT)
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, store.port, environment, fn, args))
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, workdir, store.port, environment, backend, fn, args))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -91,9 +98,10 @@ def _spawn(fn, args, world_size: int, timeout: float):
         return [p.exitcode for p in procs], outcomes, hung
 
 
-def run_on_ranks(fn, *args, world_size: int = 2, timeout: float = 90.0) -> list:
-    """Results of ``fn(rank, world_size, *args)`` on each rank, in rank order."""
-    exit_codes, outcomes, hung = _spawn(fn, args, world_size, timeout)
+def run_on_ranks(fn, *args, world_size: int = 2, timeout: float = 90.0, backend: str = "gloo") -> list:
+    """Results of ``fn(rank, world_size, *args)`` on each rank, in rank order; ``backend="nccl"``
+    gives rank r the GPU cuda:r."""
+    exit_codes, outcomes, hung = _spawn(fn, args, world_size, timeout, backend)
     results, errors = [], []
     for r, outcome in enumerate(outcomes):
         if outcome is None:

@@ -213,13 +213,14 @@ def test_a_non_finite_step_is_seen_by_every_rank_and_leaves_no_trace():
             assert torch.equal(memories[key], reference_memories[key]), f"rank {rank}: {key} differs"
 
 
-def _first_step_gradients(rank, world_size, replicas, shards):
-    """Sharded gradients after one backward: ours at density 1 (with every module's hook input
-    recorded) and native HSDP's, from the same weights and data."""
+def _gradients_along_a_trajectory(rank, world_size, replicas, shards):
+    """At each of STEPS AdamW steps of our model at density 1: its sharded gradients (with every
+    module's hook input recorded) and native HSDP's, computed from the same weights and data
+    (native's shards are set to ours before its backward), so each step's reduction is
+    compared on its own and rounding does not compound through the optimizer."""
     import sparsecomm
 
     mesh = mesh_of(replicas, shards)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + rank))
     inputs = []
 
     def recording(hook, name):
@@ -230,32 +231,43 @@ def _first_step_gradients(rank, world_size, replicas, shards):
 
     ours = model_on(mesh["shard"])
     sparsecomm.register_hsdp_hook(ours, mesh, density=1.0, wrap=recording)
-    loss(ours, x).backward()
     native = model_on(mesh)
-    loss(native, x).backward()
-    # The sum over replicas of |hook input|, per module, for the bound.
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own data
     group = mesh.get_group("replicate")
-    magnitudes = []
-    for tensor in inputs:
-        total = tensor.abs()
-        dist.all_reduce(total, group=group)
-        magnitudes.append(total)
-    ours_grads = [p.grad.to_local().reshape(-1).clone() for p in ours.parameters()]
-    native_grads = [p.grad.to_local().reshape(-1).clone() for p in native.parameters()]
-    return ours_grads, native_grads, magnitudes, [p.to_local().numel() for p in ours.parameters()]
+    steps = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=generator)
+        inputs.clear()
+        loss(ours, x).backward()
+        with torch.no_grad():
+            for mine, theirs in zip(ours.parameters(), native.parameters()):
+                theirs.to_local().copy_(mine.to_local())
+        loss(native, x).backward()
+        # The largest sum over replicas of |hook input|, over every module, for the bound.
+        largest = 0.0
+        for tensor in inputs:
+            total = tensor.abs()
+            dist.all_reduce(total, group=group)
+            largest = max(largest, total.max().item())
+        steps.append(([p.grad.to_local().reshape(-1).clone() for p in ours.parameters()],
+                      [p.grad.to_local().reshape(-1).clone() for p in native.parameters()], largest))
+        optimizer.step()
+        optimizer.zero_grad()
+        native.zero_grad()
+    return steps
 
 
 def test_density_one_equals_native_hsdp_within_rounding_at_four_replicas():
     replicas = 4
     u = 2.0 ** -24
-    for rank, (ours, native, magnitudes, numels) in enumerate(
-            run_on_ranks(_first_step_gradients, replicas, 2, world_size=8, timeout=200)):
-        # Both sum the same R terms g_r / R (dividing by R = 4 is exact in binary), in
-        # orders of their own: each sum is within (R - 1) u sum_r |g_r| / R of the exact one,
-        # so the two differ by at most twice that. The hook's buffers are padded and come in
-        # backward order, so the bound is taken at its largest entry over all of them.
-        largest = max(m.max().item() for m in magnitudes)
-        bound = 2 * (replicas - 1) * u * largest / replicas
-        ours, native = torch.cat(ours), torch.cat(native)
-        assert ours.numel() == native.numel() == sum(numels)
-        assert (ours != 0).any() and (ours - native).abs().max().item() <= bound, f"rank {rank}"
+    for rank, steps in enumerate(run_on_ranks(_gradients_along_a_trajectory, replicas, 2, world_size=8, timeout=200)):
+        assert len(steps) == STEPS
+        for step, (ours, native, largest) in enumerate(steps):
+            # Both sum the same R terms g_r / R (dividing by R = 4 is exact in binary), in
+            # orders of their own: each sum is within (R - 1) u sum_r |g_r| / R of the exact
+            # one, so the two differ by at most twice that. The hook's buffers are padded and
+            # come in backward order, so the bound is taken at its largest entry over all of them.
+            bound = 2 * (replicas - 1) * u * largest / replicas
+            ours, native = torch.cat(ours), torch.cat(native)
+            assert (ours != 0).any() and (ours - native).abs().max().item() <= bound, f"rank {rank}, step {step}"

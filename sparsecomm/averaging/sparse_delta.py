@@ -50,7 +50,7 @@ from sparsecomm.averaging.shared_index_sync import SharedIndexSync
 from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm.collectives import allgather_future
 from sparsecomm.compress.value_codecs import FLOAT_CODECS
-from sparsecomm.fsdp.fsdp_modules import FSDPModule
+from sparsecomm.fsdp.fsdp_modules import is_fsdp_module
 from sparsecomm.hooks.config import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
 from sparsecomm.hooks.wires import AllgatherWire, payload_layout
@@ -160,7 +160,7 @@ class SparseDeltaAverager:
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
                  register_hook: bool = True, exchange: str = "allgather", link: str | None = None,
                  overlap: bool = False, mesh=None, replicate_dim: str = "replicate", shard_dim: str = "shard"):
-        sharded = FSDPModule is not None and isinstance(ddp_model, FSDPModule)
+        sharded = is_fsdp_module(ddp_model)
         if not sharded and not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model or an FSDP2 (fully_shard) "
                             f"model with mesh=, got {type(ddp_model).__name__}")

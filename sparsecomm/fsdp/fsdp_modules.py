@@ -6,15 +6,18 @@ buffer handed to the hook is. Those come from its per-module state (``_fsdp_para
 read in torch 2.13; each access below is named so that a torch that moved one fails with a
 message, not an AttributeError deep in a step). Everything is checked before any collective.
 """
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch without FSDP2
-    FSDPModule = None
+
+def is_fsdp_module(obj) -> bool:
+    """Whether ``obj`` is ``fully_shard``-ed, without importing FSDP (over a second of every rank's
+    start-up in a DDP job): an FSDPModule exists only if something already imported FSDP."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(obj, getattr(fsdp, "FSDPModule", ()))
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,7 @@ def sharded_modules(model: torch.nn.Module, mesh: DeviceMesh, replicate_dim: str
     holds parameters, after checking that it can take the hook: sharded over
     ``mesh[shard_dim]`` alone (a module sharded over the 2-D mesh runs FSDP's own all-reduce
     before any hook), one parameter group, no all-reduce hook yet."""
-    if FSDPModule is None:
-        raise RuntimeError(f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.FSDPModule)")
-    if not isinstance(model, FSDPModule):
+    if not is_fsdp_module(model):
         raise TypeError(
             f"model must be fully_shard-ed (an FSDPModule), got {type(model).__name__}: call "
             f"fully_shard(block, mesh=mesh[{shard_dim!r}]) on each block and on the model first"
@@ -65,7 +66,7 @@ def sharded_modules(model: torch.nn.Module, mesh: DeviceMesh, replicate_dim: str
     shard_ranks = _ranks(mesh[shard_dim])
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
+        if not is_fsdp_module(module):
             continue
         groups = _param_groups(module)
         where = f"FSDP module {name or '<root>'!r}"
