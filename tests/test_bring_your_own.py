@@ -212,6 +212,7 @@ def test_higher_is_better_turns_the_difference_around():
     assert target.reached(0.86) and not target.reached(0.84) and "val_accuracy >= 0.8500" in target.describe()
 
 
+@pytest.mark.slow
 def test_a_user_script_runs_under_mpiexec_too(tmp_path):
     from mpi_launch import mpiexec_or_skip
 
@@ -280,11 +281,13 @@ run = sparsecomm.lab.init()
     # when a script forgets it, also after the group is gone. run.log's step: the steps taken.
     ("import os\nos.chdir('/')\n" + SCRIPT_HEAD + "run.log({'val_loss': 0.5})\ndist.destroy_process_group()\n", "ok",
      None),
-    (INIT_ONLY + "sys.exit('no data for this arm')\n", "failed",
-     "SystemExit: the script called sys.exit('no data for this arm') at train.py:8, after "
-     "sparsecomm.lab.init(), before run.apply(...)"),
-    (SCRIPT_HEAD + "raise KeyboardInterrupt\n", "failed",
-     "KeyboardInterrupt: the script raised KeyboardInterrupt at train.py:15, after 3 optimizer step(s)"),
+    # Slow (CI time): the same record path as "raises", with other words.
+    pytest.param(INIT_ONLY + "sys.exit('no data for this arm')\n", "failed",
+                 "SystemExit: the script called sys.exit('no data for this arm') at train.py:8, after "
+                 "sparsecomm.lab.init(), before run.apply(...)", marks=pytest.mark.slow),
+    pytest.param(SCRIPT_HEAD + "raise KeyboardInterrupt\n", "failed",
+                 "KeyboardInterrupt: the script raised KeyboardInterrupt at train.py:15, after 3 optimizer step(s)",
+                 marks=pytest.mark.slow),
     (SCRIPT_HEAD + "raise RuntimeError('the user script broke at step 3')\n", "failed",
      "RuntimeError: the user script broke at step 3"),
     (SCRIPT_HEAD, "failed", "RuntimeError: the script returned after sparsecomm.lab.init() and 3 optimizer step(s), "

@@ -235,6 +235,7 @@ def job_logs(tmp_path: Path) -> str:
     return "".join(p.read_text() for p in (tmp_path / "runs" / "digits-jobs" / "jobs").rglob("*_log.out"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_cancels_every_job_and_a_rerun_resumes_them_to_the_uninterrupted_results(tmp_path, sweep):
     argv, config_path, runs = jobs_experiment(tmp_path)
     proc = start_command(argv)

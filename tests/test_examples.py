@@ -75,6 +75,7 @@ def test_lightning_ddp(tmp_path):
     assert {k.split(".", 1)[0] for k in stored if ".residual." in k} == {"rank0", "rank1"}
 
 
+@pytest.mark.slow  # CI time: two launches; tests/test_integrations_accelerate.py tests the same save and resume
 @pytest.mark.timeout(90)
 def test_accelerate_ddp_save_and_resume(tmp_path):
     pytest.importorskip("accelerate")

@@ -140,6 +140,7 @@ def test_geometries_match_the_reference(backend, geometry):
         _check_decode_add(ops, device, layout, gathered, torch.float32, zero_outs=(False,))
 
 
+@pytest.mark.slow  # CI time on the interpreter; scripts/gpu_check.sh runs it (-m "")
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("value_codec", VALUE_CODECS)
 def test_16_bit_gradients_match_the_reference(backend, dtype, value_codec):
@@ -357,6 +358,7 @@ def test_compact_wire_every_codec_pair_matches_the_reference(backend, index_code
     _check_decode_add(ops, device, layout, gathered, torch.float32)
 
 
+@pytest.mark.slow  # CI time on the interpreter; scripts/gpu_check.sh runs it (-m "")
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("value_codec", ["bf16", "fp16", "int4", "sign"])
 def test_compact_wire_16_bit_gradients_match_the_reference(backend, dtype, value_codec):

@@ -37,16 +37,17 @@ def test_hsdp_with_one_shard_per_replica_trains_dense_as_ddp_does_to_every_digit
         "topk-ef"].bytes_dense_per_step
 
 
-def test_every_hsdp_arm_kind_runs_at_two_replicas_of_two_shards(tmp_path):
+def test_the_averager_and_dense_run_at_two_replicas_of_two_shards(tmp_path):
+    # The hook's arms at hsdp:2x1 above (FSDP's layout is the same code at any shard count:
+    # tests/test_fsdp_hsdp_hook.py); here the averager over replicas of real shards.
     assert compare.main(["--experiment", "digits-quick", "--parallelism", "hsdp:2x2", "--world-size", "4",
-                         "--arms", "dense", "topk-ef", "sparseloco", "--seeds", "0", "--steps", "6",
+                         "--arms", "dense", "sparseloco", "--seeds", "0", "--steps", "6",
                          "--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots"),
                          "--name", "hsdp"]) == 0
     runs = _finals(tmp_path / "runs", "hsdp")
     dense_bytes = runs["dense"].bytes_dense_per_step
     assert runs["dense"].bytes_sent_per_step == dense_bytes > 0  # this rank's shard, every step
-    for arm in ("topk-ef", "sparseloco"):  # the hook on each module; the averager over the replicas
-        assert runs[arm].status == "ok" and 0 < runs[arm].bytes_sent_per_step < 0.05 * dense_bytes, arm
+    assert runs["sparseloco"].status == "ok" and 0 < runs["sparseloco"].bytes_sent_per_step < 0.05 * dense_bytes
 
 
 @pytest.mark.parametrize("overrides, field, fragment", [
@@ -67,3 +68,75 @@ def test_ddp_runs_keep_their_hash():
     config = digits_quick()
     assert config.run_hash("dense", 0) == config.with_overrides(parallelism="ddp").run_hash("dense", 0)
     assert config.run_hash("dense", 0) != config.with_overrides(parallelism="hsdp:2x1").run_hash("dense", 0)
+
+
+HSDP_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import sparsecomm.lab
+dist.init_process_group("gloo")
+run = sparsecomm.lab.init()
+torch.manual_seed(run.seed)  # the same initial weights on every rank (FSDP does not broadcast them)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+if run.parallelism == "ddp":
+    model = DDP(model)
+else:
+    from torch.distributed.fsdp import fully_shard
+    mesh = run.mesh()
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+optimizer = run.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+data = torch.Generator().manual_seed(dist.get_rank())  # every rank its own data
+for step in range(run.steps):
+    model(torch.randn(8, 4, generator=data)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+with torch.no_grad():
+    loss = model(torch.randn(16, 4, generator=torch.Generator().manual_seed(99))).square().mean()
+dist.all_reduce(loss)
+run.log({"val_loss": loss.item() / dist.get_world_size()})
+run.finish()
+"""
+
+
+def test_a_user_script_shards_its_model_under_hsdp_and_dense_equals_ddp_to_every_digit(tmp_path, monkeypatch):
+    from sparsecomm.lab.experiment.config import ExperimentConfig
+    from sparsecomm.lab.experiment.runner import run_experiment
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(HSDP_SCRIPT)
+    runs = {}
+    for parallelism, arms in (("ddp", ("dense",)), ("hsdp:2x1", ("dense", "topk-ef"))):
+        config = ExperimentConfig(name=parallelism.replace(":", "-"), script="train.py", arms=arms, seeds=(0,),
+                                  steps=5, parallelism=parallelism)
+        runs[parallelism] = {r.arm: r for r in load_runs(run_experiment(config, tmp_path / "runs",
+                                                                        progress=lambda line: None))}
+    ddp, hsdp = runs["ddp"], runs["hsdp:2x1"]
+    assert {arm: r.status for arm, r in hsdp.items()} == {"dense": "ok", "topk-ef": "ok"}, \
+        {arm: r.error for arm, r in hsdp.items()}
+    # One shard per replica: FSDP's reduce-scatter is a copy, the plain all-reduce is DDP's mean.
+    assert hsdp["dense"].final_val_loss == ddp["dense"].final_val_loss
+    assert "HSDP 2x1" in hsdp["topk-ef"].extra["hook"] and hsdp["dense"].bytes_sent_per_step == hsdp["dense"].bytes_dense_per_step
+    assert 0 < hsdp["topk-ef"].bytes_sent_per_step < hsdp["dense"].bytes_sent_per_step
+
+
+def test_a_script_that_does_not_shard_under_hsdp_is_told_what_to_do(tmp_path):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sparsecomm.lab.experiment.config import ExperimentConfig
+    from sparsecomm.lab.script_run import Run
+
+    (tmp_path / "train.py").write_text(HSDP_SCRIPT)
+    config = ExperimentConfig(name="s", script=str(tmp_path / "train.py"), arms=("dense", "topk-ef"), seeds=(0,),
+                              parallelism="hsdp:2x1")
+    run = Run(arm="topk-ef", seed=0, config=config, run_dir=tmp_path)
+    model = torch.nn.Linear(4, 2)
+    for given in (model, DistributedDataParallel.__new__(DistributedDataParallel)):  # refused before DDP or FSDP is asked anything
+        with pytest.raises(TypeError, match=r"with parallelism 'hsdp:2x1' ddp_model must be the model fully_shard-ed "
+                                            r"over run.mesh\(\)\['shard'\]"):
+            run.apply(given, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert run.parallelism == "hsdp:2x1" and Run(arm="dense", seed=0).parallelism == "ddp"
+    with pytest.raises(ValueError, match='parallelism is "ddp"'):
+        Run(arm="dense", seed=0).mesh()

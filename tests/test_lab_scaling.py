@@ -181,6 +181,7 @@ def test_a_world_size_without_finished_dense_is_unavailable(tmp_path, monkeypatc
 # A real study
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_study_on_digits_then_a_rerun_trains_nothing(tmp_path, capsys):
     out, plots = tmp_path / "runs", tmp_path / "plots"

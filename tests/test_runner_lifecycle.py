@@ -281,6 +281,7 @@ def _check_rows_after_a_kill(run_dir: Path, at_least: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_run_stopped_by_ctrl_c_then_by_sigkill_resumes_each_time_bit_for_bit(sweep, uninterrupted):
     """One top-k run, stopped twice and resumed twice (each launch is seconds of start-up).
@@ -474,6 +475,7 @@ def _flock_holders(path: Path) -> int:
         return sum(line.split()[1] == "FLOCK" and line.split()[5] == file_id for line in f)
 
 
+@pytest.mark.slow
 def test_commands_on_one_out_train_each_run_once_and_never_mix(sweep):
     """Three commands into one --out at once. Two identical `sparsecomm compare` commands
     (30 steps of dense and topk-ef) train each run once between them (one skips what the

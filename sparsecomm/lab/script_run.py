@@ -11,6 +11,11 @@ directory is. Three lines connect the script::
     ...
     run.log({"val_loss": v}, step=s)             # the metric the experiment compares (--metric)
 
+Under ``parallelism="hsdp:RxS"`` (FSDP2 hybrid sharding) the script shards its model over
+``run.mesh()["shard"]`` (``fully_shard`` on each block, then on the model) instead of wrapping it
+in DDP, and passes the sharded model to ``run.apply``: the arm then acts on the cross-replica
+reduction (``run.parallelism`` says which; it is "ddp" outside the lab).
+
 The run directory then holds what a built-in run holds (``steps.jsonl``, the summary), so
 ``sparsecomm ledger``, ``check``, ``plot`` and ``frontier`` read it. A train row is written at
 every ``optimizer.step()`` (a post-step hook): the step time, the time inside the comm hook,
@@ -56,6 +61,9 @@ class Run:
         """The experiment's step budget (None standalone): the script may train for it."""
         self.metric = config.metric if config is not None else "val_loss"
         self.spec = config.arm(arm) if config is not None else None
+        self.parallelism = config.parallelism if config is not None else "ddp"
+        """"ddp", or "hsdp:RxS": then the script shards its model over :meth:`mesh` ``["shard"]``."""
+        self._mesh = None
         self.hook_state = None
         """The registered hook's state after :meth:`apply` (a TopKState for top-k arms; None for dense)."""
         self._started = time.time()
@@ -71,6 +79,19 @@ class Run:
 
     # -- connecting the script ---------------------------------------------------------------
 
+    def mesh(self, device_type: str = "cpu"):
+        """The experiment's (replicate, shard) DeviceMesh under ``parallelism="hsdp:RxS"`` (R x S,
+        dims named "replicate" and "shard"), made once, after the process group: shard the model
+        over ``run.mesh()["shard"]``. Raises ValueError for a "ddp" experiment (and standalone)."""
+        if self.parallelism == "ddp":
+            raise ValueError('run.mesh: the experiment\'s parallelism is "ddp" (a mesh exists only under '
+                             'parallelism "hsdp:RxS"); wrap the model in DDP instead')
+        if self._mesh is None:
+            from sparsecomm.lab.experiment import hsdp_arms
+
+            self._mesh = hsdp_arms.build_mesh(self.config, device_type)
+        return self._mesh
+
     def apply(self, ddp_model, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register the arm's comm hook on ``ddp_model`` and return the optimizer the arm needs.
 
@@ -78,13 +99,19 @@ class Run:
         correction (topk-dgc) needs an optimizer without momentum of its own (AdamW/Adam
         ``betas[0] = 0``, SGD ``momentum = 0``), and an arm's ``optimizer`` settings (lr,
         momentum, weight_decay, beta2) are written into every parameter group. Call it once, after
-        wrapping the model in DDP and before the first backward.
+        wrapping the model in DDP and before the first backward. Under ``parallelism="hsdp:RxS"``
+        ``ddp_model`` is the model ``fully_shard``-ed over ``run.mesh()["shard"]``.
         """
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(ddp_model, DistributedDataParallel):
+        from sparsecomm.fsdp.fsdp_modules import is_fsdp_module
+
+        if self.parallelism == "ddp" and not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"run.apply: ddp_model must be a torch DistributedDataParallel model, got "
                             f"{type(ddp_model).__name__}")
+        if self.parallelism != "ddp" and not is_fsdp_module(ddp_model):
+            raise TypeError(f"run.apply: with parallelism {self.parallelism!r} ddp_model must be the model "
+                            f"fully_shard-ed over run.mesh()['shard'], got {type(ddp_model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"run.apply: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if self._ddp is not None:
@@ -98,12 +125,18 @@ class Run:
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         from sparsecomm.lab.experiment.arms import HookMeter, hook_for_spec
 
-        arm_hook = hook_for_spec(self.spec, ddp_model, self.seed)
+        if self.parallelism == "ddp":
+            arm_hook = hook_for_spec(self.spec, ddp_model, self.seed)
+            meter = HookMeter(arm_hook)
+            meter.register(ddp_model)
+        else:
+            from sparsecomm.lab.experiment import hsdp_arms
+
+            arm_hook, meter = hsdp_arms.hsdp_arm(self.arm, self.config, ddp_model, self.mesh(), self.seed)
         self._description = arm_hook.description
         self._arm_hook = arm_hook
         self.hook_state = arm_hook.checkpoint_state if self.spec.reducer != "powersgd" else arm_hook.state
-        self._meter = HookMeter(arm_hook)
-        self._meter.register(ddp_model)
+        self._meter = meter
         adapt_optimizer(optimizer, self.spec)
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
@@ -201,7 +234,7 @@ class Run:
         step_seconds = now - self._last_step_end
         last_hook = measured["last_hook_return"]
         comm_wait = max(0.0, self._step_started - last_hook) if last_hook is not None else 0.0
-        comm_wait += after["comm_seconds"]
+        comm_wait += after["comm_seconds"] + measured.get("exchange_seconds", 0.0)  # HSDP: FSDP waits for its hooks
         compress = measured["hook_seconds"] + after["compress_seconds"]
         self._step += 1
         row = {
@@ -252,7 +285,7 @@ class Run:
             "hook_stats": self._arm_hook.stats(self._arm_hook.state),
             "world_size": self._world_size,
             "torch_version": torch.__version__,
-            "num_parameters": sum(p.numel() for p in self._ddp.module.parameters()),
+            "num_parameters": sum(p.numel() for p in getattr(self._ddp, "module", self._ddp).parameters()),
             "script": self.config.script,
             "steps_taken": self._step,
             "launch_id": os.environ.get(LAUNCH_ENV),

@@ -345,8 +345,6 @@ class ExperimentConfig:
         _check(isinstance(self.parallelism, str) and self.parallelism.startswith("hsdp:") and len(shape) == 2 and all(part.isdigit() for part in shape)
                and int(shape[0]) >= 2 and int(shape[1]) >= 1 and int(shape[0]) * int(shape[1]) == self.world_size,
                "parallelism", accepted, self.parallelism)
-        _check(self.script is None, "parallelism", '"ddp" with a script (a script builds and wraps its own model)',
-               self.parallelism)
         for name, value, ok in (("checkpoint_every", self.checkpoint_every, self.checkpoint_every == 0),
                                 ("fault", self.fault, self.fault is None),
                                 ("monitor_every", self.monitor_every, self.monitor_every == 0)):

@@ -25,8 +25,8 @@ from sparsecomm.lab.experiment.config import ExperimentConfig
 MESH_DIMS = ("replicate", "shard")
 
 
-def build_mesh(config: ExperimentConfig):
-    return init_device_mesh("cpu", config.hsdp_shape, mesh_dim_names=MESH_DIMS)
+def build_mesh(config: ExperimentConfig, device_type: str = "cpu"):
+    return init_device_mesh(device_type, config.hsdp_shape, mesh_dim_names=MESH_DIMS)
 
 
 def shard_model(model: nn.Module, mesh) -> None:
