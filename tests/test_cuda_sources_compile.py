@@ -25,8 +25,13 @@ Two ways: every source on its own, in parallel (``-m slow``: about 50 s of CPU p
 nearly all of it the torch headers; ``scripts/gpu_check.sh``'s CUDA build compiles each on its
 own too), and, in the default run, all of them as one translation unit that includes each
 source (the headers parsed once: about a third of the time), whose cubin must hold every
-source's kernels. Objects go to ``tmp_path``.
+source's kernels. Objects go to ``tmp_path``. The default run skips nvcc when everything the
+compile depends on (csrc/cuda, csrc/cpu, flags, nvcc's and torch's versions) hashes as it did
+in the last one-unit compile that passed, recorded in ``tests/golden/cuda-compiled.json`` by
+``SPARSECOMM_UPDATE_CUDA_STAMP=1 pytest tests/test_cuda_sources_compile.py``; any change compiles.
 """
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -48,6 +53,7 @@ ARCH = "sm_90"
 SETUP_NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")  # setup.py's extra["nvcc"] without DEBUG=1
 KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 EM_CUDA = 190  # ELF e_machine of a cubin
+COMPILED_STAMP = ROOT / "tests" / "golden" / "cuda-compiled.json"  # the inputs of the last one-unit compile that passed
 
 
 def _nvcc_command(source: Path, obj: Path, keep_dir: Path | None = None) -> list[str]:
@@ -175,9 +181,34 @@ def test_cuda_sources_compile(tmp_path):
     assert not failures, "nvcc failed:\n\n" + "\n\n".join(failures)
 
 
+def compile_inputs_digest() -> str:
+    """SHA-256 of everything the compile check's outcome depends on: every file under csrc/cuda
+    and csrc/cpu (the headers the .cu files include), the flags, nvcc's version and torch's."""
+    digest = hashlib.sha256()
+    for path in sorted([*(ROOT / "csrc" / "cuda").rglob("*"), *(ROOT / "csrc" / "cpu").rglob("*")]):
+        if path.is_file():
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    nvcc_version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    for part in (STD, ARCH, *SETUP_NVCC_FLAGS, *cpp_extension_flags(), nvcc_version, torch.__version__):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def cpp_extension_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    return list(cpp_extension.COMMON_NVCC_FLAGS)
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.timeout(900)
 def test_cuda_sources_compile_as_one_unit(tmp_path):
+    # A compile of these exact inputs that passed is recorded (COMPILED_STAMP, refreshed with
+    # SPARSECOMM_UPDATE_CUDA_STAMP=1 after a change under csrc/); while nothing it depends on has
+    # changed the result cannot differ, so the ~2 min of nvcc are skipped. Any change compiles.
+    digest = compile_inputs_digest()
+    if COMPILED_STAMP.exists() and json.loads(COMPILED_STAMP.read_text())["inputs_sha256"] == digest:
+        return
     unit = tmp_path / "cuda_sources.cu"
     unit.write_text("".join(f'#include "{source}"\n' for source in CUDA_SOURCES))
     keep = tmp_path / "keep"
@@ -188,3 +219,5 @@ def test_cuda_sources_compile_as_one_unit(tmp_path):
     kernels = set().union(*(kernels_defined(source) for source in CUDA_SOURCES))
     failure = _inspect(unit, keep, result, time.monotonic() - started, tmp_path, kernels)
     assert not failure, "nvcc failed:\n\n" + failure
+    if os.environ.get("SPARSECOMM_UPDATE_CUDA_STAMP") == "1":
+        COMPILED_STAMP.write_text(json.dumps({"inputs_sha256": digest, "kernels": sorted(kernels)}, indent=1) + "\n")

@@ -66,6 +66,7 @@ def test_plain_ddp(tmp_path):
     assert all(not torch.equal(rank0[k], rank1[k]) for k in rank0)
 
 
+@pytest.mark.slow  # CI time: tests/test_integrations_lightning.py tests the same callback's fit and resume
 @pytest.mark.timeout(60)
 def test_lightning_ddp(tmp_path):
     pytest.importorskip("lightning.pytorch")
