@@ -57,6 +57,7 @@ def test_bad_codec_sweeps_fail_before_any_run(capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # CI time: the frontier end-to-end test covers the sweep and its reuse of dense runs
 @pytest.mark.timeout(600)  # run alone, it first runs the shared compare (6 launches)
 def test_codec_sweep_runs_dense_once_per_density_and_labels_the_points(tmp_path, tmp_path_factory, capsys):
     # digits-quick, 1 density x 2 codecs x (dense + topk-ef) x 1 seed, 50 steps, into the --out of the

@@ -21,6 +21,7 @@ def _finals(out, name):
     return {r.arm: r for r in load_runs(out / name)}
 
 
+@pytest.mark.slow  # CI time: the script test below checks the same equality through the same hsdp_arm
 def test_hsdp_with_one_shard_per_replica_trains_dense_as_ddp_does_to_every_digit(tmp_path, tmp_path_factory):
     # The DDP runs: the shared digits compare (tests/digits_point.py), the same settings but parallelism.
     ddp = {(r.arm, r.seed): r for r in load_runs(digits_point.compare_point(tmp_path_factory).experiment_dir)}
