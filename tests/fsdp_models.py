@@ -46,3 +46,21 @@ def train(model, rank: int, steps: int, after_step=None, device: str = "cpu") ->
         if after_step is not None:
             after_step(step)
     return [p.to_local().detach().cpu().clone() for p in model.parameters()]
+
+
+def replica_check(model, mesh, disagreements: list):
+    """An ``after_step`` for :func:`train`: appends (step, parameter index) wherever the replicas
+    of this rank's shard do not hold the same parameters, bit for bit."""
+    import torch.distributed as dist
+
+    group = mesh.get_group("replicate")
+    replicas = dist.get_world_size(group)
+
+    def check(step):
+        for index, p in enumerate(model.parameters()):
+            local = p.to_local().detach().contiguous()
+            copies = [torch.empty_like(local) for _ in range(replicas)]
+            dist.all_gather(copies, local, group=group)
+            if not all(torch.equal(copies[0], c) for c in copies[1:]):
+                disagreements.append((step, index))
+    return check

@@ -189,15 +189,11 @@ def compile_inputs_digest() -> str:
         if path.is_file():
             digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     nvcc_version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    for part in (STD, ARCH, *SETUP_NVCC_FLAGS, *cpp_extension_flags(), nvcc_version, torch.__version__):
-        digest.update(part.encode() + b"\0")
-    return digest.hexdigest()
-
-
-def cpp_extension_flags() -> list[str]:
     from torch.utils import cpp_extension
 
-    return list(cpp_extension.COMMON_NVCC_FLAGS)
+    for part in (STD, ARCH, *SETUP_NVCC_FLAGS, *cpp_extension.COMMON_NVCC_FLAGS, nvcc_version, torch.__version__):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")

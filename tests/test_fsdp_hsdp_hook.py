@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_models import STEPS, loss, mesh_of, model_on, train
+from fsdp_models import STEPS, loss, mesh_of, model_on, replica_check, train
 from multiprocess import run_on_ranks
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::sparsecomm.DenseFallbackWarning")]
@@ -66,17 +66,8 @@ def _sparse_replicas_agree(rank, world_size, replicas, shards, options, bf16):
     mesh = mesh_of(replicas, shards)
     model = model_on(mesh["shard"], bf16)
     state = sparsecomm.register_hsdp_hook(model, mesh, verify_conservation=True, **options)
-    replica_group = mesh.get_group("replicate")
     disagreements = []
-
-    def check(step):
-        # Every replica of this rank's shard must hold the same parameters, bit for bit.
-        for index, p in enumerate(model.parameters()):
-            local = p.to_local().detach().contiguous()
-            copies = [torch.empty_like(local) for _ in range(replicas)]
-            dist.all_gather(copies, local, group=replica_group)
-            if not all(torch.equal(copies[0], c) for c in copies[1:]):
-                disagreements.append((step, index))
+    check = replica_check(model, mesh, disagreements)  # every replica of a shard alike after each step
 
     generator = torch.Generator().manual_seed(100 + rank)
     x0 = torch.randn(16, 8, generator=generator)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_models import STEPS, loss, mesh_of, model_on, train
+from fsdp_models import STEPS, loss, mesh_of, model_on, replica_check, train
 from multiprocess import run_on_ranks
 
 pytestmark = [pytest.mark.timeout(300),
@@ -63,16 +63,8 @@ def _sparse_trains(rank, world_size, replicas, shards):
     state = sparsecomm.register_hsdp_hook(model, mesh, density=0.1, allow_dense_fallback=False,
                                           selector="chunk", chunk_size=16, index_codec="rice",
                                           value_codec="int4", verify_conservation=True)
-    replica_group = mesh.get_group("replicate")
     disagreements = []
-
-    def check(step):
-        for index, p in enumerate(model.parameters()):
-            local = p.to_local().detach().contiguous()
-            copies = [torch.empty_like(local) for _ in range(replicas)]
-            dist.all_gather(copies, local, group=replica_group)
-            if not all(torch.equal(copies[0], c) for c in copies[1:]):
-                disagreements.append((step, index))
+    check = replica_check(model, mesh, disagreements)  # every replica of a shard alike after each step
 
     x0 = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + rank)).cuda()
     with torch.no_grad():
