@@ -134,3 +134,60 @@ def test_sign_sgd_moves_each_weight_by_lr_in_the_sign_of_its_gradient():
     assert torch.equal(weight.detach(), decayed - 0.1 * torch.tensor([1.0, -1.0, 0.0, -1.0]))
     with pytest.raises(ValueError, match="lr"):
         SignSGD([weight], lr=0.0)
+
+
+def _bf16_at_least(x: float) -> float:
+    """The smallest bfloat16 (8 significant bits) >= x > 0, from the number's binary exponent."""
+    exponent = math.frexp(x)[1]  # x = f * 2**exponent, 0.5 <= f < 1
+    ulp = 2.0 ** (exponent - 8)
+    return math.ceil(x / ulp) * ulp
+
+
+def _int2_decoded(selected_values: torch.Tensor) -> torch.Tensor:
+    """int2 of one group of selected values, worked from its definition: scale s = the
+    smallest bfloat16 >= (largest magnitude) / 2, each value sent as the nearest of -s, 0, s."""
+    s = _bf16_at_least(float(selected_values.abs().max()) / 2)
+    return torch.round(selected_values.double() / s).clamp(-1, 1).mul(s).float()
+
+
+def _quantized_dgc_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 8, bias=False))  # one parameter of 128 entries, one bucket
+    k = 64  # one scale group (64 selected entries) per payload
+    state = sparsecomm.register_topk_hook(model, density=k / 128, momentum=0.9, index_codec="rice",
+                                          value_codec="int2", allow_dense_fallback=False)
+    generator = torch.Generator().manual_seed(20 + rank)
+    u = torch.zeros(128)
+    v = torch.zeros(128)
+    matches, kept_velocity = [], 0
+    for step in range(6):
+        model.zero_grad()
+        x = torch.randn(4, 16, generator=generator) * torch.logspace(-2, 1, 16)  # magnitudes spread widely
+        local = torch.autograd.grad(model.module(x).pow(2).sum(), model.module.weight)[0].flatten()
+        model(x).pow(2).sum().backward()
+        u = 0.9 * u + local / world_size
+        acc = v + u
+        if step < state.warmup_steps:
+            sent, v = acc.clone(), torch.zeros_like(acc)
+        else:
+            selected = torch.sort(reference.topk_by_key(reference.magnitude_key(acc), k)).values
+            sent = torch.zeros_like(acc)
+            sent[selected] = _int2_decoded(acc[selected])
+            v = acc - sent
+            went_out = selected[sent[selected] != 0]
+            kept_velocity += int((sent[selected] == 0).sum())  # selected, sent as 0: velocity kept
+            u[went_out] = 0
+        gathered = [torch.empty_like(sent) for _ in range(world_size)]
+        dist.all_gather(gathered, sent)
+        matches.append(torch.equal(model.module.weight.grad.flatten(), gathered[0] + gathered[1]))
+    velocity = state.state_dict()[f"rank{rank}.velocity.weight"]
+    return matches, torch.equal(velocity, u), kept_velocity
+
+
+def test_momentum_masking_keeps_the_velocity_of_entries_a_codec_sent_as_zero():
+    """int2 decodes selected entries under a quarter of their group's largest to 0: nothing
+    of them went out, so their velocity must carry on (only what was sent starts over)."""
+    for matches, velocity_equal, kept_velocity in run_on_ranks(_quantized_dgc_worker):
+        assert matches == [True] * 6
+        assert velocity_equal
+        assert kept_velocity > 0  # the case is exercised: some selected entries were sent as 0

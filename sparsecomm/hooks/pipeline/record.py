@@ -1,8 +1,8 @@
 """Step 4: after encoding, bring the memories and the records up to date.
 
-Momentum factor masking (DGC: sent velocity starts over), no non-finite value left in the
-velocity, the packed event for observers, the conservation audit, what was sent (for
-parameters DDP may drop as unused); and, once the exchange is issued, the call's counters
+Momentum factor masking (DGC: the velocity of what went out starts over), no non-finite
+value left in the velocity, the packed event for observers, the conservation audit, what
+was sent (for parameters DDP may drop as unused); and, once the exchange is issued, the call's counters
 from the wire's own byte counts.
 """
 import torch
@@ -13,7 +13,11 @@ from sparsecomm.hooks.unused_parameters import SentRecord
 def after_packing(call, packed, velocity, residual) -> None:
     state = call.state
     if velocity is not None:
-        velocity[packed.indices.long()] = 0  # momentum factor masking (DGC): sent velocity starts over
+        # Momentum factor masking (DGC): the velocity of what was sent starts over. Only where a
+        # value went out: a quantizing codec decodes the small entries of a selection to 0
+        # (int2: those under a quarter of their group's largest), which sends nothing of them
+        # (their whole acc stays in the residual), so their velocity carries on.
+        velocity[packed.indices.long()[packed.values != 0]] = 0
         # Masking zeroed the sent entries, which include every non-finite one unless there
         # were more of them than the payload holds (random-k: unless the draw missed them).
         if packed.nonfinite if packed.nonfinite is not None else not bool(torch.isfinite(packed.values).all()):
