@@ -22,11 +22,14 @@ from multiprocess import run_on_ranks
 pytestmark = pytest.mark.timeout(120)
 
 
-def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup, clip_norm):
-    """Expected reduced gradient per step for this rank's grads (needs the process group)."""
+def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup, clip_norm, decode=None):
+    """(expected reduced gradient per step, final velocity, selected entries sent as 0) for
+    this rank's grads (needs the process group). ``decode``: what a value codec makes of the
+    selected values (None: sent as they are); the velocity starts over where a non-zero value
+    went out."""
     u = torch.zeros_like(grads[0])
     v = torch.zeros_like(grads[0])
-    expected = []
+    expected, sent_as_zero = [], 0
     for step, grad in enumerate(grads):
         g = grad / world_size
         if clip_norm is not None:  # DGC local clipping: norm of the local gradient <= c / sqrt(N)
@@ -43,15 +46,16 @@ def _dgc_reference_steps(grads, world_size, momentum, nesterov, k, warmup, clip_
         if step < warmup:
             sent, v = acc.clone(), torch.zeros_like(acc)
         else:
-            selected = reference.topk_by_key(reference.magnitude_key(acc), k)
+            selected = torch.sort(reference.topk_by_key(reference.magnitude_key(acc), k)).values
             sent = torch.zeros_like(acc)
-            sent[selected] = acc[selected]
+            sent[selected] = acc[selected] if decode is None else decode(acc[selected])
             v = acc - sent
-            u[selected] = 0
+            sent_as_zero += int((sent[selected] == 0).sum())
+            u[selected[sent[selected] != 0]] = 0
         gathered = [torch.empty_like(sent) for _ in range(world_size)]
         dist.all_gather(gathered, sent)
         expected.append(gathered[0] + gathered[1])
-    return expected
+    return expected, u, sent_as_zero
 
 
 def _worker(rank, world_size, nesterov, clip_norm):
@@ -70,18 +74,21 @@ def _worker(rank, world_size, nesterov, clip_norm):
         grads.append(local)
         model(x).pow(2).sum().backward()
         reduced.append(model.module.weight.grad.flatten().clone())
-    expected = _dgc_reference_steps(grads, world_size, 0.9, nesterov, k, state.warmup_steps, clip_norm)
+    expected, expected_velocity, _ = _dgc_reference_steps(grads, world_size, 0.9, nesterov, k, state.warmup_steps,
+                                                          clip_norm)
     clipped = clip_norm is not None and any(
         float(torch.linalg.vector_norm(g / world_size)) > clip_norm / math.sqrt(world_size) / world_size for g in grads)
     velocity = state.state_dict()[f"rank{rank}.velocity.weight"]
-    return [torch.equal(a, b) for a, b in zip(reduced, expected)], velocity, clipped
+    return ([torch.equal(a, b) for a, b in zip(reduced, expected)], velocity, torch.equal(velocity, expected_velocity),
+            clipped)
 
 
 @pytest.mark.parametrize("nesterov, clip_norm", [(False, None), (True, None), (False, 2.0)],
                          ids=["momentum", "nesterov", "momentum-local-clipping"])
 def test_hook_matches_dgc_reference_exactly(nesterov, clip_norm):
-    for matches, velocity, clipped in run_on_ranks(_worker, nesterov, clip_norm):
+    for matches, velocity, velocity_equal, clipped in run_on_ranks(_worker, nesterov, clip_norm):
         assert matches == [True] * 6
+        assert velocity_equal
         assert clipped == (clip_norm is not None)  # the clipping case really clips
         # Masking: after sparse steps, the velocity is zero exactly where values were sent.
         assert int((velocity == 0).sum()) >= 6
@@ -157,37 +164,23 @@ def _quantized_dgc_worker(rank, world_size):
     state = sparsecomm.register_topk_hook(model, density=k / 128, momentum=0.9, index_codec="rice",
                                           value_codec="int2", allow_dense_fallback=False)
     generator = torch.Generator().manual_seed(20 + rank)
-    u = torch.zeros(128)
-    v = torch.zeros(128)
-    matches, kept_velocity = [], 0
-    for step in range(6):
+    grads, reduced = [], []
+    for _ in range(6):
         model.zero_grad()
         x = torch.randn(4, 16, generator=generator) * torch.logspace(-2, 1, 16)  # magnitudes spread widely
-        local = torch.autograd.grad(model.module(x).pow(2).sum(), model.module.weight)[0].flatten()
+        grads.append(torch.autograd.grad(model.module(x).pow(2).sum(), model.module.weight)[0].flatten())
         model(x).pow(2).sum().backward()
-        u = 0.9 * u + local / world_size
-        acc = v + u
-        if step < state.warmup_steps:
-            sent, v = acc.clone(), torch.zeros_like(acc)
-        else:
-            selected = torch.sort(reference.topk_by_key(reference.magnitude_key(acc), k)).values
-            sent = torch.zeros_like(acc)
-            sent[selected] = _int2_decoded(acc[selected])
-            v = acc - sent
-            went_out = selected[sent[selected] != 0]
-            kept_velocity += int((sent[selected] == 0).sum())  # selected, sent as 0: velocity kept
-            u[went_out] = 0
-        gathered = [torch.empty_like(sent) for _ in range(world_size)]
-        dist.all_gather(gathered, sent)
-        matches.append(torch.equal(model.module.weight.grad.flatten(), gathered[0] + gathered[1]))
-    velocity = state.state_dict()[f"rank{rank}.velocity.weight"]
-    return matches, torch.equal(velocity, u), kept_velocity
+        reduced.append(model.module.weight.grad.flatten().clone())
+    expected, velocity, sent_as_zero = _dgc_reference_steps(grads, world_size, 0.9, False, k, state.warmup_steps,
+                                                            None, decode=_int2_decoded)
+    matches = [torch.equal(a, b) for a, b in zip(reduced, expected)]
+    return matches, torch.equal(state.state_dict()[f"rank{rank}.velocity.weight"], velocity), sent_as_zero
 
 
 def test_momentum_masking_keeps_the_velocity_of_entries_a_codec_sent_as_zero():
     """int2 decodes selected entries under a quarter of their group's largest to 0: nothing
     of them went out, so their velocity must carry on (only what was sent starts over)."""
-    for matches, velocity_equal, kept_velocity in run_on_ranks(_quantized_dgc_worker):
+    for matches, velocity_equal, sent_as_zero in run_on_ranks(_quantized_dgc_worker):
         assert matches == [True] * 6
         assert velocity_equal
-        assert kept_velocity > 0  # the case is exercised: some selected entries were sent as 0
+        assert sent_as_zero > 0  # the case is exercised: some selected entries were sent as 0

@@ -2,8 +2,8 @@
 
 Momentum factor masking (DGC: the velocity of what went out starts over), no non-finite
 value left in the velocity, the packed event for observers, the conservation audit, what
-was sent (for parameters DDP may drop as unused); and, once the exchange is issued, the call's counters
-from the wire's own byte counts.
+was sent (for parameters DDP may drop as unused); and, once the exchange is issued, the
+call's counters from the wire's own byte counts.
 """
 import torch
 
