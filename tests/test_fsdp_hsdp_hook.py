@@ -86,7 +86,9 @@ def _sparse_replicas_agree(rank, world_size, replicas, shards, options, bf16):
     (dict(density=0.1, allow_dense_fallback=False, selector="chunk", chunk_size=16, index_codec="rice",
           value_codec="int4", exchange="owner"), False),
     (dict(density=0.1, allow_dense_fallback=False), True),
-], ids=["exact-allgather", "chunk-rice-int4-owner", "bf16-reduce"])
+    (dict(density=0.1, allow_dense_fallback=False, budget="model", momentum=0.9, index_codec="rice",
+          value_codec="int2"), False),
+], ids=["exact-allgather", "chunk-rice-int4-owner", "bf16-reduce", "model-budget-dgc-rice-int2"])
 def test_sparse_replicas_stay_identical_and_conservation_holds(options, bf16):
     replicas, shards = 4, 2
     results = run_on_ranks(_sparse_replicas_agree, replicas, shards, options, bf16, world_size=8, timeout=200)

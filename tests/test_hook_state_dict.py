@@ -44,9 +44,10 @@ def _saved(**kwargs):
     (lambda d: d.update({"config": None}), "state_dict['config'] must be a dict"),
     (lambda d: d.update({"memory_scale": -2.0}), "memory_scale'] must be None or a positive finite number"),
     (lambda d: d.update({"rank0.stats": "lots"}), "rank0.stats must be a dict"),
+    (lambda d: d.update({"budget_shares": {"weight": -1.0}}), "budget_shares'] must be None or a dict"),
 ], ids=["transposed-2d", "int-residual", "list-residual", "extra-key", "rank-not-a-number", "rank-no-number",
         "empty-name", "rank-beyond-world", "step-string", "step-negative", "world-size-0", "no-config",
-        "config-null", "scale-negative", "stats-string"])
+        "config-null", "scale-negative", "stats-string", "budget-shares-negative"])
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
 def test_malformed_state_dicts_are_refused_strict_or_not(edit, message, strict):
     saved = _saved()

@@ -20,6 +20,7 @@ from sparsecomm.links.spec import parse_link
 
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
+BUDGETS = ("bucket", "model")
 OVERFLOW_CHOICES = ("rollback", "drop")
 EXCHANGE_CHOICES = ("allgather", "owner", "shared-index", "shared-mask", "auto")
 
@@ -68,6 +69,12 @@ class TopKConfig:
     k_scope: str = option("bucket", '`"bucket"`: top-k of each DDP bucket; `"parameter"`: layer-wise top-k, '
                                     "independent of the bucket layout", kind="choice", choices=K_SCOPES,
                           condition='chunked selection and compact codecs need `"bucket"`')
+    budget: str = option(
+        "bucket", '`"bucket"`: every bucket sends `density` x its entries; `"model"`: the buckets share `density` x '
+                  "the model's entries, each bucket's k from the last step's model-wide top-k (one small all-reduce "
+                  "per step; [options.md](options.md#one-budget-for-the-model-budgetmodel))", kind="choice",
+        choices=BUDGETS, condition='`"model"` needs `selector="exact"`, `exchange="allgather"`, `k_scope="bucket"`',
+        checkpoint="if-set")
     transport: str = option(
         "c10d", '`"c10d"`: all-gather over the process group; `"mpi"`: MPI `Iallgatherv`, where `selector="sampled"` '
                 "sends a different number of entries per rank ([mpi.md](mpi.md))", kind="choice", choices=TRANSPORTS,
@@ -166,6 +173,12 @@ class TopKConfig:
             raise ValueError(f"selector={self.selector!r} with index_codec={self.index_codec!r} and value_codec="
                              f"{self.value_codec!r} encodes whole buckets: it needs k_scope='bucket', got "
                              f"k_scope={self.k_scope!r}")
+        if self.budget == "model" and (self.selector != "exact" or self.exchange != "allgather"
+                                       or self.k_scope != "bucket" or self.transport != "c10d"):
+            raise ValueError(f"budget='model' moves k between the buckets of an exact top-k all-gather: it needs "
+                             f"selector='exact', exchange='allgather', k_scope='bucket' and transport='c10d', got "
+                             f"selector={self.selector!r}, exchange={self.exchange!r}, k_scope={self.k_scope!r}, "
+                             f"transport={self.transport!r}")
         if self.link is not None and self.exchange != "auto":
             raise ValueError(f"link={self.link!r} is what exchange='auto' models to choose an exchange; with "
                              f"exchange={self.exchange!r} it would be ignored")

@@ -22,8 +22,9 @@ MEMORY_KINDS = ("residual", "velocity", "owner_residual", "mask_rate", "mask_age
 class ParsedStateDict:
     """The parts of a checked state dict that this rank restores."""
 
-    def __init__(self, step, saved_world_size, config, memory_scale, ranks, memories, per_rank):
+    def __init__(self, step, saved_world_size, config, memory_scale, ranks, memories, per_rank, budget_shares):
         self.step, self.saved_world_size, self.config, self.memory_scale = step, saved_world_size, config, memory_scale
+        self.budget_shares = budget_shares  # budget="model": the shares of the model's k (the same on every rank)
         self.ranks = ranks  # every rank the dict holds state of
         self.memories = memories  # kind -> name -> tensor, for this rank
         self.per_rank = per_rank  # stats / sample_generator / sample_generator_device, for this rank
@@ -50,9 +51,15 @@ def parse(state_dict, rank: int, expected_format: int) -> ParsedStateDict:
     if memory_scale is not None and (isinstance(memory_scale, bool) or not isinstance(memory_scale, (int, float))
                                      or not memory_scale > 0 or memory_scale == float("inf")):
         raise ValueError(f"state_dict['memory_scale'] must be None or a positive finite number, got {memory_scale!r}")
+    budget_shares = state_dict.get("budget_shares")
+    if budget_shares is not None and not (isinstance(budget_shares, dict) and all(
+            isinstance(name, str) and not isinstance(share, bool) and isinstance(share, (int, float))
+            and 0 <= share < float("inf") for name, share in budget_shares.items())):
+        raise ValueError("state_dict['budget_shares'] must be None or a dict of parameter name -> finite number >= 0, "
+                         f"got {budget_shares!r}"[:300])
     ranks, memories, per_rank, odd = set(), {kind: {} for kind in MEMORY_KINDS}, {}, []
     for key, value in state_dict.items():
-        if key in ("format", "world_size", "step", "config", "memory_scale"):
+        if key in ("format", "world_size", "step", "config", "memory_scale", "budget_shares"):
             continue
         match = _RANK_KEY.match(key) if isinstance(key, str) else None
         if match is None:
@@ -89,7 +96,7 @@ def parse(state_dict, rank: int, expected_format: int) -> ParsedStateDict:
     stats = per_rank.get("stats", {})
     if not isinstance(stats, dict):
         raise ValueError(f"rank{rank}.stats must be a dict, got {type(stats).__name__}")
-    return ParsedStateDict(step, world_size, config, memory_scale, sorted(ranks), memories, per_rank)
+    return ParsedStateDict(step, world_size, config, memory_scale, sorted(ranks), memories, per_rank, budget_shares)
 
 
 def _check_memory(key: str, value) -> None:

@@ -35,9 +35,9 @@ class PersistentState:
         ``owner_residual`` / ``mask_rate`` and ``mask_age`` entries for the owner / shared-mask
         exchanges),
         ``rank{r}.sample_generator`` and ``rank{r}.sample_generator_device`` differ per
-        rank; ``format``, ``world_size``, ``step``, ``config`` and ``memory_scale`` (the
-        grad scaler's scale the memories are in, None without a scaler) are the same on
-        every rank. Rank-qualified keys matter for torch.distributed.checkpoint, which
+        rank; ``format``, ``world_size``, ``step``, ``config``, ``memory_scale`` (the
+        grad scaler's scale the memories are in, None without a scaler) and, with
+        ``budget="model"``, ``budget_shares`` are the same on every rank. Rank-qualified keys matter for torch.distributed.checkpoint, which
         treats an unqualified key saved by every rank as replicated and hands rank 0's
         value to all. With a bound module and error feedback, every parameter has a
         residual entry (zeros before the first sparse step), so the dict is also a
@@ -56,6 +56,8 @@ class PersistentState:
         prefix = f"rank{rank}."
         sd = {"format": STATE_DICT_FORMAT, "world_size": world_size, "step": self.step, "config": self.config.checkpoint_dict(),
               "memory_scale": None if self.scale is None else self.scale.memory_scale}
+        if self.model_budget is not None:  # the same on every rank (agreed by an allreduce)
+            sd["budget_shares"] = self.model_budget.state_dict()
         sd[f"{prefix}stats"] = dict(self._stats.totals)
         memories = [("residual", self.memories.residuals, self.config.error_feedback),
                     ("velocity", self.memories.velocities, self.config.momentum > 0),
@@ -136,6 +138,8 @@ class PersistentState:
         self.memories.mask_rates.load_state_dict(memories["mask_rate"])
         self.memories.mask_ages.load_state_dict(memories["mask_age"])
         self.memories.owner_ranges = {}
+        if self.model_budget is not None:  # without saved shares (or reset): the plain share until a step agrees
+            self.model_budget.load_state_dict({} if reset else parsed.budget_shares or {})
         self._load_memory_scale(None if reset else parsed.memory_scale)
         self.sample_generator = None
         if generator_state is not None and not reset:

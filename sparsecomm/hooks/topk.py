@@ -122,6 +122,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         return reduced
 
     if bucket.is_last():
+        if state.model_budget is not None:  # budget="model": the next step's k per bucket (one small allreduce)
+            state.model_budget.agree(group)
         state.end_step()
         # wire_checksum: every rank raises alike if any found a corrupt payload (one small allreduce).
         fut = integrity.agree(state, group, step, buffer.device, fut)
@@ -149,6 +151,8 @@ def _reduce(call: plan.BucketCall) -> torch.futures.Future:
     fused = wire.fuses_compensation(call)
     if not fused:
         acc.compensate(call, velocity, residual)  # 2.
+    if state.model_budget is not None:
+        state.model_budget.observe(call.names, call.numels, call.plain_k, call.grad)
     packed = wire.encode(call, residual, fused)  # 3.
     record.after_packing(call, packed, velocity, residual)  # 4.
     seconds_select_pack = time.perf_counter() - started

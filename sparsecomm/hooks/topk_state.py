@@ -12,6 +12,7 @@ from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
 from sparsecomm.hooks.config import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES, TopKConfig  # noqa: F401  (re-exported)
 from sparsecomm.hooks.grad_scaler import ScaleTracker
 from sparsecomm.hooks.memories import HookMemories
+from sparsecomm.hooks.model_budget import ModelBudget
 from sparsecomm.hooks.observers import Observers
 from sparsecomm.hooks.optimizer import warn_on_double_momentum
 from sparsecomm.hooks.parameter_names import ParameterNames
@@ -173,6 +174,11 @@ class TopKState(PersistentState):
             ceil(density * numel) inside each parameter (layer-wise top-k), so the
             selection does not depend on how DDP groups parameters into buckets
             (``bucket_cap_mb``). Random-k always draws per parameter.
+        budget: ``"bucket"`` sends ``density`` x each bucket's entries; ``"model"`` shares
+            ``density`` x the model's entries among the buckets, each bucket's k from the
+            last step's model-wide top-k (:mod:`sparsecomm.hooks.model_budget`; one small
+            all-reduce per step). For models whose gradient mass sits in few layers, split
+            over many buckets (or FSDP modules).
         verify_conservation: check on every sparse call, bit for bit, that
             ``sent + new_residual`` equals ``grad / world_size (+ velocity) + old_residual``
             computed independently from the raw gradient and copies of the memories taken
@@ -195,6 +201,7 @@ class TopKState(PersistentState):
         "names",  # ParameterNames: the names that key the memories
         "memories",  # HookMemories: residuals, velocities, owner residuals (by parameter name)
         "lifecycle",  # StepLifecycle: buckets in flight, settled, agreed, the fallback warning
+        "model_budget",  # ModelBudget with budget="model" (the shares of the model's k), else None
         "wires",  # WireCache: every bucket's wire with its buffers; exchange="auto"'s choices
         "observers",  # Observers: callables receiving HookEvents (monitors, fault injectors)
         "seals",  # StepSeals of the current step (wire_checksum): its sealed buckets and the faults found
@@ -221,6 +228,7 @@ class TopKState(PersistentState):
         allow_dense_fallback: bool = True,
         verify_conservation: bool = False,
         k_scope: str = "bucket",
+        budget: str = "bucket",
         density_schedule=None,
         nesterov: bool = False,
         local_clip_norm: float | None = None,
@@ -247,6 +255,7 @@ class TopKState(PersistentState):
             density=density, error_feedback=error_feedback, momentum=momentum, warmup_steps=warmup_steps,
             selector=selector, value_dtype=value_dtype, residual_dtype=residual_dtype, seed=seed,
             allow_dense_fallback=allow_dense_fallback, verify_conservation=verify_conservation, k_scope=k_scope,
+            budget=budget,
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
@@ -258,6 +267,7 @@ class TopKState(PersistentState):
         self.memories = HookMemories()
         self.lifecycle = StepLifecycle()
         self.wires = WireCache()
+        self.model_budget = ModelBudget() if self.config.budget == "model" else None
         self.observers = Observers()
         self.seals = StepSeals()
         self.journal = StepJournal() if self.config.on_overflow == "rollback" else None
@@ -371,6 +381,8 @@ class TopKState(PersistentState):
         if self.journal is not None:
             self.journal.start_step(self.sample_generator)
         self.seals = StepSeals(self.config.wire_agreement)
+        if self.model_budget is not None:
+            self.model_budget.forget_step()  # what a step that failed midway observed
         steps.fallback_bound = None
         steps.open = True
         steps.settled = False

@@ -25,11 +25,11 @@ def memories(call, with_residual: bool):
 def fused(state) -> bool:
     """Can the kernel form acc itself (reading grad and residual once, never writing acc)?
 
-    Momentum and local clipping need acc in the bucket, and so do observers that read it
-    (see TopKState.add_observer); everything else takes the fast path.
+    Momentum, local clipping and the model budget need acc in the bucket, and so do observers
+    that read it (see TopKState.add_observer); everything else takes the fast path.
     """
     config = state.config
-    return config.momentum == 0 and config.local_clip_norm is None and not (
+    return config.momentum == 0 and config.local_clip_norm is None and state.model_budget is None and not (
         state.observers.callbacks and state.observers.need_acc())
 
 

@@ -24,7 +24,7 @@ class BucketCall:
     owner exchange, the shared-mask exchange and ``verify_conservation``.
     """
 
-    __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k",
+    __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k", "plain_k",
                  "value_dtype", "warmup", "wire", "with_residual", "owner_memory", "mask_memory", "audit")
 
     def __init__(self, state, bucket, names, numels, group, world_size):
@@ -65,6 +65,12 @@ def plan_bucket(call: BucketCall, buffer: torch.Tensor, memory_dtype: torch.dtyp
     call.value_dtype = config.value_dtype or buffer.dtype
     density = state.current_density()
     call.ks, call.k = selection_sizes(config, density, call.numels)
+    call.plain_k = call.k
+    if state.model_budget is not None and not call.warmup:  # budget="model": this bucket's share of the model's k
+        k = state.model_budget.k_of(call.names, call.numels, call.k)
+        if k != call.k:
+            density = k / numel  # what the wire's layout is sized by (num_selected gives k back)
+            call.ks, call.k = selection_sizes(config, density, call.numels)
     exchange = config.exchange
     if exchange == "auto":
         exchange = exchange_choice.choose(state, numel, density, buffer.dtype, call.value_dtype, call.world_size,
