@@ -15,7 +15,8 @@ MAX_BUCKET_NUMEL = 2**31 - 1  # int32 indices on the wire bound the size of one 
 
 
 class BucketCall:
-    """One bucket's reduction: what every step needs to know about it.
+    """One bucket's reduction: what every step needs to know about it. ``plain_k`` is k at
+    the plain density (what ``budget="model"`` shares out; ``k`` is this bucket's share).
 
     ``grad`` is where acc is formed: the bucket buffer itself, or a float32 copy of it when
     the memories are wider than the bucket (16-bit models). ``out`` is the bucket buffer,
@@ -24,8 +25,8 @@ class BucketCall:
     owner exchange, the shared-mask exchange and ``verify_conservation``.
     """
 
-    __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k", "plain_k",
-                 "value_dtype", "warmup", "wire", "with_residual", "owner_memory", "mask_memory", "audit")
+    __slots__ = ("state", "bucket", "index", "names", "numels", "group", "world_size", "grad", "out", "ks", "k",
+                 "plain_k", "value_dtype", "warmup", "wire", "with_residual", "owner_memory", "mask_memory", "audit")
 
     def __init__(self, state, bucket, names, numels, group, world_size):
         self.state, self.bucket, self.index = state, bucket, bucket.index()
