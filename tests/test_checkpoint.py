@@ -164,6 +164,16 @@ def test_save_is_refused_off_a_step_boundary_and_never_overwrites(tmp_path):
     assert committed_steps(tmp_path) == [3]
 
 
+def test_only_folders_named_as_a_save_names_them_are_committed_steps(tmp_path):
+    """str.isdigit() and int() also take "²" and "٩٩": such folders, and a step without the
+    8-digit padding a save writes, are no checkpoint (one process, no ranks)."""
+    for name in ("step-00000006", "step-\u00b2", "step-\u0669\u0669", "step-6", "step-+0000007", "step-0000008 "):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    assert committed_steps(tmp_path) == [6]
+    assert step_directory(tmp_path, 6).name == "step-00000006"
+
+
 def _semantic_refusal(rank, root, case):
     job = _Job(rank, root, keep=1)
     job.train(2, save_at={2})

@@ -54,8 +54,9 @@ def write_json_durably(path: Path, payload: dict) -> None:
 
 
 def commit_directory(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename a fully written directory into place; refuses to replace an existing one."""
-    if final_dir.exists():
+    """Rename a fully written directory into place; refuses to replace an existing one (or a
+    symbolic link there, dangling or not)."""
+    if os.path.lexists(final_dir):
         raise FileExistsError(f"{final_dir} already exists")
     os.rename(tmp_dir, final_dir)
     fsync_directory(final_dir.parent)

@@ -14,6 +14,7 @@ written by another version, so every field is checked for presence and type befo
 used, and a problem raises :class:`CheckpointCorrupt` naming the file and the field.
 """
 import hashlib
+import re
 from pathlib import Path
 
 import torch
@@ -28,15 +29,22 @@ def step_directory(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Steps with a committed checkpoint (manifest present), oldest first."""
+# ASCII digits only: str.isdigit() and int() also take "²" or "٩٩", which name no step a save writes.
+_STEP_NAME = re.compile(r"step-([0-9]+)")
+
+
+def committed_steps(root: Path, directory=step_directory) -> list[int]:
+    """Steps with a committed checkpoint (manifest present), oldest first: the folders named
+    exactly as ``directory(root, step)`` names them (any other name under ``root``, a
+    temporary, a trash or a stray folder, is not a checkpoint)."""
     root = Path(root)
     if not root.is_dir():
         return []
     steps = []
     for path in root.glob("step-*"):
-        if (path / MANIFEST).is_file() and path.name[5:].isdigit():
-            steps.append(int(path.name[5:]))
+        match = _STEP_NAME.fullmatch(path.name)
+        if match and path == directory(root, int(match.group(1))) and (path / MANIFEST).is_file():
+            steps.append(int(match.group(1)))
     return sorted(steps)
 
 
@@ -88,7 +96,7 @@ def class_name(obj) -> str | None:
 
 # ----- checks of what was read back ------------------------------------------------------
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -96,7 +104,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _require(container: dict, key: str, check, expected: str, where: str) -> None:
+def require_field(container: dict, key: str, check, expected: str, where: str) -> None:
     if key not in container:
         raise CheckpointCorrupt(f"{where} has no {key!r} ({expected} expected)")
     if not check(container[key]):
@@ -106,7 +114,7 @@ def _require(container: dict, key: str, check, expected: str, where: str) -> Non
 
 def _check_format(container: dict, where: str) -> None:
     """A missing or garbled format is corruption; another version's format is a mismatch."""
-    _require(container, "format", _is_int, "an integer", where)
+    require_field(container, "format", is_int, "an integer", where)
     if container["format"] != FORMAT:
         raise CheckpointMismatch(f"{where} is of checkpoint format {container['format']}; this version reads "
                                  f"format {FORMAT}")
@@ -117,31 +125,31 @@ def check_manifest(manifest, path: Path, step: int) -> None:
     if not isinstance(manifest, dict):
         raise CheckpointCorrupt(f"{path} must hold a JSON object, got a JSON {type(manifest).__name__}")
     _check_format(manifest, str(path))
-    _require(manifest, "step", _is_int, "an integer", str(path))
+    require_field(manifest, "step", is_int, "an integer", str(path))
     if manifest["step"] != step:
         raise CheckpointCorrupt(f"{path} says step {manifest['step']}, its directory is step {step}")
-    _require(manifest, "world_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1", str(path))
-    _require(manifest, "config_hash", lambda v: isinstance(v, str), "a string", str(path))
-    _require(manifest, "param_digest", lambda v: isinstance(v, str), "a string", str(path))
-    _require(manifest, "probe_loss", lambda v: v is None or _is_number(v), "a number or null", str(path))
-    _require(manifest, "files", lambda v: isinstance(v, dict) and v, "a non-empty object", str(path))
+    require_field(manifest, "world_size", lambda v: is_int(v) and v >= 1, "an integer >= 1", str(path))
+    require_field(manifest, "config_hash", lambda v: isinstance(v, str), "a string", str(path))
+    require_field(manifest, "param_digest", lambda v: isinstance(v, str), "a string", str(path))
+    require_field(manifest, "probe_loss", lambda v: v is None or _is_number(v), "a number or null", str(path))
+    require_field(manifest, "files", lambda v: isinstance(v, dict) and v, "a non-empty object", str(path))
     for name, entry in manifest["files"].items():
         where = f"{path} files[{name!r}]"
         if not isinstance(entry, dict):
             raise CheckpointCorrupt(f"{where} must be an object, got {type(entry).__name__}")
-        _require(entry, "rank", lambda v: _is_int(v) and v >= 0, "an integer >= 0", where)
-        _require(entry, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a SHA-256 hex string", where)
-        _require(entry, "bytes", lambda v: _is_int(v) and v >= 0, "an integer >= 0", where)
-        _require(entry, "tensors", lambda v: isinstance(v, dict), "an object", where)
+        require_field(entry, "rank", lambda v: is_int(v) and v >= 0, "an integer >= 0", where)
+        require_field(entry, "sha256", lambda v: isinstance(v, str) and len(v) == 64, "a SHA-256 hex string", where)
+        require_field(entry, "bytes", lambda v: is_int(v) and v >= 0, "an integer >= 0", where)
+        require_field(entry, "tensors", lambda v: isinstance(v, dict), "an object", where)
         if name != f"rank{entry['rank']}.pt":
             raise CheckpointCorrupt(f"{where} says it is rank {entry['rank']}'s file")
 
 
 _PAYLOAD_FIELDS = {
-    "format": (_is_int, "an integer"),
-    "step": (_is_int, "an integer"),
-    "rank": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "format": (is_int, "an integer"),
+    "step": (is_int, "an integer"),
+    "rank": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    "world_size": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
     "config_hash": (lambda v: isinstance(v, str), "a string"),
     "classes": (lambda v: isinstance(v, dict), "a dict"),
     "model": (lambda v: isinstance(v, dict), "a dict"),
@@ -161,7 +169,7 @@ def check_payload(payload, path: Path) -> None:
         raise CheckpointCorrupt(f"{path} must hold a dict, got {type(payload).__name__}")
     _check_format(payload, str(path))
     for key, (check, expected) in _PAYLOAD_FIELDS.items():
-        _require(payload, key, check, expected, str(path))
+        require_field(payload, key, check, expected, str(path))
     bad = [k for k, v in payload["model"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointCorrupt(f"{path}: model entries must be tensors keyed by name (first bad: {bad[:3]!r})")

@@ -9,11 +9,16 @@ residuals, whose keys name the replica and the shard (``rank<r>.residual.<module
 refused while a hook collective is in flight; written into a temporary directory that
 becomes ``step-<N>`` by one rename once every rank has written (a crash leaves the previous
 checkpoints and a temporary directory that loads ignore), with a manifest of every file's
-SHA-256 and of the mesh. A load checks the manifest and every checksum on every rank, and
-the mesh (shape and dim names) before reading anything: another mesh is refused naming both.
+SHA-256 and of the mesh; every rank learns whether the commit succeeded, and a failed save
+leaves no temporary directory. A load checks the manifest and every checksum on every rank,
+and the mesh (shape and dim names) before reading anything: another mesh is refused naming
+both. It then reads the hook's and the averager's states alone and tries them on copies;
+only when every rank's fit are the weights and the optimizer state read.
 """
+import copy
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,8 +26,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sparsecomm.checkpoint.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointRefused, NoCheckpoint
+from sparsecomm.checkpoint.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointRefused,
+    NoCheckpoint,
+)
 from sparsecomm.checkpoint.files import commit_directory, fsync_directory, sha256_file, write_json_durably
+from sparsecomm.checkpoint.structure import committed_steps, is_int, require_field
 from sparsecomm.hooks.topk import TopKState
 
 MANIFEST = "manifest.json"
@@ -70,10 +82,11 @@ def save_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim
     with the hook's ``state`` and/or a :class:`~sparsecomm.SparseDeltaAverager` over the model.
 
     Raises :class:`~sparsecomm.checkpoint.CheckpointRefused` on every rank, before writing,
-    while a hook collective or an averager's sync is in flight or when ``step-<step>`` exists.
+    while a hook collective or an averager's sync is in flight or when ``step-<step>`` exists
+    (a dangling symbolic link too); and on every rank alike, naming the path, when writing or
+    the commit fails (the temporary directory is removed).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    _check_step(step)
     root = Path(root)
     final = _step_dir(root, step)
     problem = None
@@ -81,51 +94,95 @@ def save_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim
         problem = f"{state.lifecycle.pending} hook collective(s) in flight: save between steps"
     elif averager is not None and averager.pending_collectives:
         problem = "the averager's sync is in flight (overlap=True): call averager.flush() first"
-    elif final.exists():
+    elif os.path.lexists(final):  # a dangling symbolic link too: the rename would fail on it
         problem = f"{final} exists already: a checkpoint is never overwritten"
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, problem)  # every rank refuses alike
-    refusals = [f"rank {r}: {p}" for r, p in enumerate(verdicts) if p]
-    if refusals:
-        raise CheckpointRefused("; ".join(refusals))
+    _agree(None if problem is None else CheckpointRefused(problem))  # every rank refuses alike
     payload = {**_model_and_optimizer(model, optimizer, averager), **_extras(state, averager)}
     # One temporary name for all ranks (rank 0's choice), named after it so a load ignores it.
     tmp = [str(root / f".tmp-step-{step}-{os.getpid()}")] if dist.get_rank() == 0 else [None]
     dist.broadcast_object_list(tmp, src=0)
     tmp_dir = Path(tmp[0])
+    made = None
     if dist.get_rank() == 0:
-        tmp_dir.mkdir(parents=True)
-    dist.barrier()
+        try:
+            tmp_dir.mkdir(parents=True)
+        except OSError as error:
+            made = CheckpointRefused(f"creating {tmp_dir} failed: {error}")
+    _agree(made)
     try:
         dcp.save(payload, checkpoint_id=str(tmp_dir))
-    except BaseException as error:  # DCP raises CheckpointException, a BaseException
+    except BaseException as error:  # DCP raises CheckpointException, a BaseException, on every rank
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
         raise CheckpointRefused(f"writing {tmp_dir} failed: {error}") from None
     dist.barrier()  # every rank's files are written
+    outcome = [None]
     if dist.get_rank() == 0:
-        files = {p.name: sha256_file(p) for p in sorted(tmp_dir.iterdir())}
-        write_json_durably(tmp_dir / MANIFEST, {"format": FORMAT, "step": step, "mesh": _mesh_record(mesh),
-                                                "world_size": dist.get_world_size(), "files": files})
-        fsync_directory(tmp_dir)
-        commit_directory(tmp_dir, final)
-        fsync_directory(root)
-    dist.barrier()
+        try:
+            files = {p.name: sha256_file(p) for p in sorted(tmp_dir.iterdir())}
+            write_json_durably(tmp_dir / MANIFEST, {"format": FORMAT, "step": step, "mesh": _mesh_record(mesh),
+                                                    "world_size": dist.get_world_size(), "files": files})
+            fsync_directory(tmp_dir)
+            commit_directory(tmp_dir, final)  # fsyncs root
+        except OSError as error:  # still reaches the broadcast: the other ranks learn it, none waits
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            outcome = [f"committing {final} failed, nothing was saved: {type(error).__name__}: {error}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointRefused(outcome[0])
     return final
+
+
+def _check_step(step) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+
+
+def _agree(problem: CheckpointError | None) -> None:
+    """All-gather every rank's ``problem`` (None: none); if any rank has one, every rank raises
+    the first one's class, naming each rank's."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, None if problem is None else (type(problem), str(problem)))
+    failed = [(r, v) for r, v in enumerate(verdicts) if v]
+    if failed:
+        raise failed[0][1][0]("; ".join(f"rank {r}: {message}" for r, (_, message) in failed))
 
 
 def latest_hsdp_step(root) -> int | None:
     """The newest committed step under ``root`` (temporary directories do not count)."""
-    steps = [int(p.name[len("step-"):]) for p in Path(root).glob("step-*")
-             if p.name[len("step-"):].isdigit() and (p / MANIFEST).exists()]
-    return max(steps) if steps else None
+    steps = committed_steps(root, _step_dir)
+    return steps[-1] if steps else None
 
 
-def _verify(directory: Path, mesh) -> dict:
+def _is_file_name(name) -> bool:
+    """A plain name inside the checkpoint's directory (never a path out of it)."""
+    return isinstance(name, str) and name not in ("", ".", "..", MANIFEST) and "/" not in name
+
+
+def _check_manifest(manifest, path: Path, step: int) -> None:
+    """Refuse a manifest that is not what :func:`save_hsdp_checkpoint` writes (CheckpointCorrupt
+    naming the field): nothing read from disk is trusted."""
+    if not isinstance(manifest, dict):
+        raise CheckpointCorrupt(f"{path} must hold a JSON object, got a JSON {type(manifest).__name__}")
+    where = str(path)
+    require_field(manifest, "format", lambda v: v == FORMAT, repr(FORMAT), where)
+    require_field(manifest, "step", lambda v: is_int(v) and v == step, f"{step}, its directory's step", where)
+    require_field(manifest, "world_size", lambda v: is_int(v) and v >= 1, "an integer >= 1", where)
+    require_field(manifest, "mesh", lambda v: isinstance(v, dict) and isinstance(v.get("shape"), list)
+                  and all(is_int(n) and n >= 1 for n in v["shape"]) and isinstance(v.get("dims"), list)
+                  and all(isinstance(d, str) for d in v["dims"]),
+                  'an object {"shape": [integers >= 1], "dims": [names]}', where)
+    require_field(manifest, "files", lambda v: isinstance(v, dict) and v and all(
+        _is_file_name(name) and isinstance(digest, str) and len(digest) == 64 for name, digest in v.items()),
+        "a non-empty object of file name -> SHA-256 hex digest", where)
+
+
+def _verify(directory: Path, mesh, step: int) -> dict:
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError) as error:
         raise CheckpointCorrupt(f"{directory / MANIFEST}: unreadable ({error})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointCorrupt(f"{directory / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    _check_manifest(manifest, directory / MANIFEST, step)
     here = {**_mesh_record(mesh), "world_size": dist.get_world_size()}
     saved = {**manifest["mesh"], "world_size": manifest["world_size"]}
     differs = {key: (saved[key], here[key]) for key in here if saved.get(key) != here[key]}
@@ -145,9 +202,14 @@ def _verify(directory: Path, mesh) -> dict:
 def load_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          state: TopKState | None = None, mesh, step: int | None = None, averager=None) -> int:
     """Restore ``model``, ``optimizer``, ``state`` and ``averager`` (those saved with it) from
-    ``root/step-<step>`` (the latest when None; collective) and return the step. Every rank verifies the manifest, every file's
-    checksum and the mesh first; the ranks agree before anything changes, and all raise the
-    same :class:`~sparsecomm.checkpoint.CheckpointError` otherwise."""
+    ``root/step-<step>`` (the latest when None; collective) and return the step. Every rank
+    verifies the manifest, every file's checksum and the mesh first, then whether the saved
+    hook and averager states fit ``state`` and ``averager`` (another density, model or rank:
+    :class:`~sparsecomm.checkpoint.CheckpointMismatch` naming what differs); the ranks agree
+    before anything changes, and all raise the same
+    :class:`~sparsecomm.checkpoint.CheckpointError` otherwise."""
+    if step is not None:
+        _check_step(step)
     root = Path(root)
     if step is None:
         step = latest_hsdp_step(root)
@@ -158,26 +220,48 @@ def load_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim
     try:
         if not directory.is_dir():
             raise NoCheckpoint(f"{directory} does not exist")
-        _verify(directory, mesh)
-    except (NoCheckpoint, CheckpointCorrupt, CheckpointMismatch) as error:
-        problem = (type(error).__name__, str(error))
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, problem)
-    failed = [(r, v) for r, v in enumerate(verdicts) if v]
-    if failed:
-        kind = {"NoCheckpoint": NoCheckpoint, "CheckpointCorrupt": CheckpointCorrupt,
-                "CheckpointMismatch": CheckpointMismatch}[failed[0][1][0]]
-        raise kind("; ".join(f"rank {r}: {message}" for r, (_, message) in failed))
-    # Templates that DCP fills in place.
-    payload = {**_model_and_optimizer(model, optimizer, averager), **_extras(state, averager)}
+        _verify(directory, mesh, step)
+    except CheckpointError as error:
+        problem = error
+    _agree(problem)
+    # The memories first, into templates DCP fills in place (copies: state_dict() clones), then
+    # tried on copies of the hook and averager: a misfit leaves the weights unread.
+    extras = _extras(state, averager)
+    if extras:
+        try:
+            dcp.load(extras, checkpoint_id=str(directory))
+            problem = _misfit(state, averager, extras, directory)
+        except BaseException as error:  # DCP raises CheckpointException, a BaseException
+            problem = CheckpointCorrupt(f"reading {directory} failed: {error}")
+        _agree(problem)
+    # Templates that share storage with the model and the optimizer: from here on they change.
+    weights = _model_and_optimizer(model, optimizer, averager)
     try:
-        dcp.load(payload, checkpoint_id=str(directory))
+        dcp.load(weights, checkpoint_id=str(directory))
     except BaseException as error:
         raise CheckpointCorrupt(f"reading {directory} failed: {error}") from None
-    _restore_model_and_optimizer(model, optimizer, averager, payload)
+    _restore_model_and_optimizer(model, optimizer, averager, weights)
     if state is not None:
-        state.load_state_dict(payload["hook"])
+        state.load_state_dict(extras["hook"])
     if averager is not None:
-        averager.load_state_dict(payload["averager"][f"global_rank{dist.get_rank()}"])
+        averager.load_state_dict(extras["averager"][f"global_rank{dist.get_rank()}"])
     return step
 
+
+def _misfit(state: TopKState | None, averager, loaded: dict, directory: Path) -> CheckpointMismatch | None:
+    """Whether the saved hook and averager states fit this job, tried by loading them into
+    copies (as :class:`~sparsecomm.checkpoint.CheckpointManager` stages a restore)."""
+    try:
+        if state is not None:
+            hook = copy.deepcopy(state)
+            hook.process_group = state.process_group  # a copy drops it; the rank comes from it
+            hook.load_state_dict(loaded["hook"])
+    except ValueError as error:
+        return CheckpointMismatch(f"{directory}: the saved hook state does not fit this TopKState: {error}")
+    try:
+        if averager is not None:
+            copy.deepcopy(averager).load_state_dict(loaded["averager"][f"global_rank{dist.get_rank()}"])
+    except ValueError as error:
+        return CheckpointMismatch(f"{directory}: the saved averager state does not fit this SparseDeltaAverager: "
+                                  f"{error}")
+    return None
