@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm import compress
-from sparsecomm.averaging import sharded_model, state_check
+from sparsecomm.averaging import rank_agreement, sharded_model, state_check
 from sparsecomm.averaging.sharded_model import local_tensor
 from sparsecomm.averaging.owner_sync import OwnerSync
 from sparsecomm.averaging.shared_index_sync import SharedIndexSync
@@ -172,6 +172,8 @@ class SparseDeltaAverager:
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
                                      ef_decay=ef_decay, exchange=exchange, link=link, overlap=overlap)
+        self.wire_config = wire_config
+        self.agreed = False  # the ranks' settings were compared (at the first sync, and again after a load)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
         self.exchange_setting, self.link, self.overlap = exchange, link, overlap
         self._in_flight = None  # with overlap: the started sync, applied by the next step()
@@ -253,7 +255,11 @@ class SparseDeltaAverager:
         alike, with nothing changed and this step not counted, when the sync would put
         Inf or NaN into the weights (with ``overlap``: raised by the step() that applies
         the sync, which then is dropped: the weights keep their local progress, the anchor
-        and the error buffer are as before it, and the next sync sends it all)."""
+        and the error buffer are as before it, and the next sync sends it all). The first
+        sync (and the first after :meth:`load_state_dict`) first compares the ranks' settings
+        (period, density, wire, outer_lr, ef_decay, exchange, overlap, model size, step
+        count): if any differ, every rank raises the same ValueError naming each rank's
+        value, before the sync's collectives (:mod:`sparsecomm.averaging.rank_agreement`)."""
         step = self.step_count + 1
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
@@ -284,6 +290,9 @@ class SparseDeltaAverager:
         """Encode this rank's outer step and run its exchange up to the last collective,
         which is issued and not waited for (the all-gather of the payloads or of the owners'
         replies, or the allreduce of the shared-index values)."""
+        if not self.agreed:  # one small all-gather before the sync's own collectives
+            rank_agreement.check_ranks_agree(self, self.wire_config, step, self.anchor.device)
+            self.agreed = True
         started = time.perf_counter()
         weights = self._flat_weights()
         new_error = self.error * self.ef_decay
@@ -477,6 +486,7 @@ class SparseDeltaAverager:
             buffer.copy_(checked.buffers[name])
         self.step_count = checked.step
         self.counters = dict.fromkeys(STATS, 0) | checked.counters
+        self.agreed = False  # every rank may have loaded another step: compare again at the next sync
 
     def __deepcopy__(self, memo):
         # The checkpoint manager stages a restore on a copy: copy the state, share the model.
