@@ -94,6 +94,12 @@ def options(config_class) -> dict[str, Option]:
     return {f.name: f.metadata["option"] for f in dataclasses.fields(config_class)}
 
 
+def fingerprint(value) -> float:
+    """A value no float64 holds (a list, a name) as one: the CRC-32 of its repr, equal on two
+    ranks exactly when the values are (but for a collision, 1 in 2**32)."""
+    return float(zlib.crc32(repr(value).encode()))
+
+
 def agreement_value(name: str, spec: Option, value) -> float:
     """A setting as one float64 that is equal on two ranks exactly when the settings are."""
     if spec.kind in ("choice", "dtype"):
@@ -102,7 +108,7 @@ def agreement_value(name: str, spec: Option, value) -> float:
         if name == "local_clip_norm":
             return -1.0 if value is None else float(value)
         to_list = getattr(value, "to_list", None)  # a density schedule; else a link name or None
-        return float(zlib.crc32(repr(to_list() if to_list is not None else value).encode()))
+        return fingerprint(to_list() if to_list is not None else value)
     return float(value)
 
 

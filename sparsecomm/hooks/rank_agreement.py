@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.options import agreement_value, options, shown_value
+from sparsecomm.hooks.options import agreement_value, fingerprint, options, shown_value
 
 # The settings compared: every option whose table entry says the ranks must agree on it.
 _COMPARED = {name: spec for name, spec in options(TopKConfig).items() if spec.agree}
@@ -36,12 +36,19 @@ def shown_config_value(name: str, value: float):
 
 
 def _fields(state) -> list[tuple[str, float]]:
-    """The hook's: its config and its step."""
-    return [*config_fields(state.config), ("step", float(state.step))]
+    """The hook's: its config, its step and, with ``budget="model"``, the shares of the model's
+    k (agreed by an all-reduce at every step, so different only when a rank loaded other ones:
+    its buckets would then send payloads of another size)."""
+    shares = None if state.model_budget is None else sorted(state.model_budget.state_dict().items())
+    return [*config_fields(state.config), ("step", float(state.step)), ("budget_shares", fingerprint(shares))]
 
 
 def _shown(name: str, value: float):
-    return int(value) if name == "step" else shown_config_value(name, value)
+    if name == "step":
+        return int(value)
+    if name == "budget_shares":
+        return f"budget shares #{int(value):08x}"
+    return shown_config_value(name, value)
 
 
 def disagreements(fields: list[tuple[str, float]], shown, group: dist.ProcessGroup,

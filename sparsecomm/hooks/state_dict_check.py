@@ -17,6 +17,10 @@ import torch
 _RANK_KEY = re.compile(r"^rank(\d+)\.(.+)$")
 _PER_RANK_FIELDS = {"stats", "sample_generator", "sample_generator_device"}
 MEMORY_KINDS = ("residual", "velocity", "owner_residual", "mask_rate", "mask_age")
+MAX_SHARE = 2 ** 53
+"""Bound of a share of the model's k (budget_shares): a share is at most its parameter's
+element count, which no tensor takes past 2**53, the last count float64 holds exactly;
+without a bound a few huge finite shares overflow their bucket's sum at the next step."""
 
 
 class ParsedStateDict:
@@ -54,9 +58,9 @@ def parse(state_dict, rank: int, expected_format: int) -> ParsedStateDict:
     budget_shares = state_dict.get("budget_shares")
     if budget_shares is not None and not (isinstance(budget_shares, dict) and all(
             isinstance(name, str) and not isinstance(share, bool) and isinstance(share, (int, float))
-            and 0 <= share < float("inf") for name, share in budget_shares.items())):
-        raise ValueError("state_dict['budget_shares'] must be None or a dict of parameter name -> finite number >= 0, "
-                         f"got {budget_shares!r}"[:300])
+            and 0 <= share <= MAX_SHARE for name, share in budget_shares.items())):
+        raise ValueError("state_dict['budget_shares'] must be None or a dict of parameter name -> number in "
+                         f"[0, 2**53] (entries of the model's k), got {budget_shares!r}"[:300])
     ranks, memories, per_rank, odd = set(), {kind: {} for kind in MEMORY_KINDS}, {}, []
     for key, value in state_dict.items():
         if key in ("format", "world_size", "step", "config", "memory_scale", "budget_shares"):
@@ -155,4 +159,19 @@ def mismatches(parsed: ParsedStateDict, param_shapes: dict, error_feedback: bool
         problems.append(f"rank {rank}'s state has owner residuals but this TopKState does not use exchange='owner' (or 'auto' with selector='chunk')")
     if velocities and not momentum:
         problems.append(f"rank {rank}'s state has velocities but this TopKState has no momentum correction")
+    foreign = sorted(set(parsed.budget_shares or {}) - set(param_shapes)) if param_shapes else []
+    if foreign:
+        problems.append(f"state_dict['budget_shares'] name {len(foreign)} parameter(s) the model does not have "
+                        f"(first: {foreign[:3]})")
     return problems
+
+
+def config_differences(saved: dict, current: dict, defaults: dict) -> dict:
+    """setting -> (saved, current) wherever a saved config differs from this state's (both as
+    ``TopKConfig.checkpoint_dict`` writes them). A setting one side leaves out is at its
+    default there: a checkpoint holds an "if-set" option only when it is not the default."""
+    def value(config: dict, name: str):
+        return config.get(name, defaults.get(name))
+
+    return {name: (value(saved, name), value(current, name)) for name in sorted(set(saved) | set(current))
+            if value(saved, name) != value(current, name)}

@@ -21,6 +21,7 @@ from sparsecomm.hooks.step_journal import StepJournal
 from sparsecomm.hooks.wires import WireCache
 
 STATE_DICT_FORMAT = 1
+CONFIG_DEFAULTS = {name: getattr(TopKConfig, name) for name in CONFIG_FIELDS}  # what a saved config leaves out
 
 
 class PersistentState:
@@ -84,8 +85,11 @@ class PersistentState:
         non-float residual, a negative step, a key that is not ``rank<r>.<kind>.<name>``)
         is always refused with a ValueError naming the key. Strict (default): also refuses
         another rank's state, a different world size, a different configuration and, for a
-        bound state, residuals missing, extra or of the wrong size for any parameter, and
-        memories holding Inf or NaN; every message gives both values. Lenient (``strict=False``): in those
+        bound state, residuals missing, extra or of the wrong size for any parameter,
+        memories holding Inf or NaN, and shares of the model's k (``budget_shares``, each a
+        number in [0, 2**53]) of parameters the model does not have; every message gives
+        both values. Shares that differ between ranks are refused at the next step, on every
+        rank (:mod:`sparsecomm.hooks.rank_agreement`). Lenient (``strict=False``): in those
         cases the residuals and velocities are reset to zero with a warning, and
         ``stats()["residual_reset"]`` becomes True so the ledger can report it (error
         feedback then restarts from nothing; convergence usually survives an occasional
@@ -107,12 +111,8 @@ class PersistentState:
                 f"state_dict holds the state of rank(s) {parsed.ranks}, this is rank {rank}: "
                 "every rank's residual differs; save and load each rank's own state dict"
             )
-        if parsed.config != self.config.checkpoint_dict():
-            diffs = {
-                key: (parsed.config.get(key), value)
-                for key, value in self.config.checkpoint_dict().items()
-                if parsed.config.get(key) != value
-            }
+        diffs = state_dict_check.config_differences(parsed.config, self.config.checkpoint_dict(), CONFIG_DEFAULTS)
+        if diffs:
             problems.append(f"state_dict config differs from this TopKState (key: (saved, current)): {diffs}")
         if not problems:
             problems += state_dict_check.mismatches(parsed, self.names.shapes, self.config.error_feedback,
