@@ -18,6 +18,7 @@ from sparsecomm.lab.experiment import runner
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.links import parse_link
+from sparsecomm.links.spec import link_name
 from sparsecomm.links import netns
 from sparsecomm.links.netns import EmulatedNetwork, LinkEmulationError, check_emulation_possible
 from sparsecomm.lab.results import load_runs
@@ -59,6 +60,20 @@ def test_link_names_parse(text, rate, latency):
 def test_bad_link_names_say_what_is_accepted(text):
     with pytest.raises(ValueError, match="link"):
         parse_link(text)
+
+
+@pytest.mark.parametrize("bits, name", [
+    (4.1e8, "410mbit"), (1.2e9, "1.2gbit"), (9.9e8, "990mbit"), (1e3, "1kbit"), (2.5e4, "25kbit"), (1e13, "10tbit"),
+])
+def test_link_name_is_what_parse_link_reads_back(bits, name):
+    assert link_name(bits) == name
+    assert parse_link(name).rate_bits_per_s == pytest.approx(bits, rel=1e-12)
+
+
+@pytest.mark.parametrize("bits", [999.0, 2e13])
+def test_link_name_refuses_a_rate_no_link_takes(bits):
+    with pytest.raises(ValueError, match="between 1kbit and 10tbit"):
+        link_name(bits)
 
 
 def test_config_validates_the_link_before_any_launch():

@@ -36,8 +36,14 @@ def test_verdicts_first_then_the_ledger_then_the_plots(tmp_path, capsys):
     ledger_at = next(i for i, line in enumerate(lines) if line.startswith("experiment exp: "))
     plots_at = lines.index("plots:")
     assert len(verdicts) + 2 < ledger_at < next(i for i, line in enumerate(lines) if line.startswith("arm ")) < plots_at
-    assert [line.strip() for line in lines[plots_at + 1:]] == [
+    assert [line.strip() for line in lines[plots_at + 1:plots_at + 4]] == [
         str(tmp_path / "plots" / name) for name in ("time_to_loss.png", "loss_vs_step.png", "ledger.png")]
+    # The report ends with where compression pays: the equivalent arm only (tests/test_breakeven_report.py).
+    break_even = lines[plots_at + 5:]
+    assert lines[plots_at + 4] == "" and break_even[0].startswith("where compression pays [modelled, ")
+    assert [line.split(":")[0] for line in break_even if line.startswith("  ") and line[2] != " "] == [
+        "  assumptions", "  topk-ef"]
+    assert max(len(line) for line in break_even) <= REPORT_WIDTH
     assert all((tmp_path / "plots" / name).is_file() for name in ("time_to_loss.png", "ledger.png"))
     # The ledger leaves the policy and the target to the verdicts' detail: said once.
     text = " ".join(" ".join(lines).split())

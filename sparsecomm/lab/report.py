@@ -3,7 +3,9 @@
 1. the verdicts, one line per arm, then their detail (:func:`sparsecomm.lab.tolerance.format_report`);
 2. the time-to-quality ledger, one row and one speedup line per arm
    (:func:`sparsecomm.lab.ledger.format_ledger`);
-3. the plots written.
+3. the plots written;
+4. where compression pays: each equivalent arm's modelled break-even link rate against dense
+   (:func:`sparsecomm.lab.costmodel.breakeven_report.break_even_lines`).
 
 Every line fits in :data:`sparsecomm.lab.text.REPORT_WIDTH` columns (:func:`sparsecomm.lab.text.fold`
 cuts longer ones; the ledger and the verdicts use it too). With no finished dense run there is
@@ -15,6 +17,7 @@ This module joins the ledger, the verdicts and the plots; none of them imports i
 from pathlib import Path
 
 from sparsecomm.lab import ledger, plots, tolerance
+from sparsecomm.lab.costmodel.breakeven_report import break_even_lines
 from sparsecomm.lab.experiment.arm_spec import ArmSpec
 from sparsecomm.lab.results import load_experiment, load_runs
 from sparsecomm.lab.text import fold_lines
@@ -45,6 +48,8 @@ def report(run_dir: Path, plots_dir: Path) -> int:
         print(arms)
         print()
     _print_plots(plots.plot_run_dir(run_dir, plots_dir, ledger.ledger_items_for_plot(run_dir)))
+    print()
+    print("\n".join(break_even_lines(run_dir)))
     return 0
 
 

@@ -58,3 +58,12 @@ def parse_link(text: str) -> Link:
     if latency > 10.0:
         raise ValueError(f"link latency must be at most 10 s; got {text!r}")
     return Link(name, rate, latency)
+
+
+def link_name(bits_per_s: float) -> str:
+    """The name :func:`parse_link` reads back as ``bits_per_s`` (to 6 significant digits), in
+    the largest unit that keeps the number at least 1: 4.1e8 is ``410mbit``, 1.2e9 ``1.2gbit``."""
+    if not RATE_RANGE_BITS[0] <= bits_per_s <= RATE_RANGE_BITS[1]:
+        raise ValueError(f"a link's rate is between 1kbit and 10tbit; got {bits_per_s!r} bit/s")
+    unit, scale = next((u, s) for u, s in sorted(_UNITS.items(), key=lambda item: -item[1]) if bits_per_s >= s)
+    return f"{bits_per_s / scale:g}{unit}"
