@@ -12,6 +12,7 @@ import re
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,31 @@ def one_by_one(tmp_path_factory) -> dict:
     ({"kind": "slurm", "slurm": {"array": "0-3"}}, "cluster.slurm"),
     ({"kind": "slurm", "tasks_per_node": 2, "gpus_per_node": 4}, "cluster.tasks_per_node"),
     ({"kind": "slurm", "time_min": 0}, "cluster.time_min"),
+    ({"kind": "slurm", "time_min": 365 * 24 * 60 + 1}, "cluster.time_min must be an integer from 1 to 525600"),
     ({"kind": "slurm", "queue": "x"}, "unknown cluster keys ['queue']"),
+    # A newline in a free-form option would start a line of the sbatch script of its own.
+    ({"kind": "slurm", "slurm": {"qos": "high\ntouch X #"}}, "cluster.slurm: the value of qos must be"),
+    ({"kind": "slurm", "slurm": {"qos": "high\r"}}, "cluster.slurm: the value of qos must be"),
+    ({"kind": "slurm", "slurm": {"qos\n#SBATCH --time=99999": "x"}}, "cluster.slurm: 'qos\\n#SBATCH --time=99999' is not"),
+    ({"kind": "slurm", "slurm": {"comment": ""}}, "cluster.slurm: the value of comment must be"),
+    ({"kind": "slurm", "partition": "gpu\n#SBATCH --time=99999"}, "cluster.partition"),
+    # sbatch takes the beginning of an option for the option: sig is --signal.
+    ({"kind": "slurm", "slurm": {"sig": "USR1@1"}}, "cluster.slurm: sig begins signal, which sparsecomm sets itself"),
+    ({"kind": "slurm", "slurm": {"ntasks": 4}}, "cluster.slurm: ntasks is set by sparsecomm itself"),
 ])
 def test_bad_cluster_settings_are_refused_by_name(raw, named):
-    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(named)):
         ClusterSettings.from_dict(raw)
+
+
+def test_free_form_sbatch_options_each_make_one_directive():
+    slurm = {"account": "ml", "exclusive": True, "cpus_per_gpu": 4, "constraint": "a100&nvlink", "comment": "two words"}
+    script = sbatch_script(ClusterSettings(kind="slurm", slurm=slurm), Path("/EXPERIMENT"), "x", world_size=2, runs=2)
+    directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert len(directives) == len(slurm) + 10  # array, cpus-per-task, job-name, nodes, ntasks-per-node, open-mode,
+    #                                            output, signal, time, wckey
+    assert "#SBATCH --signal=USR2@120" in directives and "#SBATCH --time=60" in directives
+    assert "#SBATCH --comment='two words'" in directives  # quoted as sbatch reads its script
 
 
 def test_the_experiment_checks_its_cluster_against_world_size_and_link():
@@ -94,16 +115,46 @@ def test_cluster_arguments_need_a_cluster_and_keep_sparsecomms_own_options(capsy
         "kind": "slurm", "nodes": 2, "slurm": {"account": "ml", "exclusive": True}}
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--slurm", "qos=high\ntouch X #"], "argument --slurm: the value of qos must be"),
+    (["--slurm", "sig=USR1@1"], "argument --slurm: sig begins signal"),
+    (["--time", "525601"], "argument --time: must be an integer from 1 to 525600 (minutes: at most 365 days)"),
+])
+def test_unsafe_slurm_arguments_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main([*ARGS, "--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots"), "--cluster", "slurm",
+                      *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    args = compare.build_parser().parse_args([*ARGS, "--cluster", "slurm", "--time", "525600"])
+    assert cluster_from_arguments(args, None)["time_min"] == 365 * 24 * 60  # the bound itself is accepted
+
+
 def test_slurm_without_its_commands_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     from sparsecomm.lab import frontier
 
-    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no srun
+    monkeypatch.setenv("PATH", str(tmp_path))  # none of SLURM's commands
     out = ["--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots"), "--cluster", "slurm"]
     for main, argv in ((compare.main, ARGS), (frontier.main, ["--experiment", "digits-quick", "--densities", "0.01",
                                                               "--arms", "topk-ef"])):
         with pytest.raises(SystemExit):
             main([*argv, *out])
-        assert "cluster kind 'slurm': no sbatch/srun on PATH" in capsys.readouterr().err
+        assert "cluster kind 'slurm': no sbatch, scancel, squeue, sacct, srun, scontrol on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("missing", ["scancel", "squeue", "sacct", "scontrol"])
+def test_slurm_without_one_of_its_commands_is_refused_by_name(tmp_path, monkeypatch, capsys, missing):
+    # sbatch and srun alone would submit, and a Ctrl-C would then fail to cancel (no scancel).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in {"sbatch", "srun", "sacct", "squeue", "scancel", "scontrol"} - {missing}:
+        (bin_dir / name).symlink_to(STANDIN)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(SystemExit):
+        run_compare(tmp_path, "--cluster", "slurm")
+    assert f"cluster kind 'slurm': no {missing} on PATH" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
@@ -153,6 +204,115 @@ def test_a_slurm_job_array_gives_the_one_by_one_results(tmp_path, one_by_one, sl
     # Each element's script ends just after its job wrote its result.
     wait_for(lambda: sorted(p.read_text() for p in slurm_on_path.glob("*.state")) == ["COMPLETED"] * 2, 20,
              "both array elements COMPLETED")
+
+
+@pytest.mark.parametrize("mode, printed", [
+    ("fail", "sbatch failed with exit code 1; it printed: stderr: 'sbatch: error: Batch job submission failed: "
+             "Invalid account"),
+    ("garbage", "sbatch exited with 0 but printed no job id (if it queued one, find it with squeue --me and scancel "
+                "it); it printed: stdout: 'hello world'"),
+])
+def test_a_failing_sbatch_is_an_error_that_says_what_it_printed_and_leaves_no_job_files(
+        tmp_path, slurm_on_path, monkeypatch, capsys, mode, printed):
+    monkeypatch.setenv("STANDIN_SBATCH", mode)
+    assert run_compare(tmp_path, "--cluster", "slurm") == 2
+    assert f"sparsecomm compare: error: {printed}" in capsys.readouterr().err
+    jobs = tmp_path / "runs" / "digits-quick" / "jobs"
+    assert jobs.is_dir() and list(jobs.iterdir()) == []  # no pickle, no script: nothing will read them
+    assert (slurm_on_path / "calls.log").read_text().count("sbatch ") == 1
+
+
+def test_sigterm_while_sbatch_is_slow_cancels_the_jobs_it_queued(tmp_path, slurm_on_path, monkeypatch, capsys, sweep):
+    # SIGTERM to the command alone while sbatch has not answered yet: the command waits for the
+    # job id, then cancels every element of the array; none runs on.
+    from sparsecomm.lab.cluster import submit
+
+    monkeypatch.setenv("STANDIN_SBATCH", "slow:2")
+    monkeypatch.setattr(submit, "CANCEL_GRACE_S", 2.0)  # the elements that had not started yet are killed sooner
+    first_id = int((slurm_on_path / "next_id").read_text())
+
+    def terminate_once_sbatch_runs():
+        wait_for(lambda: (slurm_on_path / "sbatch.started").exists(), 60, "sbatch started")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=terminate_once_sbatch_runs, daemon=True)
+    sender.start()
+    assert run_compare(tmp_path, "--cluster", "slurm") == 143
+    sender.join()
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "its 2 running job(s) were cancelled" in err, err
+    calls = (slurm_on_path / "calls.log").read_text().splitlines()
+    assert f"scancel --signal=INT --full {first_id}_0" in calls and f"scancel --signal=INT --full {first_id}_1" in calls
+    wait_for(lambda: all(p.read_text() not in ("PENDING", "RUNNING") for p in slurm_on_path.glob("*.state")), 20,
+             "every element ended")
+    assert survivors_after(str(tmp_path), 10.0) == []
+
+
+def test_a_planted_jobs_folder_is_refused_before_any_job_is_submitted(tmp_path, capsys):
+    # jobs/ receives the pickles each job unpickles: a link there would let its owner run code as the user.
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    jobs = tmp_path / "runs" / "digits-quick" / "jobs"
+    jobs.parent.mkdir(parents=True)
+    jobs.symlink_to(victim, target_is_directory=True)
+    with pytest.raises(SystemExit) as exit_info:
+        run_compare(tmp_path, "--cluster", "local")
+    assert exit_info.value.code == 2
+    assert f"{jobs} is a symbolic link (to {victim}): refused" in capsys.readouterr().err
+    assert list(victim.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_a_jobs_folder_of_another_user_is_refused(tmp_path, capsys):
+    jobs = tmp_path / "runs" / "digits-quick" / "jobs"
+    jobs.mkdir(parents=True)
+    os.chown(jobs, 65534, 65534)  # nobody: could swap the pickles in it
+    with pytest.raises(SystemExit):
+        run_compare(tmp_path, "--cluster", "local")
+    assert f"{jobs} belongs to another user (uid 65534, not 0)" in capsys.readouterr().err
+    assert list(jobs.iterdir()) == []
+
+
+SLEEPER = """
+import os, signal, time
+from pathlib import Path
+
+
+def wait_for_sigterm(marker):
+    def on_term(signum, frame):
+        Path(marker).write_text("SIGTERM")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    Path(marker + ".started").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+SUBMITTER = """
+import sys, time
+from pathlib import Path
+
+import sleeper
+from sparsecomm.lab.cluster.executors import make_executor
+from sparsecomm.lab.cluster.settings import ClusterSettings
+
+executor = make_executor(ClusterSettings(kind="local"), Path(sys.argv[1]), "orphan", world_size=1, runs=1)
+executor.submit(sleeper.wait_for_sigterm, sys.argv[2])
+time.sleep(600)
+"""
+
+
+def test_a_local_job_is_cancelled_when_its_command_is_killed(tmp_path, sweep):
+    # SIGKILL cannot be caught: the job's controller gets SIGTERM (the cancel it forwards to its job) from the kernel.
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    marker = tmp_path / "got"
+    proc = start_command([sys.executable, "-c", SUBMITTER, str(tmp_path / "experiment"), str(marker)],
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    wait_for(lambda: Path(f"{marker}.started").exists(), 60, "the job started", proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for(marker.exists, 10, "the job got SIGTERM")
+    assert marker.read_text() == "SIGTERM"
+    assert survivors_after(str(tmp_path), 10.0) == []  # its controller ended with it
 
 
 @pytest.mark.slow  # ~50 s: the rendezvous of two torchruns; scripts/run_slow_tests.sh

@@ -3,6 +3,7 @@ under a shared --out (run directory names are deterministic) or a directory of a
 is refused with an error naming it, before anything runs, and the file it points to is left
 as it was."""
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -137,3 +138,66 @@ def test_frontier_refuses_a_planted_link_with_exit_2(tmp_path, capsys, fake_laun
     assert code == 2
     assert f"{wanted.parent} is a symbolic link (to {elsewhere}): refused" in capsys.readouterr().err
     assert not any(elsewhere.iterdir())  # nothing copied through the link
+
+
+# ----- directories others may write to ---------------------------------------------------------
+# Whoever may write to a directory may rename its entries (unless it has the sticky bit), so they
+# could swap a directory the lab checked for one of their own after the check.
+
+
+def test_an_out_others_may_write_to_without_the_sticky_bit_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    def run_experiment(*args, **kwargs):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(runner, "run_experiment", run_experiment)
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", "--experiment", "digits-quick", "--arms", "dense", "topk-ef", "--seeds", "1",
+                  "--out", str(out), "--plots", str(tmp_path / "plots")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} may be written by other users (mode drwxrwxrwx, 0o777) and has no sticky bit: refused" in err
+    assert f"chmod +t {out}" in err and "or choose another --out" in err
+    assert list(out.iterdir()) == []
+
+
+def test_a_directory_under_out_others_may_write_to_is_refused(tmp_path, fake_launch):
+    experiment_dir = tmp_path / "out" / CONFIG.name
+    experiment_dir.mkdir(parents=True)
+    experiment_dir.chmod(0o733)  # others may create and rename entries, without reading it
+    with pytest.raises(RunDirectoryError, match=f"a directory under --out: {experiment_dir} may be written by other "
+                                                r"users \(mode drwx-wx-wx, 0o733\) and has no sticky bit"):
+        runner.run_experiment(CONFIG, tmp_path / "out", progress=lambda line: None)
+    assert list(experiment_dir.iterdir()) == []
+
+
+def test_a_sticky_out_is_used_and_the_lab_makes_its_directories_0o755_whatever_the_umask(tmp_path, fake_launch):
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o1777)  # as /tmp: others may create entries there, not rename ours
+    previous = os.umask(0o002)  # would make every new directory group-writable
+    try:
+        runner.run_experiment(CONFIG, out, progress=lambda line: None)
+    finally:
+        os.umask(previous)
+    run_dir = runner.run_directory(CONFIG, out, "dense", 0)
+    assert (run_dir / "summary.json").is_file()
+    made = [run_dir, run_dir.parent, out / CONFIG.name]
+    assert [oct(stat.S_IMODE(path.stat().st_mode)) for path in made] == ["0o755"] * 3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user or group needs root")
+def test_an_out_of_another_user_or_writable_by_another_group_is_refused(tmp_path, fake_launch):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, 0, 65534)
+    out.chmod(0o775)  # nogroup's members may write to it
+    with pytest.raises(RunDirectoryError, match=r"--out .* may be written by other users \(mode drwxrwxr-x, 0o775\)"):
+        runner.run_experiment(CONFIG, out, progress=lambda line: None)
+    out.chmod(0o1775)
+    os.chown(out, 65534, 65534)  # its owner may rename its entries, sticky bit or not
+    with pytest.raises(RunDirectoryError, match=f"--out {out} belongs to another user \\(uid 65534\\)"):
+        runner.run_experiment(CONFIG, out, progress=lambda line: None)
+    assert list(out.iterdir()) == []

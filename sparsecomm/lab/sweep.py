@@ -61,8 +61,9 @@ def run_point(config, out_root: Path) -> PointOutcome:
 def run_and_read(prog: str, work):
     """``work()`` (it launches runs and reads them) with the result files' warnings on stderr:
     ``(its result, None)``, or ``(None, exit code)``: 130 / 143 when Ctrl-C / SIGTERM stopped it
-    (what was kept printed), 2 when a result file could not be read or a run directory was
-    refused (named on stderr)."""
+    (what was kept printed), 2 when a result file could not be read, a run directory was
+    refused or sbatch failed (named on stderr)."""
+    from sparsecomm.lab.cluster.sbatch import SubmissionError
     from sparsecomm.lab.experiment.compare import stop_on_interrupt
     from sparsecomm.lab.experiment.files import RunDirectoryError
     from sparsecomm.lab.experiment.runner import ExperimentInterrupted
@@ -73,7 +74,7 @@ def run_and_read(prog: str, work):
             return work(), None
     except ExperimentInterrupted as error:
         return None, stop_on_interrupt(error)
-    except (ResultFileError, FileNotFoundError, RunDirectoryError) as error:
+    except (ResultFileError, FileNotFoundError, RunDirectoryError, SubmissionError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return None, 2
 

@@ -5,8 +5,14 @@ For tests of the SLURM path without a cluster: ``sbatch`` runs each array elemen
 with bash in the background (at most the array's ``%N`` at once) with the environment SLURM
 gives a job; the script's ``srun`` starts its tasks (nodes x tasks per node, all on this
 host, "localhost") with SLURM's task variables; ``sacct`` reports each element's state from
-the files below ``$STANDIN_SLURM_DIR`` (``squeue`` lists those pending or running); ``scancel`` signals or kills an element's process
-group. Each command is this file under its own name (symlinks in a directory on PATH).
+the files below ``$STANDIN_SLURM_DIR`` (``squeue`` lists those pending or running); ``scancel``
+signals an element's process group, or kills it (SIGTERM, then SIGKILL). Each command is this
+file under its own name (symlinks in a directory on PATH).
+
+Every call is logged, one line each, in ``$STANDIN_SLURM_DIR/calls.log``. ``$STANDIN_SBATCH``
+makes sbatch misbehave: ``fail`` (an error on stderr, exit 1, nothing queued), ``garbage``
+(exit 0 with "hello world" on stdout, nothing queued), ``slow:S`` (it writes ``sbatch.started``
+and queues the jobs S seconds later, as a busy controller answers).
 """
 import os
 import re
@@ -30,6 +36,17 @@ def _write(path: Path, text: str) -> None:
 
 
 def sbatch(args):
+    mode = os.environ.get("STANDIN_SBATCH", "")
+    if mode == "fail":
+        print("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
+              file=sys.stderr)
+        sys.exit(1)
+    if mode == "garbage":
+        print("hello world")
+        return
+    if mode.startswith("slow:"):
+        _write(STATE / "sbatch.started", str(os.getpid()))
+        time.sleep(float(mode[len("slow:"):]))
     path = Path(args[-1])
     script = path.read_text()
     opts = _options(script)
@@ -138,10 +155,14 @@ def scancel(args):
         if sig is None and path.read_text() in ("PENDING", "RUNNING"):
             _write(path, "CANCELLED")
         if pid_file.exists():
-            try:
-                os.killpg(int(pid_file.read_text()), getattr(signal, f"SIG{sig}") if sig else signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            # A plain scancel: SIGTERM, then SIGKILL (SLURM's KillWait, here 1 s).
+            for number in [getattr(signal, f"SIG{sig}")] if sig else [signal.SIGTERM, signal.SIGKILL]:
+                try:
+                    os.killpg(int(pid_file.read_text()), number)
+                except ProcessLookupError:
+                    break
+                if number == signal.SIGTERM:
+                    time.sleep(1.0)
 
 
 def scontrol(args):
@@ -155,5 +176,8 @@ if __name__ == "__main__":
         name, argv = sys.argv[1], sys.argv[2:]
     else:
         argv = sys.argv[1:]
+    STATE.mkdir(parents=True, exist_ok=True)
+    with open(STATE / "calls.log", "a") as log:
+        log.write(" ".join([name, *argv]) + "\n")
     {"sbatch": sbatch, "srun": srun, "sacct": sacct, "squeue": squeue, "scancel": scancel, "scontrol": scontrol,
      "_run_array": _run_array}[name](argv)

@@ -2,7 +2,7 @@
 the config's ``cluster`` field (:mod:`sparsecomm.lab.cluster.settings`)."""
 import argparse
 
-from sparsecomm.lab.cluster.settings import KINDS, RESERVED_SLURM_KEYS
+from sparsecomm.lab.cluster.settings import KINDS, MAX_TIME_MIN, slurm_option_problem
 
 FIELDS = {"parallel": "parallel", "nodes": "nodes", "tasks_per_node": "tasks_per_node",
           "gpus_per_node": "gpus_per_node", "partition": "partition", "time": "time_min"}
@@ -16,6 +16,17 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _time_limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_TIME_MIN:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_TIME_MIN} (minutes: at most 365 days), "
+                                         f"got {text!r}")
     return value
 
 
@@ -41,7 +52,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
                        help="GPUs per node to request (SLURM); one rank per GPU")
     group.add_argument("--partition", help="SLURM partition")
-    group.add_argument("--time", type=_positive_int, metavar="MINUTES",
+    group.add_argument("--time", type=_time_limit, metavar="MINUTES",
                        help="a job's time limit; a run that reaches it is requeued and resumes from its checkpoint "
                             "(default 60 on SLURM, a week locally)")
     group.add_argument("--slurm", type=_slurm_option, action="append", metavar="KEY=VALUE",
@@ -66,8 +77,8 @@ def cluster_from_arguments(args: argparse.Namespace, configured: dict | None) ->
     base.update(given)
     if slurm:
         base["slurm"] = {**base.get("slurm", {}), **slurm}
-    for key in RESERVED_SLURM_KEYS:
-        if key in slurm or key.replace("-", "_") in slurm:
-            raise ValueError(f"argument --slurm: {key} is set by sparsecomm itself (see --nodes, --tasks-per-node, "
-                             "--gpus-per-node, --partition, --time)")
+    for key, value in slurm.items():
+        problem = slurm_option_problem(key, value, "--nodes, --tasks-per-node, --gpus-per-node, --partition, --time")
+        if problem is not None:
+            raise ValueError(f"argument --slurm: {problem}")
     return base

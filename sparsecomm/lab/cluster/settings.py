@@ -6,6 +6,7 @@ The settings are the config's ``cluster`` field (a JSON object of these fields) 
 change where and how many runs train at once, never what a run computes: they are not part
 of the run hash, so a run trained one way is reused by the other.
 """
+import re
 from dataclasses import asdict, dataclass, field, fields
 
 KINDS = ("local", "slurm")
@@ -13,10 +14,41 @@ DEFAULT_LOCAL_TIME_MIN = 7 * 24 * 60
 """A local job's time limit when none is given: a week (submitit's own default, 2 minutes,
 would kill most runs). The run's stall timeout still ends a run that hangs."""
 DEFAULT_SLURM_TIME_MIN = 60
-RESERVED_SLURM_KEYS = ("array", "output", "error", "signal", "open-mode", "nodes", "ntasks-per-node",
-                       "gpus-per-node", "partition", "time", "job-name", "wckey")
+MAX_TIME_MIN = 365 * 24 * 60
+"""The longest time limit accepted: 365 days (SLURM takes minutes; an unbounded number would
+be refused by sbatch, or overflow its 32 bits, only once the jobs are submitted)."""
+RESERVED_SLURM_KEYS = ("array", "output", "error", "signal", "open-mode", "nodes", "ntasks", "ntasks-per-node",
+                       "gpus", "gpus-per-node", "partition", "time", "job-name", "wckey")
 """sbatch options sparsecomm sets itself: refused in ``slurm`` (free-form), each named by the
-setting that controls it, or fixed because the job protocol needs it."""
+setting that controls it, or fixed because the job protocol needs it (one task per node:
+``ntasks``; GPUs per node: ``gpus``)."""
+SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+"""An sbatch option's name, without its dashes (``_`` is written ``-``)."""
+
+
+def slurm_option_problem(key, value, settings: str) -> str | None:
+    """Why ``key=value`` cannot be a free-form sbatch option, or None; ``settings`` says where
+    to set a reserved one instead. Each option becomes a line ``#SBATCH --key=value`` of the
+    job's script: a newline (or another control character) would start a line of its own, a
+    shell command or a directive past these checks; and sbatch takes any unambiguous beginning
+    of an option for the option (``sig`` for ``signal``), so a key that begins a reserved one
+    is refused with it."""
+    if not isinstance(key, str) or SLURM_KEY.fullmatch(key) is None:
+        return (f"{key!r} is not an sbatch option name (letters, digits, '-' and '_', starting with a letter, "
+                "without the leading dashes)")
+    option = key.replace("_", "-")
+    reserved = next((name for name in RESERVED_SLURM_KEYS if name.startswith(option)), None)
+    if reserved == option:
+        return f"{key} is set by sparsecomm itself (see {settings})"
+    if reserved is not None:
+        return (f"{key} begins {reserved}, which sparsecomm sets itself (sbatch takes the beginning of an option for "
+                f"the option; see {settings})")
+    if value is True or (isinstance(value, int) and not isinstance(value, bool)):
+        return None
+    if not isinstance(value, str) or not value or not value.isprintable():
+        return (f"the value of {key} must be true (a flag), an integer or non-empty printable text (no newline, "
+                f"tab or other control character), got {value!r}")
+    return None
 
 
 def _check(ok: bool, name: str, accepted: str, value) -> None:
@@ -63,17 +95,19 @@ class ClusterSettings:
         _check(self.gpus_per_node is None or self.tasks_per_node is None or self.tasks_per_node == self.gpus_per_node,
                "tasks_per_node", f"equal to gpus_per_node ({self.gpus_per_node}: one rank per GPU) when both are given",
                self.tasks_per_node)
-        _check(self.partition is None or (isinstance(self.partition, str) and self.partition.strip() != ""),
-               "partition", "a non-empty string", self.partition)
+        _check(self.partition is None or (isinstance(self.partition, str) and self.partition.strip() != ""
+                                          and self.partition.isprintable()),
+               "partition", "a non-empty string of printable characters", self.partition)
         _check(self.kind == "slurm" or self.partition is None, "partition", "unset with kind 'local'", self.partition)
-        _check(self.time_min is None or _positive_int(self.time_min), "time_min", "an integer >= 1 (minutes)",
-               self.time_min)
-        _check(isinstance(self.slurm, dict) and all(isinstance(k, str) and k for k in self.slurm), "slurm",
-               "a JSON object of sbatch option -> value", self.slurm)
+        _check(self.time_min is None or (_positive_int(self.time_min) and self.time_min <= MAX_TIME_MIN), "time_min",
+               f"an integer from 1 to {MAX_TIME_MIN} (minutes: at most 365 days)", self.time_min)
+        _check(isinstance(self.slurm, dict), "slurm", "a JSON object of sbatch option -> value", self.slurm)
         _check(self.kind == "slurm" or not self.slurm, "slurm", "empty with kind 'local'", self.slurm)
-        taken = sorted(k for k in self.slurm if k.replace("_", "-") in RESERVED_SLURM_KEYS)
-        _check(not taken, "slurm", f"free of the options sparsecomm sets itself {list(RESERVED_SLURM_KEYS)} "
-               f"(use the settings nodes, tasks_per_node, gpus_per_node, partition, time_min)", taken)
+        for key, value in self.slurm.items():
+            problem = slurm_option_problem(key, value, "the settings nodes, tasks_per_node, gpus_per_node, partition, "
+                                                       "time_min")
+            if problem is not None:
+                raise ValueError(f"cluster.slurm: {problem}")
 
     @property
     def time_limit_min(self) -> int:

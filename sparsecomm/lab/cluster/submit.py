@@ -14,7 +14,11 @@ and a run resumes from its latest checkpoint. The command adds:
 - SIGINT/SIGTERM: every job this command submitted is cancelled (locally SIGTERM, which the
   job turns into a recorded "interrupted" run; on SLURM ``scancel --signal=INT``, then a
   plain ``scancel`` for what is left after ``CANCEL_GRACE_S``); the command waits for them
-  to end, then raises ExperimentInterrupted with what was stopped and what was kept.
+  to end, then raises ExperimentInterrupted with what was stopped and what was kept. A signal
+  that comes while jobs are being submitted waits for the submission to return (sbatch's
+  answer: the ids of the jobs it queued), so that they are cancelled too.
+- A submission that fails (sbatch's error) raises :class:`sbatch.SubmissionError`; nothing
+  of it is left in ``jobs/``.
 """
 import os
 import subprocess
@@ -112,26 +116,27 @@ def run_on_cluster(config: ExperimentConfig, root: Path, *, progress=print) -> P
                 private_directory(out_dir, root)  # where its job's outcome is recorded, whatever happens to the job
                 todo.append((number, arm, seed, out_dir))
         if todo:
+            jobs_dir = private_directory(experiment_dir / runner.JOBS_DIR, root)  # the pickles its jobs unpickle
             executor = executors.make_executor(settings, experiment_dir, config.name, config.world_size, len(todo))
             jobs = [RunJob(record, str(root), arm, seed, number, len(runs)) for number, arm, seed, _ in todo]
             where = (f"SLURM job array, at most {settings.parallel or len(todo)} at once" if settings.kind == "slurm"
                      else f"local jobs, {settings.parallel or 1} at a time")
-            progress(f"submitting {len(todo)} run(s) as {where}; job files in {experiment_dir / 'jobs'}")
+            progress(f"submitting {len(todo)} run(s) as {where}; job files in {jobs_dir}")
             if settings.kind == "slurm":
-                _run_array(executor, jobs, todo, config, in_flight, progress)
+                _run_array(executor, jobs, todo, config, in_flight, progress, signals)
             else:
-                _run_local(executor, jobs, todo, config, settings.parallel or 1, in_flight, progress)
+                _run_local(executor, jobs, todo, config, settings.parallel or 1, in_flight, progress, signals)
     except (Interrupt, KeyboardInterrupt) as stop:
         name = signal_name(stop)
         with signals.deferred():
-            _cancel(in_flight, settings.kind, config, progress)
-        raise runner.ExperimentInterrupted(_interrupt_report(config, root, runs, name), name) from None
+            cancelled = _cancel(in_flight, settings.kind, config, progress)
+        raise runner.ExperimentInterrupted(_interrupt_report(config, root, runs, name, cancelled), name) from None
     finally:
         signals.restore()
     return experiment_dir
 
 
-def _run_local(executor, jobs, todo, config, parallel: int, in_flight: list, progress) -> None:
+def _run_local(executor, jobs, todo, config, parallel: int, in_flight: list, progress, signals) -> None:
     slots = core_slots(parallel)
     free = list(range(parallel))
     waiting = list(zip(jobs, todo))
@@ -141,16 +146,21 @@ def _run_local(executor, jobs, todo, config, parallel: int, in_flight: list, pro
             job, (number, arm, seed, out_dir) = waiting.pop(0)
             slot = free.pop(0)
             job.cores = slots[slot]
-            in_flight.append(_Submitted(executor.submit(job), "local", number, arm, seed, out_dir, slot, config.steps))
+            with signals.deferred():  # a job started is a job in in_flight, which a signal cancels
+                in_flight.append(_Submitted(executor.submit(job), "local", number, arm, seed, out_dir, slot,
+                                            config.steps))
+            signals.check()
         _wait_for_one(in_flight, config, progress, free, watch)
 
 
-def _run_array(executor, jobs, todo, config, in_flight: list, progress) -> None:
-    with executor.batch():
-        submitted = [executor.submit(job) for job in jobs]
-    for job, (number, arm, seed, out_dir) in zip(submitted, todo):
-        in_flight.append(_Submitted(job, "slurm", number, arm, seed, out_dir, None, config.steps))
+def _run_array(executor, jobs, todo, config, in_flight: list, progress, signals) -> None:
+    with signals.deferred():  # until sbatch answers: the jobs it queued are in in_flight, which a signal cancels
+        with executor.batch():
+            submitted = [executor.submit(job) for job in jobs]
+        for job, (number, arm, seed, out_dir) in zip(submitted, todo):
+            in_flight.append(_Submitted(job, "slurm", number, arm, seed, out_dir, None, config.steps))
     progress(f"submitted SLURM job {submitted[0].job_id.split('_')[0]} ({len(submitted)} elements)")
+    signals.check()
     watch = _Watch()
     while in_flight:
         _wait_for_one(in_flight, config, progress, [], watch)
@@ -230,10 +240,11 @@ def _job_log_tail(job, num_lines: int = 8) -> str:
     return " | ".join((errors or lines)[-num_lines:])[:2000]
 
 
-def _cancel(in_flight: list, kind: str, config: ExperimentConfig, progress) -> None:
-    """Cancel every job still running, let them record their runs, then make sure they are gone."""
+def _cancel(in_flight: list, kind: str, config: ExperimentConfig, progress) -> int:
+    """Cancel every job still running, let them record their runs, then make sure they are
+    gone; how many were cancelled."""
     if not in_flight:
-        return
+        return 0
     progress(f"cancelling {len(in_flight)} job(s): {', '.join(str(i.job.job_id) for i in in_flight)}")
     for item in in_flight:
         if kind == "local":
@@ -254,6 +265,7 @@ def _cancel(in_flight: list, kind: str, config: ExperimentConfig, progress) -> N
         time.sleep(POLL_S)
     for item in in_flight:
         _record_if_lost(item, config)
+    return len(in_flight)
 
 
 def _running(in_flight: list) -> list:
@@ -278,9 +290,10 @@ def _record_if_lost(item: _Submitted, config: ExperimentConfig) -> None:
         lock.release()
 
 
-def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str) -> str:
+def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str, cancelled: int) -> str:
     """What the interruption stopped and kept, read back from the run directories."""
-    lines = [f"stopped by {name}: experiment {config.name} in {Path(root) / config.name}; its jobs were cancelled"]
+    jobs = f"its {cancelled} running job(s) were cancelled" if cancelled else "no job of it was running"
+    lines = [f"stopped by {name}: experiment {config.name} in {Path(root) / config.name}; {jobs}"]
     finished, interrupted, other = [], [], []
     for arm, seed in runs:
         out_dir = runner.run_directory(config, root, arm, seed)

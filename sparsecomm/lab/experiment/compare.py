@@ -302,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"experiment {config.name}: {len(config.arms)} arms x {len(config.seeds)} seeds, "
           f"{config.world_size} ranks over {config.link}, {config.steps} steps -> {args.out / config.name}", flush=True)
+    from sparsecomm.lab.cluster.sbatch import SubmissionError
+
     try:
         run_dir = run_experiment(config, args.out)
     except ExperimentInterrupted as error:
         return stop_on_interrupt(error)
-    except RunDirectoryError as error:  # planted while the experiment ran
+    except (RunDirectoryError, SubmissionError) as error:  # planted while the experiment ran; sbatch's refusal
         print(f"sparsecomm compare: error: {error}", file=sys.stderr)
         return 2
     from sparsecomm.lab.results import ResultFileError, warnings_to_stderr

@@ -12,6 +12,7 @@ takes down torchrun (or the ranks it started directly), and each rank arms the s
 signal against its own parent.
 """
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -81,16 +82,16 @@ def kill_marked(name: str, value: str, children: list[subprocess.Popen] = (),
         time.sleep(0.02)
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies (however it
-    dies, SIGKILL included), so a killed runner or torchrun agent never leaves ranks
-    training on. Exits at once if the parent is already gone. A no-op elsewhere."""
+def die_with_parent(death_signal: int = signal.SIGKILL) -> None:
+    """Linux: this process gets ``death_signal`` (SIGKILL) when the process that started it
+    dies (however it dies, SIGKILL included), so a killed runner or torchrun agent never
+    leaves ranks training on. Exits at once if the parent is already gone. A no-op elsewhere."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        if libc.prctl(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0) != 0:
             return
     except (OSError, AttributeError):
         return
@@ -98,7 +99,8 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def death_signal_preexec():
-    """A ``preexec_fn`` for subprocess.Popen: the child dies with this process
-    (:func:`die_with_parent`, armed between fork and exec; it survives exec). None off Linux."""
-    return die_with_parent if sys.platform.startswith("linux") else None
+def death_signal_preexec(death_signal: int = signal.SIGKILL):
+    """A ``preexec_fn`` for subprocess.Popen: the child gets ``death_signal`` (SIGKILL: dies)
+    when this process dies (:func:`die_with_parent`, armed between fork and exec; it survives
+    exec). None off Linux."""
+    return functools.partial(die_with_parent, death_signal) if sys.platform.startswith("linux") else None

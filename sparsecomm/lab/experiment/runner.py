@@ -126,15 +126,23 @@ def write_snapshot(config: ExperimentConfig, root: Path) -> Path:
     return experiment_dir
 
 
+JOBS_DIR = "jobs"
+"""In the experiment directory: the files of its runs' jobs (:mod:`sparsecomm.lab.cluster`),
+among them the pickles each job unpickles. Checked as the run directories are, but links in
+it are not refused: submitit may leave links to its own files there."""
+
+
 def check_run_directories(config: ExperimentConfig, root: Path) -> None:
     """Before anything runs: each directory of the experiment that exists under ``root`` is a
-    plain directory of this user with no link in it (RunDirectoryError naming what is not;
-    :mod:`sparsecomm.lab.experiment.files`)."""
+    plain directory of this user (RunDirectoryError naming what is not;
+    :mod:`sparsecomm.lab.experiment.files`), with no link in it but in the experiment directory
+    and the jobs'."""
     experiment_dir = Path(root) / config.name
     runs = [run_directory(config, root, arm, seed) for arm in config.arms for seed in config.seeds]
-    for directory in (experiment_dir, experiment_dir / ".locks", experiment_dir / "history", *runs):
+    for directory in (experiment_dir, experiment_dir / JOBS_DIR, experiment_dir / ".locks",
+                      experiment_dir / "history", *runs):
         private_directory(directory, root, create=False)
-        if directory.is_dir() and directory != experiment_dir:
+        if directory.is_dir() and directory not in (experiment_dir, experiment_dir / JOBS_DIR):
             refuse_links_in(directory)
 
 
