@@ -57,6 +57,8 @@ The package, one concept per module:
 - :mod:`.scenario`: where to project to (:func:`make_scenario`);
 - :mod:`.projection`: one arm's projected step and time to target (:func:`project_arm`);
 - :mod:`.breakeven`: the density and link rate where an arm and dense cost the same;
+- :mod:`.breakeven_report`: the section that ends ``sparsecomm compare``'s report: each
+  equivalent arm's break-even link rate at the run's own world size (:func:`break_even_lines`);
 - :mod:`.run_projection`: a whole run projected, with its assumptions (:func:`project`);
 - :mod:`.validation`: predicted vs measured step on an emulated link (:func:`validate`);
 - :mod:`.format`: tables and JSON; :mod:`.cli`: ``sparsecomm project``.
