@@ -58,27 +58,32 @@ def break_even_lines(run_dir: str | Path) -> list[str]:
                                 f"{scenario.alpha_s * 1e6:g} us per message ({scenario.alpha_source}); communication "
                                 f"not overlapped with compute; compute, compress and steps-to-target as measured "
                                 f"on {run.link}"])
-    commands = False
-    for name in arms:
-        arm = run.arm(name)
-        if name in run.not_modelled or arm is None:
-            why = ("it trains locally and syncs once per period, which the model does not cover"
-                   if name in run.not_modelled else "no finished run recorded its step timings")
-            lines += fold_lines([f"  {name}: not modelled: {why}"])
-            continue
-        found = break_even_rate(arm, dense, run, scenario, BOUNDARY)
-        lines += fold_lines([f"  {name}: {_outcome(found, arm, dense, run, scenario)}"
-                             f"{_already_sooner(times, name, run.link)}"])
-        link = link_just_below(found.value) if found.kind == "below" else None
-        if link is not None:
-            latency = run.link.partition("@")[2]  # alpha came from it: measure with it too
-            link += f"@{latency}" if latency else ""
-            lines += _command_lines(f"    sparsecomm compare --config FILE --arms {DENSE_ARM} {name} --link {link} "
-                                    f"--name {run.name}-{link.replace('@', '-')}")
-            commands = True
-    if commands:
+    arm_lines = [_arm_lines(name, run, dense, scenario, times) for name in arms]
+    for outcome, command in arm_lines:
+        lines += outcome + command
+    if any(command for _, command in arm_lines):  # the commands name FILE
         lines += fold_lines([_file_legend(run_dir)])
     return lines
+
+
+def _arm_lines(name: str, run: RunInputs, dense: ArmInputs, scenario: Scenario,
+               times: ledger.Ledger) -> tuple[list[str], list[str]]:
+    """One arm's outcome, and the command that measures its break-even (none without one)."""
+    arm = run.arm(name)
+    if name in run.not_modelled or arm is None:
+        why = ("it trains locally and syncs once per period, which the model does not cover"
+               if name in run.not_modelled else "no finished run recorded its step timings")
+        return fold_lines([f"  {name}: not modelled: {why}"]), []
+    found = break_even_rate(arm, dense, run, scenario, BOUNDARY)
+    outcome = fold_lines([f"  {name}: {_outcome(found, arm, dense, run, scenario)}"
+                          f"{_already_sooner(times, name, run.link)}"])
+    link = link_just_below(found.value) if found.kind == "below" else None
+    if link is None:
+        return outcome, []
+    latency = run.link.partition("@")[2]  # alpha came from it: measure with it too
+    link += f"@{latency}" if latency else ""
+    return outcome, _command_lines(f"    sparsecomm compare --config FILE --arms {DENSE_ARM} {name} --link {link} "
+                                   f"--name {run.name}-{link.replace('@', '-')}")
 
 
 def link_just_below(bits_per_s: float) -> str | None:
