@@ -55,6 +55,10 @@ def test_the_averager_and_dense_run_at_two_replicas_of_two_shards(tmp_path):
     (dict(parallelism="hsdp:2x2"), "parallelism", "R x S = world_size (2)"),
     (dict(parallelism="hsdp:1x2"), "parallelism", "R >= 2"),
     (dict(parallelism="fsdp"), "parallelism", '"ddp" or "hsdp:RxS"'),
+    # One spelling per shape: int() and str.isdigit() take these, and each would hash to runs of its own.
+    (dict(parallelism="hsdp:\u00b2x2", world_size=4), "parallelism", "ASCII digits without a leading zero"),
+    (dict(parallelism="hsdp:02x2", world_size=4), "parallelism", "ASCII digits without a leading zero"),
+    (dict(parallelism="hsdp:\u0662x\u0662", world_size=4), "parallelism", "ASCII digits without a leading zero"),
     (dict(parallelism="hsdp:2x1", checkpoint_every=10), "checkpoint_every", "0 with parallelism 'hsdp:2x1'"),
     (dict(parallelism="hsdp:2x1", monitor_every=5, on_corruption="stop"), "monitor_every", "not in the lab's HSDP runs yet"),
     (dict(parallelism="hsdp:2x1", arms=("dense", "powersgd")), "arms", "arm 'powersgd' is 'powersgd'"),
@@ -63,6 +67,17 @@ def test_hsdp_settings_out_of_range_are_refused_by_name(overrides, field, fragme
     with pytest.raises(ValueError) as refused:
         digits_quick().with_overrides(**overrides)
     assert f"{field} must be" in str(refused.value) and fragment in str(refused.value)
+
+
+@pytest.mark.parametrize("parallelism", ["hsdp:\u00b2x2", "hsdp:02x2", "hsdp:\u0662x\u0662", "hsdp:2x2 ", "hsdp:2X2"])
+def test_another_spelling_of_parallelism_is_refused_naming_the_argument_and_its_form(parallelism, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--experiment", "digits-quick", "--parallelism", parallelism, "--world-size", "4",
+                      "--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and not any(tmp_path.iterdir())
+    assert (f'argument --parallelism: must be "ddp" or "hsdp:RxS" (R replicas of S shards: positive integers in ASCII '
+            f'digits without a leading zero, e.g. "hsdp:2x2"), got {parallelism!r}') in error, error
 
 
 def test_ddp_runs_keep_their_hash():

@@ -48,6 +48,11 @@ def no_runs(monkeypatch):
         (["--world-sizes", "2", "4", "--steps", "0"], "steps must be an integer >= 1"),
         (["--world-sizes", "2", "4", "--seeds", "-1"], "seeds must be distinct integers >= 0"),
         (["--world-sizes", "2", "4", "--link", "1gb"], "link must be 'loopback' or a rate"),
+        (["--world-sizes", "2", "4", "--parallelism", "hsdp:2x2"], "argument --parallelism: hsdp:2x2 runs on exactly "
+                                                                   "2 x 2 = 4 ranks, but a scaling study runs every "
+                                                                   "arm at each of --world-sizes 2 4: it needs "
+                                                                   'parallelism "ddp"'),
+        (["--world-sizes", "2", "4", "--parallelism", "hsdp:02x2"], "argument --parallelism: must be \"ddp\" or"),
     ],
 )
 def test_bad_arguments_fail_before_any_run(argv, message, no_runs, capsys, tmp_path):

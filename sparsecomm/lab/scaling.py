@@ -56,6 +56,7 @@ from sparsecomm.lab.experiment.compare import (
     parse_arms,
     with_job_overrides,
 )
+from sparsecomm.lab.experiment.config import hsdp_shape_of
 from sparsecomm.lab.ledger import exposed_fraction
 from sparsecomm.lab.quantity import format_value
 from sparsecomm.lab.sweep import UNAVAILABLE, VERDICT_MARKERS, aligned, fmt, markdown_table, run_and_read, run_point
@@ -148,6 +149,19 @@ def check_world_sizes(sizes: list[int]) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def check_no_fixed_shape(parallelism: str, given_as: str, world_sizes: tuple[int, ...]) -> None:
+    """Refuse ``hsdp:RxS``, which runs on R x S ranks exactly, so no study across world sizes
+    can use it (said here, before the shape meets a world size it does not fit)."""
+    shape = hsdp_shape_of(parallelism)
+    if shape is not None:
+        replicas, shards = shape
+        raise ValueError(f"{given_as}: {parallelism} runs on exactly {replicas} x {shards} = {replicas * shards} "
+                         f"ranks, but a scaling study runs every arm at each of --world-sizes "
+                         f"{' '.join(map(str, world_sizes))}: it needs parallelism \"ddp\" (the default). To measure "
+                         "HSDP at several sizes, run `sparsecomm compare --parallelism hsdp:RxS --world-size N` once "
+                         "per shape (R x S = N)")
+
+
 def check_global_batch(config, world_sizes: tuple[int, ...]) -> None:
     """--batch global: the smallest p's global batch must split evenly over every p."""
     total = config.batch_size * world_sizes[0]
@@ -163,6 +177,8 @@ def make_study(args: argparse.Namespace) -> Study:
     """Every argument checked (ValueError naming it), every point's config built: nothing runs."""
     world_sizes = check_world_sizes(args.world_sizes)
     base = experiment_from_source(args)
+    check_no_fixed_shape(args.parallelism or base.parallelism, "argument --parallelism" if args.parallelism else
+                         f"experiment {base.name}: parallelism", world_sizes)
     arms, definitions = parse_arms(args.arms) if args.arms else (None, None)
     if arms is not None and DENSE_ARM not in arms:
         arms = (DENSE_ARM, *arms)  # the baseline every arm is judged against, at every p

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from sparsecomm.lab.cluster.arguments import add_cluster_arguments, cluster_from_arguments
 from sparsecomm.lab.experiment import arm_spec
-from sparsecomm.lab.experiment.config import ARM_NAMES, ExperimentConfig
+from sparsecomm.lab.experiment.config import ARM_NAMES, PARALLELISM_FORM, ExperimentConfig, hsdp_shape_of
 from sparsecomm.lab.experiment.files import RunDirectoryError
 from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS, bring_your_own
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
@@ -103,9 +103,17 @@ def add_link_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parallelism_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parallelism", help='how the model is spread over the ranks: "ddp" (default) or '
-                        '"hsdp:RxS" (FSDP2 hybrid sharding, R replicas of S shards, R x S = world size; the arms '
-                        'act across replicas; docs/fsdp.md)')
+    parser.add_argument("--parallelism", type=_parallelism,
+                        help='how the model is spread over the ranks: "ddp" (default) or "hsdp:RxS" (FSDP2 hybrid '
+                             "sharding, R replicas of S shards, R x S = world size; the arms act across replicas; "
+                             "docs/fsdp.md)")
+
+
+def _parallelism(text: str) -> str:
+    """--parallelism in one of its forms (the config checks R x S against the world size)."""
+    if text != "ddp" and hsdp_shape_of(text) is None:
+        raise argparse.ArgumentTypeError(f"must be {PARALLELISM_FORM}, got {text!r}")
+    return text
 
 
 def check_link_possible(config: ExperimentConfig) -> None:

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -25,6 +26,11 @@ MODES = ("min", "max")
 LAUNCHERS = ("torchrun", "mpiexec")
 FAULT_KINDS = ("kill", "hang", "hook_error", "bitflip")
 HSDP_REDUCERS = ("allreduce", "topk", "sparse-delta", "local")  # the arms parallelism "hsdp:RxS" runs
+# One spelling per shape (ASCII digits, no leading zero): the run hash holds the string, so
+# "hsdp:02x2" or "hsdp:٢x٢" beside "hsdp:2x2" would train the same runs again.
+_HSDP_SHAPE = re.compile(r"hsdp:([1-9][0-9]*)x([1-9][0-9]*)")
+PARALLELISM_FORM = ('"ddp" or "hsdp:RxS" (R replicas of S shards: positive integers in ASCII digits without a '
+                    'leading zero, e.g. "hsdp:2x2")')
 CORRUPTION_ACTIONS = ("stop", "rollback")
 MAX_SEED = 2**32 - 1
 """Seeds go to torch.manual_seed (64 bits) and, for the powersgd arm, to numpy's
@@ -334,16 +340,12 @@ class ExperimentConfig:
     @property
     def hsdp_shape(self) -> tuple[int, int] | None:
         """(replicas, shards) of ``parallelism="hsdp:RxS"``, None for "ddp"."""
-        if self.parallelism == "ddp":
-            return None
-        replicas, shards = self.parallelism.removeprefix("hsdp:").split("x")
-        return int(replicas), int(shards)
+        return hsdp_shape_of(self.parallelism)
 
     def _check_hsdp(self) -> None:
-        accepted = f'"ddp" or "hsdp:RxS" with R x S = world_size ({self.world_size}) and R >= 2, e.g. "hsdp:2x2"'
-        shape = self.parallelism.removeprefix("hsdp:").split("x") if isinstance(self.parallelism, str) else []
-        _check(isinstance(self.parallelism, str) and self.parallelism.startswith("hsdp:") and len(shape) == 2 and all(part.isdigit() for part in shape)
-               and int(shape[0]) >= 2 and int(shape[1]) >= 1 and int(shape[0]) * int(shape[1]) == self.world_size,
+        accepted = f"{PARALLELISM_FORM} with R x S = world_size ({self.world_size}) and R >= 2"
+        shape = hsdp_shape_of(self.parallelism) if isinstance(self.parallelism, str) else None
+        _check(shape is not None and shape[0] >= 2 and shape[0] * shape[1] == self.world_size,
                "parallelism", accepted, self.parallelism)
         for name, value, ok in (("checkpoint_every", self.checkpoint_every, self.checkpoint_every == 0),
                                 ("fault", self.fault, self.fault is None),
@@ -525,6 +527,13 @@ def _is_int(value) -> bool:
 
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def hsdp_shape_of(parallelism: str) -> tuple[int, int] | None:
+    """(replicas, shards) of "hsdp:RxS" written as :data:`PARALLELISM_FORM` says; None for
+    anything else ("ddp", or a form that is refused)."""
+    match = _HSDP_SHAPE.fullmatch(parallelism)
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 def _check(ok: bool, name: str, accepted: str, value) -> None:
