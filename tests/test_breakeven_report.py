@@ -142,6 +142,13 @@ def test_arms_without_a_break_even_say_why(tmp_path):
     assert "  loco: not modelled: it trains locally and syncs once per period, which the model does not cover" in lines
 
 
+def test_a_sharded_run_is_not_modelled(tmp_path):
+    lines = _section(tmp_path, {"topk-ef": dict(step=0.002, sent=100.0, reach=30, elapsed=4.0, extra=TOPK)},
+                     config={"parallelism": "hsdp:2x1"})
+    assert _text(lines).endswith("than dense not modelled: parallelism hsdp:2x1: the model has one reduction over "
+                                 "all ranks per bucket, as DDP's, not FSDP's traffic within and across replicas")
+
+
 def test_without_an_equivalent_arm_no_break_even_is_printed(tmp_path):
     lines = _section(tmp_path, {"topk-noef": dict(step=0.002, sent=100.0, reach=None, elapsed=0.0, extra=TOPK)})
     assert _text(lines).endswith("than dense no arm is equivalent to dense (or better), so no break-even is "

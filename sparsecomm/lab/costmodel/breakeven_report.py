@@ -43,6 +43,11 @@ def break_even_lines(run_dir: str | Path) -> list[str]:
     if not arms:
         return fold_lines([HEADER, "  no arm is equivalent to dense (or better), so no break-even is printed: "
                                    "a faster arm that loses quality is no win"])
+    config = load_experiment(run_dir)["config"]
+    parallelism = config.get("parallelism") or "ddp"
+    if parallelism != "ddp":
+        return fold_lines([HEADER, f"  not modelled: parallelism {parallelism}: the model has one reduction over all "
+                                   "ranks per bucket, as DDP's, not FSDP's traffic within and across replicas"])
     try:
         run = read_run(run_dir)
     except (ValueError, KeyError) as error:  # summaries without step timings: say why, keep the report
@@ -62,7 +67,7 @@ def break_even_lines(run_dir: str | Path) -> list[str]:
     for outcome, command in arm_lines:
         lines += outcome + command
     if any(command for _, command in arm_lines):  # the commands name FILE
-        lines += fold_lines([_file_legend(run_dir)])
+        lines += fold_lines([_file_legend(run_dir, config)])
     return lines
 
 
@@ -141,8 +146,7 @@ def _command_lines(command: str) -> list[str]:
     return [part + " \\" for part in parts[:-1]] + parts[-1:]
 
 
-def _file_legend(run_dir: str | Path) -> str:
-    config = load_experiment(run_dir)["config"]
+def _file_legend(run_dir: str | Path, config: dict) -> str:
     legend = f"  FILE: this run's config, the \"config\" object of {Path(run_dir) / 'experiment.json'}"
     if config.get("max_restarts") or config.get("fault"):
         legend += ", with max_restarts 0 and fault null (an emulated link cannot restart a run)"
