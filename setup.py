@@ -95,8 +95,9 @@ setup(
     # needs torch and numpy alone; the lab (sparsecomm.lab: runner, ledger, verdicts, plots,
     # frontier, cost model, built-in tasks and the `sparsecomm` command) is the [lab] extra.
     install_requires=[
-        # Tested on 2.13; torch.testing internals used by the tests are private, so pin a range.
-        "torch>=2.4,<=2.14.1",
+        # 2.11 is the oldest torch whose APIs the package was checked against (csrc/README.md,
+        # "Supported torch"); torch.testing internals used by the tests are private, so pin a range.
+        "torch>=2.11,<=2.14.1",
         "numpy",
     ],
     extras_require={

@@ -155,6 +155,32 @@ def test_misuse_is_refused_by_name_before_any_collective():
         assert fragment in messages[what], f"{what}: {messages[what]}"
 
 
+class _Sharded(torch.nn.Module):
+    """A module whose FSDP state is ``state``, as ``fully_shard`` would give it."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def _get_fsdp_state(self):
+        return self.state
+
+
+def test_parameter_groups_are_read_as_each_supported_torch_keeps_them():
+    from types import SimpleNamespace
+
+    from sparsecomm.fsdp.fsdp_modules import _param_groups
+
+    first, second = object(), object()
+    # torch 2.12 and later: a list; 2.11: one group, or None for a module without parameters.
+    assert _param_groups(_Sharded(SimpleNamespace(_fsdp_param_groups=[first, second]))) == [first, second]
+    assert _param_groups(_Sharded(SimpleNamespace(_fsdp_param_group=first))) == [first]
+    assert _param_groups(_Sharded(SimpleNamespace(_fsdp_param_group=None))) == []
+    with pytest.raises(RuntimeError, match=r"_fsdp_param_groups, or _fsdp_param_group before torch 2\.12.*"
+                                           r"torch 2\.11 to 2\.13"):
+        _param_groups(_Sharded(SimpleNamespace()))
+
+
 def _overflow_then_resume(rank, world_size, replicas, shards, bad_step):
     """A run in which one rank's loss is NaN at ``bad_step`` (the loop sees it and skips the
     optimizer step), and a run that draws the same batch there but does not train on it."""

@@ -2,9 +2,9 @@
 
 FSDP2's public API installs an all-reduce hook (``FSDPModule.set_all_reduce_hook``) but does
 not say which mesh a module is sharded over, whether it already has a hook, or how large the
-buffer handed to the hook is. Those come from its per-module state (``_fsdp_param_groups``,
-read in torch 2.13; each access below is named so that a torch that moved one fails with a
-message, not an AttributeError deep in a step). Everything is checked before any collective.
+buffer handed to the hook is. Those come from its per-module state (its parameter groups, read
+as torch 2.11 to 2.13 keep them; a torch that moved them fails with a message naming them, not
+with an AttributeError deep in a step). Everything is checked before any collective.
 """
 import sys
 from dataclasses import dataclass
@@ -31,13 +31,22 @@ class ShardedModule:
 
 
 def _param_groups(module: torch.nn.Module) -> list:
+    """The FSDP parameter groups of ``module``: torch 2.12 and later keep a list
+    (``_fsdp_param_groups``: several when a shard_placement_fn uses several meshes), torch 2.11
+    one group or None (``_fsdp_param_group``)."""
     try:
-        return list(module._get_fsdp_state()._fsdp_param_groups)
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is not None:
+            return list(groups)
+        group = state._fsdp_param_group
     except AttributeError as error:
         raise RuntimeError(
-            f"sparsecomm.register_hsdp_hook reads FSDP2's per-module state (_fsdp_param_groups), which this torch "
-            f"{torch.__version__} does not have ({error}); the HSDP hook is tested with torch 2.13"
+            f"sparsecomm.register_hsdp_hook reads FSDP2's per-module state (_fsdp_param_groups, or "
+            f"_fsdp_param_group before torch 2.12), which this torch {torch.__version__} does not have ({error}); "
+            "the HSDP hook reads it as torch 2.11 to 2.13 keep it"
         ) from error
+    return [] if group is None else [group]
 
 
 def _ranks(mesh: DeviceMesh) -> list[int]:
