@@ -200,6 +200,7 @@ class HookMeter:
 
     def _reset(self):
         self.hook_seconds = 0.0
+        self.buckets = 0
         self.bytes_sent = 0
         self.bytes_dense = 0
         self.last_hook_return = None
@@ -212,6 +213,7 @@ class HookMeter:
                 self._fail_next = False
                 raise RuntimeError(f"injected fault: comm hook error in bucket {bucket.index()}")
             before = arm_hook.snapshot(state)
+            self.buckets += 1
             self.bytes_dense += _buffer_bytes(state, bucket, None)
             started = time.perf_counter()
             fut = arm_hook.hook(state, bucket)
@@ -228,6 +230,7 @@ class HookMeter:
         """This step's figures; resets the counters."""
         figures = {
             "hook_seconds": self.hook_seconds,
+            "buckets": self.buckets,
             "bytes_sent": self.bytes_sent,
             "bytes_dense": self.bytes_dense,
             "last_hook_return": self.last_hook_return,

@@ -195,7 +195,9 @@ class ExperimentConfig:
     """Dense steps before compressed arms compress (the hook's default, 2; with error feedback
     :class:`sparsecomm.TopKState` takes no fewer than 2)."""
     powersgd_rank: int = 2
-    bucket_cap_mb: float = 1.0
+    bucket_cap_mb: float | None = None
+    """DDP's bucket size in MiB; None: DDP's own default (25), as in a user's job. The built-in
+    tasks set a small one, so that their gradient is reduced in several buckets as a real model's is."""
     target_loss: float | None = None
     """Declared target validation loss; None derives it from dense (median final + tolerance)."""
     collective_timeout_s: float = 60.0
@@ -295,7 +297,8 @@ class ExperimentConfig:
         _check_wire(self)
         _check(_is_int(self.warmup_steps) and self.warmup_steps >= 2, "warmup_steps", "an integer >= 2", self.warmup_steps)
         _check(_is_int(self.powersgd_rank) and self.powersgd_rank >= 1, "powersgd_rank", "an integer >= 1", self.powersgd_rank)
-        _check(_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0, "bucket_cap_mb", "a finite number > 0", self.bucket_cap_mb)
+        _check(self.bucket_cap_mb is None or (_is_real(self.bucket_cap_mb) and self.bucket_cap_mb > 0), "bucket_cap_mb",
+               "null (DDP's default) or a finite number > 0", self.bucket_cap_mb)
         _check(self.target_loss is None or (_is_real(self.target_loss) and self.target_loss > 0), "target_loss",
                "None or a finite number > 0", self.target_loss)
         _check(_is_real(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",

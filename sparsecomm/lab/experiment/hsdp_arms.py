@@ -50,6 +50,7 @@ class HSDPMeter:
 
     def _reset(self) -> None:
         self.exchange_seconds = 0.0
+        self.buckets = 0
         self.bytes_sent = 0
         self.bytes_dense = 0
 
@@ -59,6 +60,7 @@ class HSDPMeter:
         def wrapped(hook, name):
             def metered(reduce_output: torch.Tensor) -> None:
                 before = sent_bytes.snapshot()
+                self.buckets += 1
                 self.bytes_dense += reduce_output.numel() * reduce_output.element_size()
                 started = time.perf_counter()
                 hook(reduce_output)
@@ -69,7 +71,8 @@ class HSDPMeter:
 
     def take_step(self) -> dict:
         """This step's figures (the keys of HookMeter.take_step, plus the hooks' time); resets."""
-        figures = {"hook_seconds": 0.0, "exchange_seconds": self.exchange_seconds, "bytes_sent": self.bytes_sent,
+        figures = {"hook_seconds": 0.0, "exchange_seconds": self.exchange_seconds, "buckets": self.buckets,
+                   "bytes_sent": self.bytes_sent,
                    "bytes_dense": self.bytes_dense, "last_hook_return": None}
         self._reset()
         return figures

@@ -278,6 +278,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                 "comm_wait_seconds": comm_wait,
                 "bytes_sent": measured["bytes_sent"] + after["bytes_sent"],
                 "bytes_dense": measured["bytes_dense"],
+                "buckets": measured["buckets"],
                 "elapsed_seconds": elapsed(),
             }
             rows.append(row)
@@ -384,6 +385,8 @@ def steady_figures(rows: list[dict], warmup_steps: int) -> dict:
         "median_comm_wait_seconds": median("comm_wait_seconds"),
         "bytes_sent_per_step": statistics.fmean(r["bytes_sent"] for r in steady),
         "bytes_dense_per_step": statistics.fmean(r["bytes_dense"] for r in steady),
+        # DDP buckets (FSDP modules) the gradient was reduced in, per step; rows written before it was recorded have none
+        "buckets_per_step": median("buckets") if all("buckets" in r for r in steady) else None,
     }
 
 
