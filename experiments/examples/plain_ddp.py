@@ -57,8 +57,9 @@ def train(args) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = DDP(student())
-    state = sparsecomm.register_topk_hook(model, density=args.density)  # sparsecomm (2/2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # sparsecomm (2/2); the hook takes over SGD's momentum (momentum correction), said on rank 0
+    state = sparsecomm.register_topk_hook(model, density=args.density, optimizer=optimizer)
     if args.resume:
         model.module.load_state_dict(torch.load(args.out / "model.pt", weights_only=True))
         optimizer.load_state_dict(torch.load(args.out / f"optimizer_rank{rank}.pt", weights_only=True))
