@@ -12,11 +12,11 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::spar
 SETTINGS = dict(density=0.1, allow_dense_fallback=False)
 
 
-def _job(mesh):
+def _job(mesh, **settings):
     import sparsecomm
 
     model = model_on(mesh["shard"])
-    state = sparsecomm.register_hsdp_hook(model, mesh, **SETTINGS)
+    state = sparsecomm.register_hsdp_hook(model, mesh, **SETTINGS, **settings)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
 
 
@@ -34,27 +34,30 @@ def _snapshot(model, optimizer, state):
     return params, moments, residuals, state.step
 
 
-def _resume(rank, world_size, root):
+def _resume(rank, world_size, root, budget):
     from sparsecomm.fsdp.checkpoint import load_hsdp_checkpoint, save_hsdp_checkpoint
 
     mesh = mesh_of(2, 2)
     generator = torch.Generator().manual_seed(100 + rank)
-    straight = _job(mesh)
+    straight = _job(mesh, budget=budget)
     _steps(*straight[:2], generator, 12)
     expected = _snapshot(*straight)
 
     generator = torch.Generator().manual_seed(100 + rank)
-    first = _job(mesh)
+    first = _job(mesh, budget=budget)
     _steps(*first[:2], generator, 6)
     save_hsdp_checkpoint(root, model=first[0], optimizer=first[1], state=first[2], mesh=mesh, step=6)
-    resumed = _job(mesh)  # a fresh job: its weights are the initial ones until the load
+    resumed = _job(mesh, budget=budget)  # a fresh job: its weights are the initial ones until the load
     step = load_hsdp_checkpoint(root, model=resumed[0], optimizer=resumed[1], state=resumed[2], mesh=mesh)
     _steps(*resumed[:2], generator, 6)
     return step, expected, _snapshot(*resumed)
 
 
-def test_a_resumed_hsdp_job_continues_bit_for_bit(tmp_path):
-    for rank, (step, expected, got) in enumerate(run_on_ranks(_resume, str(tmp_path), world_size=4)):
+# budget="model": each shard's modules have shares of their own (the same on its replicas), all
+# under the hook state's one key: a load must give every shard its own.
+@pytest.mark.parametrize("budget", ["bucket", "model"])
+def test_a_resumed_hsdp_job_continues_bit_for_bit(tmp_path, budget):
+    for rank, (step, expected, got) in enumerate(run_on_ranks(_resume, str(tmp_path), budget, world_size=4)):
         assert step == 6
         params, moments, residuals, hook_step = got
         assert hook_step == expected[3] == 12

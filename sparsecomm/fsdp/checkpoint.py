@@ -67,13 +67,26 @@ def _restore_model_and_optimizer(model, optimizer, averager, loaded: dict) -> No
 def _extras(state: TopKState | None, averager) -> dict:
     """The per-rank memories beside model and optimizer: the hook's (keys unique per replica and
     shard already), and an averager's, under this process's global rank (its own keys name the
-    replica only)."""
+    replica only). So are the hook's ``budget_shares`` (``budget="model"``), as one JSON text:
+    DCP loads only the keys its template holds, one per entry of a dict, and a fresh state has
+    no shares yet; and under one key for all ranks DCP would keep one shard's text."""
     extras = {}
     if state is not None:
         extras["hook"] = state.state_dict()
+        shares = extras["hook"].pop("budget_shares", None)
+        if shares is not None:
+            extras["budget_shares"] = {f"global_rank{dist.get_rank()}": json.dumps(shares)}
     if averager is not None:
         extras["averager"] = {f"global_rank{dist.get_rank()}": averager.state_dict()}
     return extras
+
+
+def _hook_state(extras: dict) -> dict:
+    """The hook's state dict in ``extras`` as :meth:`TopKState.state_dict` made it."""
+    hook = dict(extras["hook"])
+    if "budget_shares" in extras:
+        hook["budget_shares"] = json.loads(extras["budget_shares"][f"global_rank{dist.get_rank()}"])
+    return hook
 
 
 def save_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -242,7 +255,7 @@ def load_hsdp_checkpoint(root, *, model: torch.nn.Module, optimizer: torch.optim
         raise CheckpointCorrupt(f"reading {directory} failed: {error}") from None
     _restore_model_and_optimizer(model, optimizer, averager, weights)
     if state is not None:
-        state.load_state_dict(extras["hook"])
+        state.load_state_dict(_hook_state(extras))
     if averager is not None:
         averager.load_state_dict(extras["averager"][f"global_rank{dist.get_rank()}"])
     return step
@@ -255,7 +268,7 @@ def _misfit(state: TopKState | None, averager, loaded: dict, directory: Path) ->
         if state is not None:
             hook = copy.deepcopy(state)
             hook.process_group = state.process_group  # a copy drops it; the rank comes from it
-            hook.load_state_dict(loaded["hook"])
+            hook.load_state_dict(_hook_state(loaded))
     except ValueError as error:
         return CheckpointMismatch(f"{directory}: the saved hook state does not fit this TopKState: {error}")
     try:
