@@ -51,19 +51,36 @@ def _train(rank, world_size, budget):
     return seen, {name: p.detach().clone() for name, p in names.items()}, state.stats()
 
 
+def _float32_exponent(value: float) -> int:
+    """The biased float32 exponent of |value| (0 for zero and subnormals), from frexp."""
+    if value == 0:
+        return 0
+    _, exponent = math.frexp(abs(value))  # value = m x 2^exponent, 0.5 <= m < 1
+    return max(exponent - 1 + 127, 0)
+
+
 def _expected_k(seen_step, world_size):
-    """The rule worked by hand from one step's accs: every bucket keeps its 8 x k0 largest
-    magnitudes; the K-th largest of all of them (K = sum of k0) is the threshold; each
-    parameter's count at or above it, summed over the ranks, is its share of K."""
+    """The rule worked by hand from one step's accs: count every parameter's entries per power
+    of two, sum the counts over the ranks; the threshold is the highest power of two at or
+    above which K x world-size entries lie (K = the sum of the plain k's); a parameter's
+    share of K is its count above it plus, of its count at it, the fraction still needed."""
     k0 = {names: max(1, math.ceil(DENSITY * acc.numel())) for names, acc, _ in seen_step}
-    kept = {names: sorted(acc.abs().tolist(), reverse=True)[: 8 * k0[names]] for names, acc, _ in seen_step}
     budget = sum(k0.values())
-    threshold = sorted((m for values in kept.values() for m in values), reverse=True)[budget - 1]
-    order = sorted(names for names in kept)
-    counts = torch.tensor([float(sum(m >= threshold for m in kept[names])) for names in order], dtype=torch.float64)
-    dist.all_reduce(counts)
-    return {names: min(len(seen_acc), max(1, round(budget * float(c) / float(counts.sum()))))
-            for names, c, seen_acc in zip(order, counts, [dict((n, a) for n, a, _ in seen_step)[n] for n in order])}
+    order = sorted(names for names in k0)
+    accs = {names: acc for names, acc, _ in seen_step}
+    table = torch.zeros(len(order), 255, dtype=torch.float64)
+    for row, names in enumerate(order):
+        for value in accs[names].tolist():
+            table[row, _float32_exponent(value)] += 1
+    dist.all_reduce(table)
+    target = budget * world_size
+    per_power = table.sum(0).tolist()
+    threshold = max((e for e in range(255) if sum(per_power[e:]) >= target), default=0)
+    needed = target - sum(per_power[threshold + 1:])
+    entries = [sum(table[row, threshold + 1:].tolist()) + float(table[row, threshold]) * min(needed / per_power[threshold], 1.0)
+               for row in range(len(order))]
+    return {names: min(accs[names].numel(), max(1, round(budget * count / sum(entries))))
+            for names, count in zip(order, entries)}
 
 
 def _allocation_worker(rank, world_size):
@@ -138,29 +155,46 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(budget):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(selector="chunk"), "selector='exact'"),
-    (dict(exchange="owner"), "exchange='allgather'"),
-    (dict(k_scope="parameter"), "k_scope='bucket'"),
-], ids=["chunk", "owner", "per-parameter"])
-def test_a_model_budget_outside_the_exact_all_gather_is_refused(options, message):
-    with pytest.raises(ValueError, match=f"budget='model' moves k between the buckets.*{message}"):
+    (dict(selector="random"), "needs selector 'exact' or 'chunk'"),
+    (dict(selector="sampled"), "needs selector 'exact' or 'chunk'"),
+    (dict(k_scope="parameter"), "needs k_scope='bucket'"),
+    (dict(exchange="shared-mask"), "exchange='shared-mask' sizes every tensor's mask itself"),
+    (dict(selector="sampled", transport="mpi"), "needs selector 'exact' or 'chunk'"),
+], ids=["random", "sampled", "per-parameter", "shared-mask", "mpi"])
+def test_a_model_budget_where_it_cannot_apply_is_refused_and_the_default_is_the_bucket_budget_there(options, message):
+    with pytest.raises(ValueError, match=f"budget='model' moves k between the buckets, .*{message}.*budget='bucket'"):
         sparsecomm.TopKState(density=0.01, budget="model", **options)
+    assert sparsecomm.TopKState(density=0.01, **options).config.budget == "bucket"
     with pytest.raises(ValueError, match="budget must be one of 'bucket', 'model'; got 'global'"):
         sparsecomm.TopKState(density=0.01, budget="global")
 
 
-def _overflow_worker(rank, world_size):
+@pytest.mark.parametrize("options", [
+    dict(), dict(selector="chunk", index_codec="rice", value_codec="int4"), dict(exchange="owner"),
+    dict(selector="chunk", exchange="owner"), dict(exchange="shared-index"), dict(exchange="auto"),
+    dict(value_codec="int2", index_codec="rice"),
+], ids=["exact", "chunk-rice-int4", "owner", "chunk-owner", "shared-index", "auto", "exact-rice-int2"])
+def test_the_model_budget_is_the_default_on_every_selector_and_exchange_it_applies_to(options):
+    assert sparsecomm.TopKState(density=0.01, **options).config.budget == "model"
+
+
+def _after_four_steps(rank):
+    """A model-budget hook after 4 steps (2 of them sparse), its shares then, and the next batch."""
     model = DDP(_model(), bucket_cap_mb=1e-6)
-    state = sparsecomm.register_topk_hook(model, density=DENSITY, budget="model", allow_dense_fallback=False)
+    state = sparsecomm.register_topk_hook(model, density=DENSITY, budget="model", allow_dense_fallback=False,
+                                          momentum=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(7 + rank)
     for _ in range(4):
         optimizer.zero_grad()
         model(_batch(generator)).pow(2).mean().backward()
         optimizer.step()
-    before = state.state_dict()["budget_shares"]
     optimizer.zero_grad()
-    x = _batch(generator)
+    return model, state, state.state_dict()["budget_shares"], _batch(generator)
+
+
+def _overflow_worker(rank, world_size):
+    model, state, before, x = _after_four_steps(rank)
     if rank == 1:
         x[0, 0] = float("inf")  # an overflow on one rank only; the loop skips the step
     model(x).pow(2).mean().backward()
@@ -172,3 +206,62 @@ def test_a_step_that_overflowed_on_any_rank_leaves_the_shares_as_they_were():
     results = run_on_ranks(_overflow_worker, world_size=3)
     for before, after in results:
         assert before and after == before
+
+
+def _skip_worker(rank, world_size):
+    """Shares after step 4, then a step the loop skips (skip_step): they must be those of step 4."""
+    model, state, before, x = _after_four_steps(rank)
+    model(x * 50).pow(2).mean().backward()  # a loss spike the loop refuses
+    during = dict(state.model_budget.shares)  # what the skipped step agreed on
+    state.skip_step()
+    return before, during, state.state_dict()["budget_shares"]
+
+
+def test_a_step_the_loop_skips_gives_back_the_shares_it_started_from():
+    for before, during, after in run_on_ranks(_skip_worker, world_size=3):
+        assert during != before  # the skipped step did move them (so the test can fail)
+        assert after == before
+
+
+def _wire_worker(rank, world_size, options):
+    """A model split over several buckets, whose last layer holds most of the gradient's mass:
+    every wire the model budget applies to moves k towards it, conserves acc exactly (the audit)
+    and keeps the replicas equal."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    with torch.no_grad():
+        module[2].weight.mul_(0.01)  # a small last layer: the first layer's gradient (through it) is small
+    model = DDP(module, bucket_cap_mb=1e-6)
+    state = sparsecomm.register_topk_hook(model, density=0.05, allow_dense_fallback=False, verify_conservation=True,
+                                          momentum=0, **options)
+    sent = {}
+
+    def observe(event):
+        if event.stage == "packed" and not event.dense:
+            sent[tuple(event.names)] = int(event.tensors["indices"].numel())
+
+    state.add_observer(observe)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(11 + rank)
+    for _ in range(6):
+        optimizer.zero_grad()
+        model(torch.randn(16, 64, generator=generator)).sub(1).pow(2).mean().backward()
+        optimizer.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(weights) for _ in range(world_size)]
+    dist.all_gather(gathered, weights)
+    return state.config.budget, dict(state.model_budget.shares), sent, all(torch.equal(gathered[0], w) for w in gathered)
+
+
+@pytest.mark.parametrize("options", [
+    dict(selector="chunk", chunk_size=512, index_codec="rice", value_codec="int4"),
+    dict(exchange="owner"),
+    dict(selector="chunk", chunk_size=512, exchange="owner"),
+    dict(exchange="shared-index"),
+], ids=["chunk-rice-int4", "owner", "chunk-owner", "shared-index"])
+def test_the_model_budget_moves_k_between_buckets_on_every_wire_it_applies_to(options):
+    plain = math.ceil(0.05 * 64 * 64)  # each weight's plain k; the last layer's bias is a bucket of its own
+    for budget, shares, sent, replicas_equal in run_on_ranks(_wire_worker, options, world_size=3):
+        assert budget == "model" and replicas_equal
+        assert shares["2.weight"] > 1.5 * plain > shares["0.weight"]  # the mass is in the last layer
+        assert sent[("2.weight",)] > 1.5 * plain > sent[("0.weight",)]  # and the wire sent what the shares say
