@@ -22,7 +22,7 @@ def _train(rank, world_size, index_codec, value_codec, steps=6):
     ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=64, depth=3), bucket_cap_mb=0.01)
     state = sparsecomm.register_topk_hook(ddp, density=0.02, selector="chunk", chunk_size=512,
                                           index_codec=index_codec, value_codec=value_codec,
-                                          verify_conservation=True)
+                                          verify_conservation=True, budget="bucket")  # the layout's k, worked by hand
     seen = []
 
     def observe(event):
@@ -176,7 +176,7 @@ def test_payload_injector_flips_one_packed_code_of_a_chunk_payload():
 def _train_exact(rank, world_size, index_codec, value_codec, momentum):
     ddp = torch.nn.parallel.DistributedDataParallel(mlp(width=48, depth=3), bucket_cap_mb=0.02)
     state = sparsecomm.register_topk_hook(ddp, density=0.03, index_codec=index_codec, value_codec=value_codec,
-                                          momentum=momentum, verify_conservation=True)
+                                          momentum=momentum, verify_conservation=True, budget="bucket")
     return fit_doubling(ddp, rank, 8, 48), state.stats()["last_step"]
 
 

@@ -116,7 +116,7 @@ def _train_and_observe(rank, world_size, index_codec, value_codec, selector="chu
     chunking = {"chunk_size": CHUNK} if selector == "chunk" else {}
     state = sparsecomm.register_topk_hook(ddp, density=0.05, selector=selector, index_codec=index_codec,
                                           value_codec=value_codec, exchange="owner", verify_conservation=True,
-                                          **chunking)
+                                          budget="bucket", **chunking)  # the layout's k, worked by hand
     seen = []
 
     def observe(event):
@@ -191,7 +191,7 @@ def _bytes_per_step(rank, world_size, exchange):
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256, bias=False), bucket_cap_mb=25)
     state = sparsecomm.register_topk_hook(ddp, density=0.01, selector="chunk", chunk_size=CHUNK,
                                           index_codec="chunk", value_codec="int4", exchange=exchange,
-                                          warmup_steps=2)
+                                          warmup_steps=2, budget="bucket")  # the layout's bytes, worked by hand
     for x in rank_data(rank, 3, (4, 256)):
         ddp(x).square().sum().backward()
     last = state.stats()["last_step"]

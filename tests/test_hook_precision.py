@@ -30,7 +30,7 @@ def _small_gradient_worker(rank, world_size, residual_dtype):
     model = nn.Linear(N, 1, bias=False).to(torch.bfloat16)
     ddp = DDP(model)
     state = sparsecomm.register_topk_hook(ddp, density=1 / N, residual_dtype=residual_dtype, warmup_steps=WARMUP,
-                                          verify_conservation=True)
+                                          verify_conservation=True, budget="bucket")  # the fused path
     x = torch.full((1, N), SMALL, dtype=torch.bfloat16)
     x[0, 0] = 1.0 + rank
     for _ in range(STEPS):

@@ -23,7 +23,7 @@ def _train_and_observe(rank, world_size, selector, index_codec, value_dtype, ste
     chunking = {"chunk_size": 128} if selector == "chunk" else {}
     state = sparsecomm.register_topk_hook(ddp, density=0.03, selector=selector, index_codec=index_codec,
                                           value_dtype=value_dtype, exchange="shared-index",
-                                          verify_conservation=True, **chunking)
+                                          verify_conservation=True, budget="bucket", **chunking)  # k worked by hand
     seen = []
 
     def observe(event):
@@ -110,7 +110,9 @@ def test_density_one_is_allreduce_bit_for_bit_at_two_ranks():
 
 def test_bytes_are_one_index_set_and_a_ring_of_values():
     world_size, k = 3, 100  # 1% of 10000
-    rows = run_on_ranks(first_sparse_step_bytes, {"density": 0.01, "exchange": "shared-index"}, world_size=world_size)
+    # budget="bucket": the bytes of the exchange alone (the model budget adds its counts' all-reduce)
+    rows = run_on_ranks(first_sparse_step_bytes, {"density": 0.01, "exchange": "shared-index", "budget": "bucket"},
+                        world_size=world_size)
     leader = (2 + 0) % world_size  # step 2 (the first after warm-up), bucket 0
     # The index set is sealed (8 bytes); the values allreduce sums one more element, every
     # rank's verdict on its copy of the index set (wire_checksum, docs/wire.md).

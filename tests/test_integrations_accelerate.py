@@ -116,7 +116,7 @@ def _defaults_worker(rank, world_size, root):
     from accelerate import Accelerator
 
     from sparsecomm.integrations import register_topk_hook_accelerate
-    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+    from sparsecomm.hooks.momentum_handover import OptimizerChangedWarning
 
     def train(make_optimizer, **options):
         accelerator = Accelerator(cpu=True)

@@ -170,7 +170,7 @@ def _defaults_worker(rank, world_size, root):
     import lightning.pytorch as pl
 
     from sparsecomm.integrations import SparseCommCallback
-    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+    from sparsecomm.hooks.momentum_handover import OptimizerChangedWarning
 
     Regressor, loader = _module_and_data(pl)
 

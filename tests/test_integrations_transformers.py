@@ -235,7 +235,7 @@ def test_trainer_runs_sparse_and_a_resume_continues_bit_for_bit(two_ranks):
 def _defaults_worker(rank, world_size, root):
     _join_as_trainer_ranks(rank, world_size)
     from sparsecomm.integrations import SparseCommTrainerCallback
-    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+    from sparsecomm.hooks.momentum_handover import OptimizerChangedWarning
 
     runs = {}
     # (callback options, TrainingArguments): the defaults; the topk-dgc setting built by hand (the
@@ -369,7 +369,7 @@ class FakeLabRun:
 def _lab_and_momentum_worker(rank, world_size, root):
     _join_as_trainer_ranks(rank, world_size)
     from sparsecomm.integrations import SparseCommTrainerCallback
-    from sparsecomm.integrations.momentum_handover import OptimizerChangedWarning
+    from sparsecomm.hooks.momentum_handover import OptimizerChangedWarning
 
     run = FakeLabRun()
     callback = SparseCommTrainerCallback.for_lab_run(run)

@@ -32,8 +32,9 @@ def test_topk_state_takes_every_option_with_the_tables_default():
     assert keywords - STATE_ONLY == set(TABLE)
     for name in TABLE:
         assert parameters[name].default == getattr(TopKConfig, name), name
-        assert getattr(TopKState(), name) == (getattr(TopKConfig, name) if name != "density_schedule"
-                                              else TopKState().config.density_schedule)
+        # density_schedule and budget are resolved when the state is built (budget None: "model" where it applies)
+        resolved = {"density_schedule": TopKState().config.density_schedule, "budget": "model"}
+        assert getattr(TopKState(), name) == resolved.get(name, getattr(TopKConfig, name))
 
 
 def test_topk_state_docstring_names_every_option():
@@ -65,7 +66,7 @@ def test_what_is_derived_from_the_table():
     # A checkpoint holds what the memories depend on; the wire's settings only for a compact wire.
     plain = set(TopKConfig.build().checkpoint_dict())
     assert plain == {"density", "density_schedule", "error_feedback", "momentum", "nesterov", "local_clip_norm",
-                     "warmup_steps", "selector", "value_dtype", "seed", "k_scope"}
+                     "warmup_steps", "selector", "value_dtype", "seed", "k_scope", "budget"}
     compact = TopKConfig.build(selector="chunk", value_codec="int4", exchange="owner").checkpoint_dict()
     assert set(compact) == plain | {"chunk_size", "index_codec", "value_codec", "exchange"}
     assert TopKConfig.build(value_dtype=torch.bfloat16).checkpoint_dict()["value_dtype"] == "torch.bfloat16"

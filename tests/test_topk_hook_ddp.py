@@ -414,9 +414,9 @@ def test_results_do_not_depend_on_bucket_cap(selector):
 # ----- native kernels and the pure-torch reference train identically ----------------------
 
 
-def _training_worker(rank, world_size, k_scope, observed):
+def _training_worker(rank, world_size, k_scope, budget, observed):
     ddp = DDP(_mlp())
-    state = sparsecomm.register_topk_hook(ddp, density=0.05, k_scope=k_scope)
+    state = sparsecomm.register_topk_hook(ddp, density=0.05, k_scope=k_scope, budget=budget, momentum=0)
     if observed:  # an observer makes the hook compensate in the bucket first (unfused path)
         state.add_observer(lambda event: None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -428,9 +428,11 @@ def _training_worker(rank, world_size, k_scope, observed):
             state.stats())
 
 
-@pytest.mark.parametrize("k_scope, observed", [("bucket", False), ("parameter", True)],
-                         ids=["bucket-fused", "parameter-compensated-first"])
-def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, observed):
+@pytest.mark.parametrize("k_scope, budget, observed, fused", [("bucket", "bucket", False, True),
+                                                              ("parameter", "bucket", True, False),
+                                                              ("bucket", "model", False, False)],
+                         ids=["bucket-fused", "parameter-compensated-first", "model-budget-compensated-first"])
+def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, budget, observed, fused):
     from sparsecomm.ops import native
 
     if not native.load()[0]:
@@ -438,15 +440,15 @@ def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, o
     results = {}
     for kernels in ("native", "reference"):
         monkeypatch.setenv("SPARSECOMM_KERNELS", kernels)  # inherited by the spawned ranks
-        results[kernels] = run_on_ranks(_training_worker, k_scope, observed)
+        results[kernels] = run_on_ranks(_training_worker, k_scope, budget, observed)
     for (native_params, native_state, native_impl, native_stats), (ref_params, ref_state, ref_impl, ref_stats) in zip(
         results["native"], results["reference"]
     ):
         assert (native_impl, ref_impl) == ("sparsecomm.ops.native", "sparsecomm.ops.reference")
         # Both went through the kernels being compared: 4 sparse steps, on the fused path
-        # unless an observer made the hook compensate first.
+        # unless an observer or the model budget (which counts acc's magnitudes) made the hook compensate first.
         for stats in (native_stats, ref_stats):
-            assert stats["sparse_calls"] == 4 and stats["fused_calls"] == (0 if observed else 4)
+            assert stats["sparse_calls"] == 4 and stats["fused_calls"] == (4 if fused else 0)
         assert all(torch.equal(a, b) for a, b in zip(native_params, ref_params))
         assert native_state.keys() == ref_state.keys()
         assert all(torch.equal(native_state[key], ref_state[key]) for key in native_state

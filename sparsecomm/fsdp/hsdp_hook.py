@@ -17,7 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from sparsecomm.fsdp.fsdp_modules import sharded_modules
 from sparsecomm.fsdp.shard_bucket import ShardArrivals, ShardBucket
+from sparsecomm.hooks.momentum_handover import resolve_for_registration, unwrap
+from sparsecomm.hooks.register import say_what_changed
 from sparsecomm.hooks.topk import TopKState, topk_hook
+
+OWNER = "register_hsdp_hook"
 
 
 class ShardReduce:
@@ -45,7 +49,7 @@ class ShardReduce:
 
 
 def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKState | None = None, *,
-                       replicate_dim: str = "replicate", shard_dim: str = "shard", wrap=None,
+                       replicate_dim: str = "replicate", shard_dim: str = "shard", optimizer=None, wrap=None,
                        **state_kwargs) -> TopKState:
     """Reduce ``model``'s gradients across the replicas of ``mesh`` with :func:`sparsecomm.topk_hook`.
 
@@ -58,6 +62,12 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     ``<module name>.flat_shard<s>`` (s: this rank's place in its shard group), so
     ``state.state_dict()`` of every rank is its own, and loading it on another mesh is refused
     naming the shard that differs.
+
+    Pass the training loop's ``optimizer``: as with :func:`sparsecomm.register_topk_hook`,
+    the hook then takes over its momentum (momentum correction, AdamW with ``betas[0]=0``)
+    unless ``momentum`` is given; without it (and without ``momentum``) the hook runs plain
+    error feedback and says so on rank 0. The default ``budget="model"`` shares one top-k
+    budget among the FSDP modules (each module's k from the last step's model-wide top-k).
 
     ``wrap`` (for measurements, e.g. the lab's): each module's hook passes through
     ``wrap(hook, module_name)`` before FSDP gets it; the wrapper must call the hook.
@@ -76,8 +86,10 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     """
     modules = sharded_modules(model, mesh, replicate_dim, shard_dim)
     replicas = mesh.get_group(replicate_dim)
-    if state is None:
-        state = TopKState(replicas, **state_kwargs)
+    handover, built = None, state is None
+    if built:
+        options, handover = resolve_for_registration(OWNER, optimizer, state_kwargs)
+        state = TopKState(replicas, **options)
     elif state_kwargs:
         raise ValueError(f"pass either state or TopKState keyword arguments, not both (got {sorted(state_kwargs)})")
     elif not isinstance(state, TopKState):
@@ -101,4 +113,8 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     for index, (found, (placeholder, _)) in enumerate(zip(modules, placeholders.values())):
         hook = ShardReduce(state, arrivals, index, placeholder)
         found.module.set_all_reduce_hook(hook if wrap is None else wrap(hook, found.name), stream=stream)
+    if built:
+        say_what_changed(OWNER, state, optimizer, state_kwargs, handover)
+    elif optimizer is not None:
+        state.check_optimizer(unwrap(optimizer))
     return state

@@ -34,9 +34,11 @@ class TopKConfig:
                             low=0.0, high=1.0, low_open=True)
     error_feedback: bool = option(True, "keep what was not sent and add it next step", kind="bool")
     momentum: float = option(
-        0.0, "DGC momentum correction: the hook owns the momentum; build the optimizer with "
-             '`sparsecomm.dgc_optimizer(params, "sgd"/"adamw", lr=...)` (no momentum of its own; '
-             "`register_topk_hook(..., optimizer=opt)` warns on a mismatch)",
+        0.0, "DGC momentum correction: the hook owns the momentum and the optimizer has none of its own. "
+             "`register_topk_hook(ddp, density=..., optimizer=opt)` (and `register_hsdp_hook`) set it from `opt` "
+             "when `momentum` is left unset (AdamW's `betas[0]` moves into the hook); by hand: "
+             '`sparsecomm.dgc_optimizer(params, "sgd"/"adamw", lr=...)`',
+        accepted='a number in [0, 1); `register_topk_hook` and `register_hsdp_hook` with `optimizer=` also `"auto"`',
         kind="real", low=0.0, high=1.0, high_open=True, condition="> 0 needs `error_feedback`")
     nesterov: bool = option(False, "DGC's Nesterov variant of momentum correction", kind="bool",
                             condition="`True` needs `momentum` > 0")
@@ -69,12 +71,17 @@ class TopKConfig:
     k_scope: str = option("bucket", '`"bucket"`: top-k of each DDP bucket; `"parameter"`: layer-wise top-k, '
                                     "independent of the bucket layout", kind="choice", choices=K_SCOPES,
                           condition='chunked selection and compact codecs need `"bucket"`')
-    budget: str = option(
-        "bucket", '`"bucket"`: every bucket sends `density` x its entries; `"model"`: the buckets share `density` x '
-                  "the model's entries, each bucket's k from the last step's model-wide top-k (one small all-reduce "
-                  "per step; [options.md](options.md#one-budget-for-the-model-budgetmodel))", kind="choice",
-        choices=BUDGETS, condition='`"model"` needs `selector="exact"`, `exchange="allgather"`, `k_scope="bucket"`',
-        checkpoint="if-set")
+    budget: str | None = option(
+        None, '`"model"`: the buckets (FSDP modules) share `density` x the model\'s entries, each bucket\'s k from '
+              "the last step's model-wide top-k (one small all-reduce per step; "
+              "[options.md](options.md#one-budget-for-the-model-budgetmodel)); `\"bucket\"`: every bucket sends "
+              '`density` x its own entries; `None`: `"model"` wherever it applies, else `"bucket"`',
+        kind="choice", choices=BUDGETS, accepted='`None`, `"bucket"`, `"model"`',
+        condition='`"model"` needs `selector` `"exact"` or `"chunk"`, `k_scope="bucket"`, `transport="c10d"` and an '
+                  'exchange other than `"shared-mask"` (random-k and `k_scope="parameter"` fix k per parameter, the '
+                  "shared mask sizes its own mask, the sampled selector and MPI's variable all-gather send counts "
+                  "of their own)",
+        checkpoint="always")
     transport: str = option(
         "c10d", '`"c10d"`: all-gather over the process group; `"mpi"`: MPI `Iallgatherv`, where `selector="sampled"` '
                 "sends a different number of entries per rank ([mpi.md](mpi.md))", kind="choice", choices=TRANSPORTS,
@@ -149,10 +156,13 @@ class TopKConfig:
             "density_schedule": _resolve_schedule(density_schedule, density),
             "transport": check_transport(s.get("transport", cls.transport), selector),
             "link": _check_link(s.get("link")),
+            "budget": None if s.get("budget") is None else specs["budget"].check("budget", s["budget"]),
         }
         for name, spec in specs.items():
             if name not in resolved:
                 resolved[name] = spec.check(name, s.get(name, getattr(cls, name)))
+        if resolved["budget"] is None:  # the model's budget wherever it applies
+            resolved["budget"] = "bucket" if _model_budget_refusal(resolved) is not None else "model"
         config = cls(**resolved)
         config._check_combinations()
         return config
@@ -173,12 +183,9 @@ class TopKConfig:
             raise ValueError(f"selector={self.selector!r} with index_codec={self.index_codec!r} and value_codec="
                              f"{self.value_codec!r} encodes whole buckets: it needs k_scope='bucket', got "
                              f"k_scope={self.k_scope!r}")
-        if self.budget == "model" and (self.selector != "exact" or self.exchange != "allgather"
-                                       or self.k_scope != "bucket" or self.transport != "c10d"):
-            raise ValueError(f"budget='model' moves k between the buckets of an exact top-k all-gather: it needs "
-                             f"selector='exact', exchange='allgather', k_scope='bucket' and transport='c10d', got "
-                             f"selector={self.selector!r}, exchange={self.exchange!r}, k_scope={self.k_scope!r}, "
-                             f"transport={self.transport!r}")
+        if self.budget == "model" and _model_budget_refusal(vars(self)) is not None:
+            raise ValueError(f"budget='model' moves k between the buckets, {_model_budget_refusal(vars(self))}; use "
+                             "budget='bucket', or leave budget unset (then it is 'model' wherever it applies)")
         if self.link is not None and self.exchange != "auto":
             raise ValueError(f"link={self.link!r} is what exchange='auto' models to choose an exchange; with "
                              f"exchange={self.exchange!r} it would be ignored")
@@ -307,3 +314,17 @@ def _resolve_schedule(spec, density: float) -> DensitySchedule:
         "density_schedule must be None, a DensitySchedule, {'kind': 'exponential', 'steps': N} "
         f"or a list of (first_step, density) pairs, got {type(spec).__name__}"
     )
+
+
+def _model_budget_refusal(settings: dict) -> str | None:
+    """Why ``budget="model"`` cannot apply to these settings (None: it can)."""
+    if settings["selector"] not in ("exact", "chunk"):
+        return (f"which needs selector 'exact' or 'chunk' (random-k draws a fixed k per parameter; the sampled "
+                f"selector's count is its own), got selector={settings['selector']!r}")
+    if settings["k_scope"] != "bucket":
+        return f"which needs k_scope='bucket' (a per-parameter k is fixed), got k_scope={settings['k_scope']!r}"
+    if settings["exchange"] == "shared-mask":
+        return "but exchange='shared-mask' sizes every tensor's mask itself (SCAPE's per-tensor top-k)"
+    if settings["transport"] != "c10d":
+        return f"which needs transport='c10d' (its counts are all-reduced there), got transport={settings['transport']!r}"
+    return None

@@ -1,7 +1,11 @@
 """Registering the hook on a DDP model, with the checks DDP itself does not make."""
 import torch
 
+from sparsecomm.hooks import momentum_handover
+from sparsecomm.hooks.optimizer import MomentumMismatchWarning
 from sparsecomm.hooks.topk import TopKState, topk_hook
+
+OWNER = "register_topk_hook"
 
 
 def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=None, **state_kwargs) -> TopKState:
@@ -9,16 +13,25 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
 
     Pass either a ready ``state`` or the keyword arguments of :class:`TopKState`
     (``density=...``); the state is bound to the model, so residuals are keyed by the
-    model's parameter names. Pass ``optimizer`` to be warned
-    (:class:`~sparsecomm.hooks.optimizer.MomentumMismatchWarning`) when momentum
-    correction is on and the optimizer applies momentum too.
+    model's parameter names.
 
-    Raises:
+    Pass the training loop's ``optimizer`` (torch SGD, Adam, AdamW, or transformers'
+    Adafactor): with ``momentum`` left unset (or ``"auto"``) the hook takes over the
+    optimizer's momentum (momentum correction; AdamW's ``betas[0]`` becomes 0, SGD's
+    ``momentum`` 0), which holds quality where plain error feedback into AdamW loses it
+    (:mod:`sparsecomm.hooks.momentum_handover`; said once on rank 0 with an
+    ``OptimizerChangedWarning``). ``momentum=0`` keeps the optimizer as it is. Without
+    an optimizer and without ``momentum``, the hook is plain top-k + error feedback and a
+    :class:`~sparsecomm.hooks.optimizer.MomentumMismatchWarning` says so on rank 0. With
+    a ready ``state``, ``optimizer`` is only checked (a warning if both apply momentum).
+
+    Raises (before anything changes, the optimizer included):
         TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``state`` is not a
             TopKState.
         ValueError: a hook is already registered on ``ddp_model`` (DDP allows one),
-            both ``state`` and state keyword arguments were given, or ``state`` has a
-            process group other than the DDP model's.
+            both ``state`` and state keyword arguments were given, ``state`` has a
+            process group other than the DDP model's, ``momentum="auto"`` without an
+            optimizer, or an optimizer whose momentum cannot be moved into the hook.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -34,8 +47,10 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
             f"ddp_model already has a communication hook ({', '.join(names)}); DDP allows "
             "one per model: build a new DDP model to change it"
         )
-    if state is None:
-        state = TopKState(ddp_model.process_group, module=ddp_model, **state_kwargs)
+    handover, built = None, state is None
+    if built:
+        options, handover = momentum_handover.resolve_for_registration(OWNER, optimizer, state_kwargs)
+        state = TopKState(ddp_model.process_group, module=ddp_model, **options)
     elif state_kwargs:
         raise ValueError(
             f"pass either state or TopKState keyword arguments, not both (got {sorted(state_kwargs)})"
@@ -44,7 +59,20 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
         raise TypeError(f"state must be a sparsecomm.TopKState, got {type(state).__name__}")
     else:
         state.bind(ddp_model)  # also adopts the DDP model's process group when the state has none
-    if optimizer is not None:
-        state.check_optimizer(optimizer)
+    if handover is None and optimizer is not None:
+        state.check_optimizer(momentum_handover.unwrap(optimizer))
     ddp_model.register_comm_hook(state, topk_hook)
+    if built:
+        say_what_changed(OWNER, state, optimizer, state_kwargs, handover)
     return state
+
+
+def say_what_changed(owner: str, state: TopKState, optimizer, options: dict, handover) -> None:
+    """After a hook built from keyword arguments is registered: change the optimizer as
+    planned and say so, or warn that without its optimizer (and without ``momentum``) the
+    hook runs plain error feedback (rank 0, once)."""
+    rank, _ = state.rank_and_world_size()
+    if handover is not None:
+        momentum_handover.announce(owner, handover.apply(), rank)
+    elif momentum_handover.leaves_momentum_uncorrected(optimizer, options):
+        momentum_handover.announce(owner, momentum_handover.UNCORRECTED_MOMENTUM, rank, MomentumMismatchWarning)

@@ -16,6 +16,7 @@ COUNTERS = (
     "bytes_dense",  # bytes a dense allreduce would have taken from this rank
     "bytes_sent",  # bytes this rank actually contributed (payload or dense buffer)
     "bytes_received",  # bytes of other ranks' data this rank took in (see TopKState.stats)
+    "bytes_budget",  # bytes of budget="model"'s counts all-reduce (also in bytes_sent)
     "seconds_select_pack",  # host time: error feedback + selection + packing
     "seconds_unpack",  # host time: scatter-add of the gathered payloads
     "seconds_wire_checksum",  # host time checking received payloads (wire_checksum; sealing: in select_pack)

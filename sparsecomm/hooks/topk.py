@@ -123,7 +123,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     if bucket.is_last():
         if state.model_budget is not None:  # budget="model": the next step's k per bucket (one small allreduce)
-            state.model_budget.agree(group)
+            sent = state.model_budget.agree(group)
+            state.count(bytes_sent=sent, bytes_budget=sent)
         state.end_step()
         # wire_checksum: every rank raises alike if any found a corrupt payload (one small allreduce).
         fut = integrity.agree(state, group, step, buffer.device, fut)

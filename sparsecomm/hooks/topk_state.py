@@ -174,11 +174,14 @@ class TopKState(PersistentState):
             ceil(density * numel) inside each parameter (layer-wise top-k), so the
             selection does not depend on how DDP groups parameters into buckets
             (``bucket_cap_mb``). Random-k always draws per parameter.
-        budget: ``"bucket"`` sends ``density`` x each bucket's entries; ``"model"`` shares
-            ``density`` x the model's entries among the buckets, each bucket's k from the
-            last step's model-wide top-k (:mod:`sparsecomm.hooks.model_budget`; one small
-            all-reduce per step). For models whose gradient mass sits in few layers, split
-            over many buckets (or FSDP modules).
+        budget: ``"model"`` shares ``density`` x the model's entries among the buckets,
+            each bucket's k from the last step's model-wide top-k
+            (:mod:`sparsecomm.hooks.model_budget`; one small all-reduce per step);
+            ``"bucket"`` sends ``density`` x each bucket's entries. None (the default):
+            ``"model"`` wherever it applies (exact or chunked selection, per-bucket k, c10d,
+            any exchange but the shared mask), else ``"bucket"``. Models whose gradient mass
+            sits in few layers (embeddings), split over many DDP buckets or FSDP modules,
+            lose quality under the per-bucket budget.
         verify_conservation: check on every sparse call, bit for bit, that
             ``sent + new_residual`` equals ``grad / world_size (+ velocity) + old_residual``
             computed independently from the raw gradient and copies of the memories taken
@@ -228,7 +231,7 @@ class TopKState(PersistentState):
         allow_dense_fallback: bool = True,
         verify_conservation: bool = False,
         k_scope: str = "bucket",
-        budget: str = "bucket",
+        budget: str | None = None,
         density_schedule=None,
         nesterov: bool = False,
         local_clip_norm: float | None = None,
@@ -428,6 +431,8 @@ class TopKState(PersistentState):
                 self.scale is not None and self.scale.decreased())
             if skipped:
                 self.sample_generator = self.journal.undo(self.sample_generator)
+                if self.model_budget is not None:
+                    self.model_budget.undo_step()
                 self.step -= 1  # the step never happened, as for the optimizer
                 self._stats.count(skipped_steps=1)
         if self.unused is not None:

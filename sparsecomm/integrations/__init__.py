@@ -9,7 +9,7 @@
 
 By default each moves the optimizer's own momentum into the hook (momentum correction),
 saying so on rank 0 with an :class:`OptimizerChangedWarning`
-(:mod:`sparsecomm.integrations.momentum_handover`).
+(:mod:`sparsecomm.hooks.momentum_handover`).
 
 Nothing here imports a framework until one of these names is used: importing
 ``sparsecomm`` or this package never requires Lightning, Accelerate or Transformers.
@@ -20,7 +20,7 @@ _EXPORTS = {
     "SparseCommCallback": "sparsecomm.integrations.lightning",
     "register_topk_hook_accelerate": "sparsecomm.integrations.accelerate",
     "SparseCommTrainerCallback": "sparsecomm.integrations.transformers",
-    "OptimizerChangedWarning": "sparsecomm.integrations.momentum_handover",
+    "OptimizerChangedWarning": "sparsecomm.hooks.momentum_handover",
 }
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.hooks.topk import TopKState
-from sparsecomm.integrations.momentum_handover import AUTO, check_momentum_option
+from sparsecomm.hooks.momentum_handover import AUTO, check_momentum_option
 
 # Keys of TopKState.state_dict() that every rank holds with the same value; all other
 # keys are rank-qualified ("rank{r}.residual.<param>", ...).
@@ -28,7 +28,7 @@ def check_state_options(owner: str, options: dict) -> dict:
 
     ``module`` and ``process_group`` are refused: the integration takes both from the
     DDP model the framework builds. ``momentum`` may also be "auto" (the default: the
-    optimizer's own, see :mod:`sparsecomm.integrations.momentum_handover`).
+    optimizer's own, see :mod:`sparsecomm.hooks.momentum_handover`).
     """
     taken = sorted({"module", "process_group"} & set(options))
     if taken:

@@ -11,7 +11,7 @@ hook types (fp16, bf16, PowerSGD), so the hook is registered after ``prepare``::
 By default (``momentum="auto"``) the hook takes over the momentum of the optimizers
 ``accelerator.prepare`` returned for this model (AdamW ``betas[0]``, SGD ``momentum``):
 momentum correction, the setting that holds quality
-(:mod:`sparsecomm.integrations.momentum_handover`).
+(:mod:`sparsecomm.hooks.momentum_handover`).
 
 Checkpoints: ``accelerator.register_for_checkpointing(obj)`` would call
 ``obj.state_dict()`` on every process but write the result on the main process only
@@ -33,7 +33,7 @@ from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.validation import check_bool
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.integrations._common import check_state_options, import_framework
-from sparsecomm.integrations.momentum_handover import AUTO, announce, plan_handover, unwrap
+from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover, unwrap
 
 accelerate = import_framework("accelerate", "accelerate", "accelerate")
 accelerate_utils = import_framework("accelerate.utils", "accelerate", "accelerate")
@@ -67,7 +67,7 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
         momentum: "auto" (default): the hook's momentum correction takes over the
             optimizer's own momentum (AdamW/Adam ``betas[0]`` -> 0, SGD ``momentum`` -> 0,
             changed in place and said in an
-            :class:`~sparsecomm.integrations.momentum_handover.OptimizerChangedWarning` on
+            :class:`~sparsecomm.hooks.momentum_handover.OptimizerChangedWarning` on
             the main process); an optimizer other than torch SGD/Adam/AdamW is refused. A
             number: that momentum correction, the optimizer's own turned off the same way;
             0: plain error feedback, the optimizer left as it is.

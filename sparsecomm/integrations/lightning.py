@@ -11,7 +11,7 @@ Lightning checkpoints::
 
 By default (``momentum="auto"``) the hook takes over the momentum of the LightningModule's
 optimizer (AdamW ``betas[0]``, SGD ``momentum``): momentum correction, the setting that
-holds quality (:mod:`sparsecomm.integrations.momentum_handover`).
+holds quality (:mod:`sparsecomm.hooks.momentum_handover`).
 
 When: ``DDPStrategy.setup()`` wraps the LightningModule in DDP, and ``Trainer._run``
 calls the callbacks' ``on_fit_start`` right after it, before the first batch: the only
@@ -35,7 +35,7 @@ from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.validation import check_bool
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.integrations._common import check_state_options, gather_state_dicts, import_framework
-from sparsecomm.integrations.momentum_handover import AUTO, announce, plan_handover
+from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover
 
 pl = import_framework("lightning.pytorch", "lightning", "lightning")
 strategies = import_framework("lightning.pytorch.strategies", "lightning", "lightning")
@@ -49,7 +49,7 @@ class SparseCommCallback(pl.Callback):
         momentum: "auto" (default): at ``on_fit_start`` the hook's momentum correction takes
             over the optimizers' own momentum (AdamW/Adam ``betas[0]`` -> 0, SGD
             ``momentum`` -> 0, said in an
-            :class:`~sparsecomm.integrations.momentum_handover.OptimizerChangedWarning` on rank 0); an
+            :class:`~sparsecomm.hooks.momentum_handover.OptimizerChangedWarning` on rank 0); an
             optimizer other than torch SGD/Adam/AdamW is refused (ValueError). A number:
             that momentum correction (the optimizers' own momentum turned off the same way);
             0: plain error feedback, optimizers left as they are.

@@ -14,7 +14,7 @@ the optimizer and loads a resumed checkpoint's weights, optimizer and scheduler,
 then calls ``on_train_begin``. There the callback checks the set-up (DeepSpeed, FSDP,
 XLA, SageMaker and hyperparameter search are refused; a single process warns once and
 registers nothing), decides which momentum the hook takes over from the optimizer (by
-default the optimizer's own: :mod:`sparsecomm.integrations.momentum_handover`; an optimizer
+default the optimizer's own: :mod:`sparsecomm.hooks.momentum_handover`; an optimizer
 it cannot adapt is refused here), reads a resumed checkpoint's hook state and puts a
 forward pre-hook on the model. DDP runs the model's forward inside
 ``DistributedDataParallel._inside_ddp_forward``, which publishes the running wrapper as
@@ -61,7 +61,7 @@ from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.hooks.validation import check_bool
 from sparsecomm.integrations._common import _to_cpu, check_state_options, import_framework
-from sparsecomm.integrations.momentum_handover import AUTO, announce, plan_handover, unwrap
+from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover, unwrap
 
 transformers = import_framework("transformers", "transformers", "transformers")
 trainer_module = import_framework("transformers.trainer", "transformers", "transformers")
@@ -92,7 +92,7 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             optimizer's own momentum (AdamW/Adam ``betas[0]``, SGD ``momentum`` and
             ``nesterov``, Adafactor ``beta1``), which is turned off in place before its
             first step, said in an
-            :class:`~sparsecomm.integrations.momentum_handover.OptimizerChangedWarning` on
+            :class:`~sparsecomm.hooks.momentum_handover.OptimizerChangedWarning` on
             rank 0. The Trainer's default AdamW thus runs with ``betas=(0, 0.999)`` and the
             hook with ``momentum=0.9``: the ``topk-dgc`` setting. An optimizer of another
             class is refused (ValueError at ``on_train_begin``). A number: that momentum

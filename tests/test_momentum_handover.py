@@ -7,7 +7,7 @@ built them, and through a real ``optimizer.step()`` where behaviour matters.
 import pytest
 import torch
 
-from sparsecomm.integrations.momentum_handover import MOVED_KEY, plan_handover
+from sparsecomm.hooks.momentum_handover import MOVED_KEY, plan_handover
 
 
 def _params():

@@ -1,4 +1,6 @@
-"""The hook takes over the optimizer's momentum: the integrations' default.
+"""The hook takes over the optimizer's momentum: the default wherever the optimizer is known
+(``register_topk_hook(..., optimizer=)``, ``register_hsdp_hook(..., optimizer=)``, the
+framework integrations).
 
 Plain top-k + error feedback feeds sparse, delayed gradients into the optimizer's own
 first moment, which loses quality with AdamW (the ``topk-ef`` arm: ``worse`` on the default
@@ -8,7 +10,8 @@ sparsification, and the optimizer runs without a first moment of its own: AdamW 
 experiment. So an integration given ``momentum="auto"`` (its default) moves the
 optimizer's own coefficient into the hook: AdamW/Adam ``betas[0]`` (0.9 by default),
 SGD ``momentum`` (and ``nesterov``), Adafactor ``beta1``; the user's algorithm keeps its
-momentum, now applied where sparsification cannot distort it.
+momentum, now applied where sparsification cannot distort it. A hook registered without
+its optimizer cannot do this, and is warned (:data:`UNCORRECTED_MOMENTUM`).
 
 The original coefficient is recorded in each changed param group (:data:`MOVED_KEY`),
 which the optimizer's own ``state_dict`` saves: a run resumed from a checkpoint (whose
@@ -23,6 +26,7 @@ import warnings
 
 import torch
 
+from sparsecomm.hooks.optimizer import MomentumMismatchWarning
 from sparsecomm.hooks.validation import check_real
 
 AUTO = "auto"
@@ -181,7 +185,40 @@ def plan_handover(owner: str, optimizers, options: dict) -> Handover:
     return Handover(float(momentum), bool(nesterov), changes)
 
 
-def announce(owner: str, message: str | None, rank: int) -> None:
-    """Say what changed in the optimizer, once, on rank 0."""
+def announce(owner: str, message: str | None, rank: int, category=OptimizerChangedWarning) -> None:
+    """Say what changed in the optimizer (or, with another ``category``, what was not done), once, on rank 0."""
     if message is not None and rank == 0:
-        warnings.warn(f"{owner}: {message}", OptimizerChangedWarning, stacklevel=3)
+        warnings.warn(f"{owner}: {message}", category, stacklevel=3)
+
+
+UNCORRECTED_MOMENTUM = (
+    "no optimizer given, so the hook runs plain top-k + error feedback, which feeds sparse, delayed gradients into "
+    "the optimizer's own momentum: with AdamW (or SGD with momentum) that loses quality (the lab's topk-ef arm is "
+    "'worse' on the default task). Pass optimizer=your_optimizer: the hook then takes over its momentum (momentum "
+    "correction; AdamW runs with betas[0]=0), as the framework integrations do. Pass momentum=0 to keep plain error "
+    "feedback and silence this warning.")
+"""What a hook registered without its optimizer and without ``momentum`` is told (rank 0, once)."""
+
+
+def resolve_for_registration(owner: str, optimizer, options: dict) -> tuple[dict, Handover | None]:
+    """TopKState keyword arguments for a hook registered by hand (``register_topk_hook``,
+    ``register_hsdp_hook``), and the optimizer change to apply once it is registered.
+
+    With ``optimizer``, ``momentum`` defaults to "auto" (:func:`plan_handover`: the
+    optimizer's momentum moves into the hook). Without one, "auto" is refused; a call that
+    leaves momentum unset with error feedback on keeps the plain hook and is warned
+    (:class:`MomentumMismatchWarning`, rank 0) that AdamW loses quality so.
+    """
+    if optimizer is None:
+        if options.get("momentum") == AUTO:
+            raise ValueError(f"{owner}: momentum='auto' takes the optimizer's momentum into the hook, but no "
+                             "optimizer was given: pass optimizer=, or momentum= a number in [0, 1)")
+        return options, None
+    handover = plan_handover(owner, [optimizer], {"momentum": AUTO, **options})  # raises before anything changes
+    return handover.hook_options(options), handover
+
+
+def leaves_momentum_uncorrected(optimizer, options: dict) -> bool:
+    """True when a hook registered without an optimizer would feed sparse gradients into an
+    unknown optimizer's momentum (momentum unset, error feedback on)."""
+    return optimizer is None and "momentum" not in options and options.get("error_feedback", True)
