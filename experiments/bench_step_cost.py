@@ -11,6 +11,7 @@ Each step starts after a barrier, and a step's time is the slower rank's. Printe
 median step of each configuration and its ratio to the first value's (boundary: step).
 
     python experiments/bench_step_cost.py --option on_overflow --values drop rollback
+    python experiments/bench_step_cost.py --option budget --values '"bucket"' '"model"'   # 11 buckets a step
 """
 import argparse
 import json
@@ -62,7 +63,7 @@ def _rank_main(rank, args, workdir):
     runs = {}
     for name, (options, betas) in _configurations(args).items():
         torch.manual_seed(args.seed)
-        ddp = DDP(task.build_model())
+        ddp = DDP(task.build_model(), bucket_cap_mb=args.bucket_cap_mb)
         sparsecomm.register_topk_hook(ddp, **options)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, betas=betas)
         runs[name] = (ddp, optimizer, torch.Generator().manual_seed(args.seed + 1 + rank))
@@ -98,16 +99,21 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--warm-steps", type=int, default=10, help="untimed steps (the first 2 are dense warm-up)")
     parser.add_argument("--timed-steps", type=int, default=150)
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.1,
+                        help="DDP's bucket size; 0.1 (the default task's: 11 buckets a step), 25 (DDP's: one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the step times as JSON here")
     args = parser.parse_args(argv)
     if args.warm_steps < 2 or args.timed_steps < 1:
         parser.error("--warm-steps must be >= 2 (the hook's dense warm-up) and --timed-steps >= 1")
+    if not args.bucket_cap_mb > 0:
+        parser.error(f"--bucket-cap-mb must be a number > 0, got {args.bucket_cap_mb}")
     with tempfile.TemporaryDirectory() as workdir:
         mp.spawn(_rank_main, args=(args, workdir), nprocs=WORLD_SIZE, join=True)
         result = json.loads(Path(workdir, "result.json").read_text())
     print(f"CPU: {describe_cpu()}; torch {torch.__version__}; {WORLD_SIZE} gloo ranks, 1 thread each")
-    print(f"pydoc-gpt step (boundary: step), median of {args.timed_steps} steps after {args.warm_steps} warm")
+    print(f"pydoc-gpt step (boundary: step), bucket_cap_mb {args.bucket_cap_mb:g}, median of {args.timed_steps} steps "
+          f"after {args.warm_steps} warm")
     for arm in args.arms:
         first = None
         for value in args.values:

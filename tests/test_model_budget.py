@@ -265,3 +265,25 @@ def test_the_model_budget_moves_k_between_buckets_on_every_wire_it_applies_to(op
         assert budget == "model" and replicas_equal
         assert shares["2.weight"] > 1.5 * plain > shares["0.weight"]  # the mass is in the last layer
         assert sent[("2.weight",)] > 1.5 * plain > sent[("0.weight",)]  # and the wire sent what the shares say
+
+
+def _one_bucket_worker(rank, world_size):
+    model = DDP(_model())  # one bucket: the whole model
+    state = sparsecomm.register_topk_hook(model, density=DENSITY, allow_dense_fallback=False, momentum=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(7 + rank)
+    budget_bytes = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        model(_batch(generator)).pow(2).mean().backward()
+        optimizer.step()
+        budget_bytes.append(state.stats()["last_step"]["bytes_budget"])
+    return state.config.budget, budget_bytes, state.stats()["fused_calls"], state.model_budget.shares
+
+
+def test_with_one_bucket_a_step_the_model_budget_sends_nothing_and_the_kernel_fuses_again():
+    for budget, budget_bytes, fused_calls, shares in run_on_ranks(_one_bucket_worker, world_size=2):
+        assert budget == "model"
+        # 2 dense warm-up steps, then the first sparse step finds one bucket: nothing is ever sent
+        assert budget_bytes == [0] * 6 and shares == {}
+        assert fused_calls == 3  # the sparse steps after the first, on the fused path

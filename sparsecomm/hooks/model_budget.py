@@ -3,20 +3,25 @@ the model's entries, instead of each sending density x its own.
 
 DDP (and FSDP, per module) hand the hook one bucket at a time, so no top-k can see the
 whole model at once. The next best: each bucket's k comes from the last step's model-wide
-top-k. Every sparse bucket counts its acc's entries per parameter by power of two (the
-float32 exponent of |acc|: one pass, no sort). At the step's last bucket one all-reduce sums
-those counts over the group; from the summed histogram every rank finds the same threshold
-bin, where the K x world-size largest entries end (K = the sum of the buckets' plain k), and
-each parameter's count above it (with its part of the threshold bin, pro rata) becomes its
-share of K. A bucket's next k is K x (its parameters' share), at least 1: the same on every
-rank, so the fixed-size payloads still line up. Shares are per parameter name, so they
-survive DDP's bucket rebuild and a checkpoint (``state_dict``).
+top-k. Every sparse bucket counts its acc's entries by power of two (the float32 exponent
+of |acc|: one pass, no sort). At the step's last bucket one all-reduce sums those counts
+over the group; from the summed histogram every rank finds the same threshold, the power
+of two where the K x world-size largest entries end (K = the sum of the buckets' plain k),
+and each bucket's count above it (with its part of the threshold's own power, pro rata)
+becomes its share of K. A bucket's next k is its share, at least 1: the same on every rank,
+so the fixed-size payloads still line up. Shares are kept per parameter name (a bucket's
+share split by its parameters' sizes), so they survive DDP's bucket rebuild and a
+checkpoint (``state_dict``).
 
-Cost: one histogram pass per bucket and one all-reduce of ``WINDOW + 1`` counts per
-parameter per step, whose result is the step's one host synchronisation. The window: what
-is all-reduced are the 32 powers of two around the last step's threshold (magnitudes
-outside it are added into its end bins), a few hundred bytes per parameter whatever the
-model; the first step after construction or a load sends all 255 exponents.
+Cost: one histogram pass per bucket, and one all-reduce of ``WINDOW - 1`` int32 counts per
+bucket (plus one) per step, whose result is the step's one host synchronisation. The
+window: what is all-reduced are the powers of two around the last step's threshold, those
+above it added into its top bin; the entries below it are the bucket's size less the
+others, so they need not travel. The first step after construction or a load has no last
+threshold: the ranks agree on one first (an all-reduce of one number, the largest of the
+ranks' own). A job whose steps have one bucket has nothing to share: after its first step
+the budget counts nothing and sends nothing (and plain error feedback takes the fused
+kernel again).
 
 Where the mass of a gradient sits in few layers (embeddings) the plain per-bucket density
 starves them: on the default task split into ~10 DDP buckets, and under HSDP 2x2 where each
@@ -27,22 +32,24 @@ import torch
 import torch.distributed as dist
 
 EXPONENTS = 255
-"""Finite float32 exponents (0: zero and subnormals); 255 is Inf/NaN, counted on its own."""
-WINDOW = 32
-"""Powers of two the histogram keeps around the last threshold: a step's threshold moving by
-more than 2^15 is still found, only less exactly (in an end bin), and the next step re-centres."""
+"""Finite float32 exponents (0: zero and subnormals); 255 is Inf/NaN."""
+WINDOW = 8
+"""Powers of two around the last threshold that the all-reduce carries (the lowest derived):
+a threshold that moves by up to 3 powers of two in a step is found exactly; one that moves
+further is found in an end bin, less exactly, and the next step re-centres."""
 
 
 class ModelBudget:
     """Per-parameter shares of the model's k, agreed by all ranks at each step's end."""
 
-    __slots__ = ("shares", "shares_before_step", "low_exponent", "observed")
+    __slots__ = ("shares", "shares_before_step", "low_exponent", "counting", "observed")
 
     def __init__(self):
         self.shares: dict[str, float] = {}  # name -> entries of K it gets (the last step's top-k)
         self.shares_before_step: dict[str, float] = {}  # what a rolled-back step gets back
-        self.low_exponent: int | None = None  # the window's lowest exponent (None: all of them)
-        self.observed: list[tuple[tuple[str, ...], int, torch.Tensor]] = []  # (names, plain k, histograms)
+        self.low_exponent: int | None = None  # the window's lowest exponent (None: not agreed yet)
+        self.counting = True  # False while the steps have one bucket (nothing to share)
+        self.observed: list[tuple[tuple[str, ...], tuple[int, ...], int, torch.Tensor | None]] = []
 
     def k_of(self, names: tuple[str, ...], numels: tuple[int, ...], plain_k: int) -> int:
         """The bucket's k: its parameters' shares, or the plain k before any step agreed on them."""
@@ -50,51 +57,77 @@ class ModelBudget:
             return plain_k
         return min(sum(numels), max(1, round(sum(self.shares[name] for name in names))))
 
-    def observe(self, names: tuple[str, ...], numels: tuple[int, ...], plain_k: int, acc: torch.Tensor) -> None:
-        """Count the bucket's entries of ``acc`` per parameter and power of two (on acc's device)."""
-        exponents = (acc.detach().float().view(torch.int32) >> 23) & 0xFF  # the sign bit shifted out
-        counts = torch.stack([torch.bincount(part, minlength=EXPONENTS + 1) for part in exponents.split(numels)])
-        self.observed.append((names, plain_k, counts))
+    def observe(self, names: tuple[str, ...], numels: tuple[int, ...], plain_k: int, acc: torch.Tensor | None) -> None:
+        """Note a sparse bucket; while counting, count its entries of ``acc`` per power of two
+        (on acc's device). ``acc`` None: not counting (the kernel forms acc itself)."""
+        counts = None
+        if self.counting:
+            exponents = (acc.detach().float().view(torch.int32) >> 23) & 0xFF  # the sign bit shifted out
+            counts = torch.bincount(exponents, minlength=EXPONENTS + 1)
+        self.observed.append((names, numels, plain_k, counts))
 
     def agree(self, group) -> int:
-        """At the step's last bucket: this step's model-wide top-k, counted per parameter and
+        """At the step's last bucket: this step's model-wide top-k, counted per bucket and
         summed over the ranks, becomes every parameter's share for the next step. Returns the
         bytes this rank put into the all-reduce."""
         self.shares_before_step = self.shares
-        if not self.observed:
-            return 0
-        budget = sum(plain_k for _, plain_k, _ in self.observed)
-        names = [name for bucket_names, _, _ in self.observed for name in bucket_names]
-        order = sorted(range(len(names)), key=names.__getitem__)  # the same on every rank
-        counts = self._fold_into_window(torch.cat([histograms for _, _, histograms in self.observed])[order])
+        observed = sorted(self.observed, key=lambda bucket: bucket[0])  # the same order on every rank
         self.observed.clear()
-        dist.all_reduce(counts, group=group)
-        sent = counts.numel() * counts.element_size()
-        counts = counts.cpu().double()  # the step's one host synchronisation
-        # A step that overflowed on any rank is skipped (on_overflow) and leaves the shares as they were.
-        if counts[:, -1].sum() > 0:
+        if not observed:  # a dense step (warm-up, fallback): nothing to learn from
+            return 0
+        # Every rank has the same buckets, so every rank decides these alike, without a word.
+        if len(observed) == 1 or any(counts is None for *_, counts in observed):
+            self.counting = len(observed) > 1  # one bucket: nothing to share; more: count from the next step
+            return 0
+        world_size = dist.get_world_size(group)
+        histograms = torch.stack([counts for *_, counts in observed])
+        sizes = [sum(numels) for _, numels, _, _ in observed]
+        budget = sum(plain_k for _, _, plain_k, _ in observed)
+        target = budget * world_size
+        # int32 while no count can pass 2^31 (every bucket's entries on every rank).
+        dtype = torch.int32 if max(sizes) * world_size < 2**31 else torch.int64
+        sent = 0
+        if self.low_exponent is None:  # no last threshold: agree on the largest of the ranks' own
+            mine = torch.tensor([_threshold_bin(histograms[:, :EXPONENTS].sum(0).cpu(), budget)], dtype=dtype,
+                                device=histograms.device)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+            sent += mine.element_size()
+            self._centre_window(int(mine.item()), relative_to=0)
+        message = self._message(histograms).to(dtype)
+        dist.all_reduce(message, group=group)
+        sent += message.numel() * message.element_size()
+        message = message.cpu().double()  # the step's host synchronisation
+        if message[-1] > 0:  # Inf/NaN on some rank: the step is skipped (on_overflow); shares stay
             return sent
-        target = budget * dist.get_world_size(group)
-        entries = _top_entries(counts[:, :-1], target)
+        counts = self._histograms(message[:-1], [size * world_size for size in sizes])
+        entries = _top_entries(counts, target)
         whole = float(entries.sum())
         if whole > 0:
-            self.shares = {names[i]: budget * float(count) / whole for i, count in zip(order, entries)}
-            self._centre_window(counts[:, :-1], target)
+            self.shares = {name: budget * float(count) / whole * numel / size
+                           for (names, numels, _, _), count, size in zip(observed, entries, sizes)
+                           for name, numel in zip(names, numels)}
+            self._centre_window(_threshold_bin(counts.sum(0), target), relative_to=self.low_exponent)
         return sent
 
-    def _fold_into_window(self, counts: torch.Tensor) -> torch.Tensor:
-        """(parameters, 256) counts by exponent -> (parameters, window + 1): the window's powers of
-        two, those below and above it added into its end bins, Inf/NaN (255) last."""
-        if self.low_exponent is None:
-            return counts
+    def _message(self, histograms: torch.Tensor) -> torch.Tensor:
+        """(buckets, 256) counts by exponent -> what the all-reduce carries: per bucket the
+        window's powers of two but its lowest (those above the window added into its top), then
+        the number of Inf/NaN entries of all buckets."""
+        nonfinite = histograms[:, EXPONENTS:].sum().reshape(1)
         low, high = self.low_exponent, self.low_exponent + WINDOW - 1
-        return torch.cat([counts[:, :low + 1].sum(1, keepdim=True), counts[:, low + 1:high],
-                          counts[:, high:EXPONENTS].sum(1, keepdim=True), counts[:, EXPONENTS:]], dim=1)
+        bins = torch.cat([histograms[:, low + 1:high], histograms[:, high:EXPONENTS].sum(1, keepdim=True)], dim=1)
+        return torch.cat([bins.flatten(), nonfinite])
 
-    def _centre_window(self, counts: torch.Tensor, target: int) -> None:
-        """Put the next step's window around this step's threshold exponent."""
-        threshold_bin = _threshold_bin(counts.sum(0), target)
-        exponent = threshold_bin + (self.low_exponent or 0)
+    def _histograms(self, message: torch.Tensor, entries: list[int]) -> torch.Tensor:
+        """The summed histograms back from the message: (buckets, bins), the lowest bin each
+        bucket's entries less the others (everything at or below the window)."""
+        above = message.reshape(len(entries), -1)
+        lowest = torch.tensor(entries, dtype=above.dtype) - above.sum(1)
+        return torch.cat([lowest[:, None], above], dim=1)
+
+    def _centre_window(self, threshold_bin: int, relative_to: int) -> None:
+        """Put the window around a threshold (a bin of a histogram that starts at exponent ``relative_to``)."""
+        exponent = threshold_bin + relative_to
         self.low_exponent = min(max(exponent - WINDOW // 2, 0), EXPONENTS - WINDOW)
 
     def undo_step(self) -> None:
@@ -110,7 +143,7 @@ class ModelBudget:
 
     def load_state_dict(self, shares: dict[str, float]) -> None:
         self.shares = self.shares_before_step = {str(name): float(share) for name, share in shares.items()}
-        self.low_exponent = None
+        self.low_exponent, self.counting = None, True
         self.observed.clear()
 
 
@@ -122,7 +155,7 @@ def _threshold_bin(per_bin: torch.Tensor, target: int) -> int:
 
 
 def _top_entries(counts: torch.Tensor, target: int) -> torch.Tensor:
-    """Per parameter (row), how many of the ``target`` largest entries it holds: every entry
+    """Per bucket (row), how many of the ``target`` largest entries it holds: every entry
     above the threshold bin, and of the threshold bin's entries the share the target still
     needs, pro rata (the bin cannot tell its entries apart)."""
     per_bin = counts.sum(0)

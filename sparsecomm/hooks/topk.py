@@ -152,8 +152,8 @@ def _reduce(call: plan.BucketCall) -> torch.futures.Future:
     fused = wire.fuses_compensation(call)
     if not fused:
         acc.compensate(call, velocity, residual)  # 2.
-    if state.model_budget is not None:
-        state.model_budget.observe(call.names, call.numels, call.plain_k, call.grad)
+    if state.model_budget is not None:  # fused: acc is not in the bucket, and the budget is not counting
+        state.model_budget.observe(call.names, call.numels, call.plain_k, None if fused else call.grad)
     packed = wire.encode(call, residual, fused)  # 3.
     record.after_packing(call, packed, velocity, residual)  # 4.
     seconds_select_pack = time.perf_counter() - started

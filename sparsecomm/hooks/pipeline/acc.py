@@ -25,12 +25,13 @@ def memories(call, with_residual: bool):
 def fused(state) -> bool:
     """Can the kernel form acc itself (reading grad and residual once, never writing acc)?
 
-    Momentum, local clipping and the model budget need acc in the bucket, and so do observers
-    that read it (see TopKState.add_observer); everything else takes the fast path.
+    Momentum, local clipping and the model budget while it counts (steps of several buckets)
+    need acc in the bucket, and so do observers that read it (see TopKState.add_observer);
+    everything else takes the fast path.
     """
-    config = state.config
-    return config.momentum == 0 and config.local_clip_norm is None and state.model_budget is None and not (
-        state.observers.callbacks and state.observers.need_acc())
+    config, budget = state.config, state.model_budget
+    return config.momentum == 0 and config.local_clip_norm is None and not (budget is not None and budget.counting) \
+        and not (state.observers.callbacks and state.observers.need_acc())
 
 
 def kernel_arguments(world_size: int, residual: torch.Tensor | None, fused: bool) -> tuple[float, bool]:
