@@ -1,4 +1,6 @@
 """Inputs shared by the kernel tests of every backend (CPU, CUDA, Triton)."""
+from fractions import Fraction
+
 import torch
 
 # (grad dtype, wire dtype) pairs where the wire's range is narrower than the gradient's.
@@ -79,3 +81,69 @@ def check_non_finite_rule(acc: torch.Tensor, indices: torch.Tensor, values: torc
     wire, exact = values.float()[sent_bad], acc.float()[indices][sent_bad]
     assert torch.equal(torch.isnan(wire), torch.isnan(exact))
     assert torch.equal(wire[~torch.isnan(wire)], exact[~torch.isnan(exact)])
+
+
+# --------------------------------------------------------------------------- fp16 saturation
+#
+# A finite acc beyond fp16's range goes out as +-s, s = 65504 rounded down to a multiple of
+# ulp(acc) in acc's own dtype (docs/precision.md): then s and acc - s are both exact there, and
+# sent + residual == acc holds for every finite acc. 65504 itself would not do once ulp(acc)
+# exceeds 32 (65504 = 2047 x 32): float32 from 2^29 on, bfloat16 from 2^13 on. Worked by hand:
+# (acc, s); ulp(acc) = 2^(e - 23) in float32, 2^(e - 7) in bfloat16, for acc in [2^e, 2^(e+1)).
+FP16_SATURATION = {
+    torch.float32: [
+        (65520.0, 65504.0),                 # ulp 2^-8
+        (2.0**29 - 32, 65504.0),            # ulp 32 (65504's own): the largest acc sent as 65504
+        (2.0**29, 65472.0),                 # ulp 64: 1023 x 64
+        (2.0**29 + 65536, 65472.0),         # acc - 65504 = 2^29 + 32 is no float32 (ulp 64 there)
+        (2.0**30 - 64, 65472.0),            # ulp 64
+        (2.0**30, 65408.0),                 # ulp 128: 511 x 128
+        (2.0**39 - 2.0**15, 32768.0),       # ulp 2^15: once
+        (2.0**39, 0.0),                     # ulp 2^16 > 65504: all of acc stays in the residual
+        (2.0**100 * 3, 0.0),
+        (float.fromhex("0x1.c363cap+127"), 0.0),  # the float32 just under 3e38's
+        (float.fromhex("0x1.c363ccp+127"), 0.0),  # 3e38 in float32
+        (float.fromhex("0x1.fffffep+127"), 0.0),  # float32's largest
+    ],
+    torch.bfloat16: [
+        (65280.0, 65280.0),                 # bfloat16's largest below 65504: fp16 holds it
+        (65536.0, 65024.0),                 # ulp 512: 127 x 512
+        (2.0**17, 64512.0),                 # ulp 1024: 63 x 1024
+        (2.0**23 - 2.0**15, 32768.0),       # ulp 2^15: once
+        (2.0**23, 0.0),                     # ulp 2^16
+        (float.fromhex("0x1.c4p+127"), 0.0),  # 3e38 in bfloat16
+    ],
+}
+
+
+def fp16_saturation_grad(dtype: torch.dtype, noise: int = 40) -> tuple[torch.Tensor, int]:
+    """The hand-worked accs of ``dtype`` and their negatives, then ``noise`` small entries; and
+    k = the number of hand-worked ones (every one of them exact in ``dtype``)."""
+    big = [acc for acc, _ in FP16_SATURATION[dtype]]
+    values = torch.tensor(big + [-acc for acc in big], dtype=torch.float64)
+    assert torch.equal(values.to(dtype).double(), values), "a hand-worked acc is not exact in its dtype"
+    small = torch.randn(noise, generator=torch.Generator().manual_seed(len(big))).double()
+    return torch.cat([values, small]).to(dtype), 2 * len(big)
+
+
+def check_fp16_saturation(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                          residual: torch.Tensor) -> None:
+    """``acc`` from :func:`fp16_saturation_grad`, an fp16 wire's sent ``indices`` (bucket-relative,
+    any order), ``values`` and the new ``residual``: every hand-worked acc went out as its s,
+    with acc's sign, and sent + residual == acc at every sent entry, in exact rational
+    arithmetic (sent: the value in acc's dtype, as receivers add it)."""
+    acc, indices, values, residual = acc.cpu(), indices.cpu().long(), values.cpu(), residual.cpu()
+    assert values.dtype == torch.float16
+    sent = dict(zip(indices.tolist(), values.float().tolist()))
+    cases = FP16_SATURATION[acc.dtype]
+    for position, (_, s) in enumerate(cases):
+        for entry, sign in ((position, 1.0), (position + len(cases), -1.0)):
+            assert entry in sent, f"acc {acc[entry].item()!r} was not selected"
+            assert sent[entry] == sign * s, f"acc {acc[entry].item()!r} went out as {sent[entry]!r}, not {sign * s!r}"
+    check_conservation(acc[indices], values, residual[indices])
+
+
+def check_conservation(acc: torch.Tensor, values: torch.Tensor, residual: torch.Tensor) -> None:
+    """values.to(acc.dtype) + residual == acc, entry by entry, in exact rational arithmetic."""
+    for a, v, r in zip(acc.tolist(), values.to(acc.dtype).tolist(), residual.tolist()):
+        assert Fraction(v) + Fraction(r) == Fraction(a), f"acc {a!r}: sent {v!r} + residual {r!r} != acc"

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from kernel_cases import FP16_SATURATION, check_conservation, check_fp16_saturation, fp16_saturation_grad
 
 from sparsecomm import compress, ops
 from sparsecomm.ops import reference
@@ -30,6 +31,8 @@ from sparsecomm.compress import (
     unpack_add,
 )
 from sparsecomm.compress import sampled_threshold
+from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.compress.error_feedback import residual_after_sending, to_wire_dtype
 from sparsecomm.compress.packing import INDEX_DTYPE
 
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -499,6 +502,57 @@ def test_narrow_wire_dtype_saturates_and_keeps_the_excess_in_the_residual():
     select_and_pack(inf_acc, 1, topk_indices, payload, torch.float16, residual_out=residual[:2])
     assert unpack_add(payload, torch.empty(2), 1, torch.float16)[0].item() == float("inf")
     assert residual[:2].tolist() == [0.0, 1.0]  # not Inf - Inf = NaN
+
+
+@pytest.mark.parametrize("dtype", list(FP16_SATURATION), ids=str)
+def test_fp16_saturation_conserves_every_finite_acc(dtype):
+    """Values beyond 65504 go out as 65504 rounded down to a multiple of acc's ulp (0 from
+    float32 2^39 or bfloat16 2^23 on), so acc - sent is exact: the hand-worked values of
+    kernel_cases.FP16_SATURATION, on the fp16 value_dtype and the fp16 value codec (chunked
+    selection, and exact top-k on the compact wire)."""
+    acc, k = fp16_saturation_grad(dtype)
+    payload = torch.empty(payload_nbytes(k, torch.float16), dtype=torch.uint8)
+    residual = torch.empty_like(acc)
+    indices = select_and_pack(acc, k, topk_indices, payload, torch.float16, residual_out=residual)
+    check_fp16_saturation(acc, indices, payload[k * 4 : k * 6].view(torch.float16), residual)
+    for layout in (ChunkLayout(acc.numel(), acc.numel(), k / acc.numel(), "int32", "fp16"),
+                   ChunkLayout(acc.numel(), acc.numel(), k / acc.numel(), "rice", "fp16", scale_group=64)):
+        assert layout.capacity == k
+        residual = torch.empty_like(acc)
+        indices, decoded = layout.encode(acc, residual, torch.empty(layout.nbytes, dtype=torch.uint8))
+        check_fp16_saturation(acc, indices, decoded, residual)
+
+
+def _finite_bit_patterns(dtype: torch.dtype, per_exponent: int = 16) -> torch.Tensor:
+    """``per_exponent`` random mantissas (and both signs) in every binade of ``dtype``,
+    subnormals included: every finite magnitude range the wire can meet."""
+    info = torch.finfo(dtype)
+    mantissa_bits, width = -int(math.log2(info.eps)), info.bits
+    exponents = torch.arange(2 ** (width - 1 - mantissa_bits) - 1).repeat_interleave(per_exponent)
+    mantissas = torch.randint(0, 2**mantissa_bits, exponents.shape, generator=_gen(width))
+    signs = torch.randint(0, 2, exponents.shape, generator=_gen(width + 1))
+    bits = (signs << (width - 1)) | (exponents << mantissa_bits) | mantissas
+    as_int = {32: torch.int32, 16: torch.int16}[width]
+    return bits.to(as_int).view(dtype)  # int64 -> narrower int keeps the low bits
+
+
+@pytest.mark.parametrize("acc_dtype,wire_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float16)], ids=str)
+def test_narrow_wires_conserve_acc_in_every_binade(acc_dtype, wire_dtype):
+    """sent + residual == acc, in exact rational arithmetic, for acc in every binade of its
+    dtype. bfloat16 needs no special care (docs/precision.md): it has float32's exponent
+    range, so bf16(acc) differs from a float32 acc by at most half a bfloat16 ulp, 2^15 float32
+    ulps of acc, and saturation at its largest value leaves less than 2^16 float32 ulps."""
+    acc = _finite_bit_patterns(acc_dtype)
+    assert bool(torch.isfinite(acc).all())
+    indices = torch.arange(acc.numel())
+    values = to_wire_dtype(acc, wire_dtype)
+    residual = torch.empty_like(acc)
+    residual_after_sending(residual, acc, indices, values)
+    limit = torch.finfo(wire_dtype).max
+    for a, v in zip(acc.tolist(), values.float().tolist()):
+        assert abs(v) <= limit and (v == 0 or (v > 0) == (a > 0)), (a, v)
+    check_conservation(acc, values, residual)
 
 
 def test_per_parameter_selection_takes_k_inside_each_slice():

@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from kernel_cases import check_non_finite_rule, threshold_non_finite_cases, topk_non_finite_cases, with_non_finite
+from kernel_cases import (FP16_SATURATION, check_fp16_saturation, check_non_finite_rule, fp16_saturation_grad,
+                          threshold_non_finite_cases, topk_non_finite_cases, with_non_finite)
 from sparsecomm import ops
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.ops import dispatch, native, reference
@@ -396,23 +397,33 @@ def test_registered_kernel_wins_and_can_be_removed():
     assert ops.implementation("unpack_add", "cpu") is not marker
 
 
-@needs_native
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_values_beyond_fp16_saturate_on_the_wire_and_the_excess_stays(dtype):
+def test_values_beyond_fp16_saturate_on_the_wire_and_the_excess_stays(impl, dtype):
+    # 7e4 and -1e5 (bf16: 70144 and -99840, ulp 512) go out as 65504 (fp32: ulp 2^-7) or
+    # 65024 (127 x 512, exact in bf16), not Inf; Inf stays Inf.
     grad = torch.tensor([7e4, -1e5, 1.0, float("inf")], dtype=dtype)
-    for impl in (reference.ef_topk_pack, native.ef_topk_pack):
-        residual = torch.zeros(4, dtype=dtype)
-        indices, values, residual = _run_pack(impl, grad, residual, 1.0, True, 3, torch.float16, 0)
-        assert indices.tolist() == [0, 1, 3]
-        assert values.tolist() == [65504.0, -65504.0, float("inf")]  # saturated, not Inf; Inf stays Inf
-        # Conservation in grad's dtype, where the receiver adds T(65504): acc - T(wire).
-        sent = dtype_round(65504.0, dtype)
-        assert residual[0] == dtype_round(grad[0].item() - sent, dtype)
-        assert residual[1] == dtype_round(grad[1].item() + sent, dtype)
+    indices, values, residual = _run_pack(impl.ef_topk_pack, grad, torch.zeros(4, dtype=dtype), 1.0, True, 3,
+                                          torch.float16, 0)
+    sent = {torch.float32: 65504.0, torch.bfloat16: 65024.0}[dtype]
+    assert indices.tolist() == [0, 1, 3] and values.tolist() == [sent, -sent, float("inf")]
+    assert residual.tolist() == [grad[0].item() - sent, grad[1].item() + sent, 1.0, 0.0]
 
 
-def dtype_round(x: float, dtype) -> float:
-    return torch.tensor(x, dtype=torch.float64).to(dtype).item()
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", list(FP16_SATURATION), ids=str)
+def test_fp16_saturation_conserves_every_finite_acc(impl, dtype):
+    """kernel_cases.FP16_SATURATION (sent + residual == acc up to float32's largest) by
+    ef_topk_pack, its two passes and, in a bucket of 2^20 + 3, its sampled one pass, and by
+    ef_threshold_pack. Every CPU level: test_kernels_isa.py."""
+    grad, k = fp16_saturation_grad(dtype)
+    for n in (grad.numel(), 2**20 + 3):
+        acc = torch.cat([grad, torch.randn(n - grad.numel(), generator=torch.Generator().manual_seed(n)).to(dtype)])
+        zeros = torch.zeros(n, dtype=dtype)
+        check_fp16_saturation(acc, *_run_pack(impl.ef_topk_pack, acc, zeros, 1.0, True, k, torch.float16, 0))
+        count, indices, values, residual = _threshold_run(impl, acc, zeros, 1.0, True, 1000.0, k, torch.float16, 0)
+        assert count == k
+        check_fp16_saturation(acc, indices, values, residual)
 
 
 @needs_native

@@ -12,6 +12,7 @@ reference hook at the end.
 """
 import pytest
 import torch
+from kernel_cases import check_fp16_saturation, fp16_saturation_grad
 
 from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
@@ -120,6 +121,18 @@ def test_decode_add_into_16_bit_buckets(value_codec, out_dtype):
     reference.chunk_decode_add(gathered, layout, want, True)
     native.chunk_decode_add(gathered, layout, got, True)
     _assert_same_sum(want, got, "decode_add differs")
+
+
+def test_fp16_codec_saturation_conserves_every_finite_acc():
+    """kernel_cases.FP16_SATURATION's float32 accs (the kernel's dtype) on the fp16 value
+    codec: sent + residual == acc up to float32's largest. Every CPU level: test_kernels_isa.py."""
+    grad, k = fp16_saturation_grad(torch.float32)
+    n = grad.numel()
+    layout = ChunkLayout(n, n, k / n, "chunk", "fp16")
+    assert layout.capacity == k
+    for impl in (reference, native):
+        _, indices, decoded, residual = _encode(impl, layout, grad, torch.zeros(n), 1.0, True)
+        check_fp16_saturation(grad, indices, decoded, residual)
 
 
 def test_chunks_of_equal_keys_take_the_lowest_indices():

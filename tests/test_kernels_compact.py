@@ -15,6 +15,7 @@ tests/test_kernels_isa.py.
 """
 import pytest
 import torch
+from kernel_cases import check_fp16_saturation, fp16_saturation_grad
 
 from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
@@ -152,6 +153,20 @@ def test_non_finite_entries_beyond_k(value_codec, count):
         grad[torch.randperm(n, generator=generator)[:count]] = torch.tensor([(NAN, INF, -INF)[j % 3]
                                                                             for j in range(count)])
     _check(_layout(n, 0.01, "rice", value_codec), grad, torch.randn(n, generator=generator))
+
+
+def test_fp16_codec_saturation_conserves_every_finite_acc():
+    """kernel_cases.FP16_SATURATION's float32 accs on the fp16 value codec, selected by the
+    two passes and, in a bucket of 2^20 + 3, by the sampled one pass: sent + residual == acc
+    up to float32's largest."""
+    grad, k = fp16_saturation_grad(torch.float32)
+    for n in (grad.numel(), SAMPLED):
+        acc = torch.cat([grad, torch.randn(n - grad.numel(), generator=torch.Generator().manual_seed(n))])
+        layout = _layout(n, k / n, "rice", "fp16")
+        assert layout.capacity == k
+        for impl in (reference, native):
+            _, indices, decoded, residual = _encode(impl, layout, acc, torch.zeros(n), 1.0, True)
+            check_fp16_saturation(acc, indices, decoded, residual)
 
 
 def test_equal_keys_take_the_lowest_indices():

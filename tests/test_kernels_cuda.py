@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from sparsecomm.compress.packing import pack_into, payload_nbytes
-from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, topk_non_finite_cases,
-                          with_non_finite)
+from kernel_cases import (FP16_SATURATION, NARROW_WIRE_PAIRS, beyond_wire_range, check_fp16_saturation,
+                          check_non_finite_rule, fp16_saturation_grad, topk_non_finite_cases, with_non_finite)
 from sparsecomm.ops import payload_views, reference
 
 OPS = ("ef_topk_pack", "unpack_add")  # ef_threshold_pack has a CPU kernel only (its caller runs on CPU)
@@ -255,7 +255,7 @@ def test_ef_topk_pack_non_finite_acc_leaves_zero_residual(grad_dtype, wire_dtype
 
 @pytest.mark.parametrize("grad_dtype,wire_dtype", NARROW_WIRE_PAIRS, ids=_ids)
 def test_ef_topk_pack_saturates_on_narrow_wire(grad_dtype, wire_dtype):
-    """Finite values beyond the wire's range are sent as +-max(V) (bf16 -> fp16: clamped in float)."""
+    """Finite values beyond the wire's range saturate (bf16 -> fp16: in float), not to Inf."""
     grad, k = beyond_wire_range(grad_dtype)
     _, val = _check_topk(grad, torch.zeros_like(grad), 1.0, True, k, wire_dtype)
     limit = torch.finfo(wire_dtype).max
@@ -263,7 +263,14 @@ def test_ef_topk_pack_saturates_on_narrow_wire(grad_dtype, wire_dtype):
     finite = torch.isfinite(wide)
     assert bool((wide[finite].abs() <= limit).all())
     assert int(torch.isinf(wide).sum()) == 4 and int(torch.isnan(wide).sum()) == 2
-    assert float(wide[finite].abs().max()) == limit
+
+
+@pytest.mark.parametrize("dtype", list(FP16_SATURATION), ids=_ids)
+def test_ef_topk_pack_fp16_saturation_conserves_every_finite_acc(dtype):
+    """kernel_cases.FP16_SATURATION: each acc goes out as its hand-worked value, and sent +
+    residual == acc up to float32's largest."""
+    acc, k = fp16_saturation_grad(dtype)
+    check_fp16_saturation(acc, *_run_topk(acc, torch.zeros_like(acc), 1.0, True, k, torch.float16, 0))
 
 
 def test_ef_topk_pack_payload_is_deterministic():
@@ -589,6 +596,16 @@ def test_chunk_encode_into_an_unaligned_payload(index_codec, value_codec, payloa
     layout = ChunkLayout(10_003, 4096, 0.01, index_codec, value_codec)
     grad = _chunk_data(10_003, 5, True)
     _check_chunk_encode(layout, grad, grad * 0.25, 3.0, True, payload_offset=payload_offset)
+
+
+@needs_chunk_kernels
+def test_chunk_encode_fp16_saturation_conserves_every_finite_acc():
+    """kernel_cases.FP16_SATURATION's float32 accs (the kernel's dtype) on the fp16 value codec."""
+    acc, k = fp16_saturation_grad(torch.float32)
+    n = acc.numel()
+    layout = ChunkLayout(n, n, k / n, "chunk", "fp16")
+    _, indices, decoded, residual = _encode_cuda(layout, acc, torch.zeros(n), 1.0, True)
+    check_fp16_saturation(acc, indices, decoded, residual)
 
 
 @needs_chunk_kernels

@@ -24,6 +24,7 @@ from typing import Callable
 
 import pytest
 import torch
+from kernel_cases import FP16_SATURATION, check_fp16_saturation, fp16_saturation_grad
 
 from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
@@ -207,6 +208,29 @@ def cases() -> dict[str, Case]:
             found[f"chunk_decode_add {what}"] = Case(_chunk_decode_add(layout, 2, seed=n))
     for rows, n in ((1, 0), (3, 7), (2, 1537), (4, 3 * 1536 + 13), (2, 100_003)):
         found[f"crc32c rows={rows} n={n}"] = Case(_crc32c(rows, n, seed=n))
+    found.update({name: case for name, (case, _) in saturation_cases().items()})
+    return found
+
+
+@functools.cache
+def saturation_cases() -> dict[str, tuple[Case, torch.Tensor]]:
+    """name -> (case, acc): the fp16 wire and codec on kernel_cases.FP16_SATURATION's accs,
+    whose outputs are also checked against those hand-worked values."""
+    found = {}
+    for dtype in FP16_SATURATION:
+        grad, k = fp16_saturation_grad(dtype)
+        for n in (grad.numel(), SAMPLED):
+            acc = torch.cat([grad, torch.randn(n - grad.numel(), generator=torch.Generator().manual_seed(n)).to(dtype)])
+            zeros = torch.zeros(n, dtype=dtype)
+            found[f"fp16 saturation ef_topk_pack n={n} {dtype}"] = (
+                Case(_topk(acc, zeros, 1.0, True, k, torch.float16), unordered=True), acc)
+            found[f"fp16 saturation ef_threshold_pack n={n} {dtype}"] = (
+                Case(_threshold(acc, zeros, 1.0, True, 1000.0, k, torch.float16)), acc)
+            if dtype == torch.float32:  # the chunk kernels' dtype
+                scale_group = 64 if n == SAMPLED else 0  # exact top-k on the compact wire, or one chunk
+                layout = ChunkLayout(n, n, k / n, "rice", "fp16", scale_group)
+                found[f"fp16 saturation chunk_encode n={n} scale_group={scale_group}"] = (
+                    Case(_chunk_encode(acc, zeros, 1.0, True, layout)), acc)
     return found
 
 
@@ -311,6 +335,22 @@ def test_every_operator_matches_the_reference(level_results, expected, level):
     results = level_results[level]["results"]
     for name, case in cases().items():
         _assert_matches_reference(name, expected[name], results[name], case.unordered)
+
+
+@pytest.mark.parametrize("level", SUPPORTED)
+def test_fp16_saturation_conserves_every_finite_acc(level_results, level):
+    """Beyond the reference: the hand-worked values of kernel_cases.FP16_SATURATION."""
+    results = level_results[level]["results"]
+    for name, (_, acc) in saturation_cases().items():
+        if " ef_topk_pack " in name:
+            indices, values, residual = results[name]
+        elif " ef_threshold_pack " in name:
+            count, indices, values, residual = results[name]
+            assert int(count) == indices.numel(), name
+        else:  # chunk_encode: bucket-relative indices
+            _, indices, values, residual = results[name]
+            indices = indices + OFFSET
+        check_fp16_saturation(acc, indices.long() - OFFSET, values, residual)
 
 
 def test_every_level_gives_the_same_bytes(level_results):

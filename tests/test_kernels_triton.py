@@ -38,8 +38,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 import sparsecomm.ops  # noqa: E402
-from kernel_cases import (NARROW_WIRE_PAIRS, beyond_wire_range, check_non_finite_rule, topk_non_finite_cases,
-                          with_non_finite)
+from kernel_cases import (FP16_SATURATION, NARROW_WIRE_PAIRS, beyond_wire_range, check_fp16_saturation,  # noqa: E402
+                          check_non_finite_rule, fp16_saturation_grad, topk_non_finite_cases, with_non_finite)
 from sparsecomm.ops import reference  # noqa: E402
 
 _PKG = "sparsecomm.ops.triton"
@@ -327,8 +327,19 @@ def test_ef_topk_pack_saturates_on_narrow_wire(backend, grad_dtype, wire_dtype):
     finite = torch.isfinite(val.float())
     assert bool((val.float()[finite].abs() <= limit).all())
     assert int(torch.isinf(val.float()).sum()) == 4 and int(torch.isnan(val.float()).sum()) == 2
-    if wire_dtype == torch.float16:  # every finite entry here is >= 65504 in magnitude
-        assert bool((val.float()[finite].abs() == limit).all())
+
+
+@pytest.mark.parametrize("dtype", list(FP16_SATURATION), ids=lambda d: str(d).replace("torch.", ""))
+def test_ef_topk_pack_fp16_saturation_conserves_every_finite_acc(backend, dtype):
+    """kernel_cases.FP16_SATURATION: each acc goes out as its hand-worked value, and sent +
+    residual == acc up to float32's largest."""
+    ops, device = backend
+    acc, k = fp16_saturation_grad(dtype)
+    residual = torch.zeros_like(acc, device=device)
+    idx = torch.empty(k, dtype=torch.int32, device=device)
+    val = torch.empty(k, dtype=torch.float16, device=device)
+    ops.ef_topk_pack(acc.to(device), residual, 1.0, True, k, idx, val)
+    check_fp16_saturation(acc, idx, val, residual)
 
 
 def test_ef_topk_pack_rejects_bad_arguments(cpu_backend):

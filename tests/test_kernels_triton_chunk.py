@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from kernel_cases import FP16_SATURATION, check_fp16_saturation, fp16_saturation_grad  # noqa: E402
 from test_kernels_chunk import _data  # noqa: E402
 from test_kernels_triton import _assert_same, _fresh_backend, backend  # noqa: E402, F401  (backend: the fixture)
 
@@ -208,6 +209,21 @@ def test_non_finite_chunks_and_saturation(backend):
     for value_codec in VALUE_CODECS:
         layout = ChunkLayout(400, 100, 0.05, "chunk", value_codec)
         _check_encode(ops, device, layout, grad, residual, 1.0, True)
+
+
+@pytest.mark.parametrize("dtype", list(FP16_SATURATION), ids=lambda d: str(d).replace("torch.", ""))
+def test_fp16_codec_saturation_conserves_every_finite_acc(backend, dtype):
+    """kernel_cases.FP16_SATURATION on the fp16 value codec, one chunk and exact top-k on the
+    compact wire: each acc goes out as its hand-worked value, and sent + residual == acc."""
+    ops, device = backend
+    acc, k = fp16_saturation_grad(dtype)
+    n = acc.numel()
+    for layout in (ChunkLayout(n, n, k / n, "chunk", "fp16"), ChunkLayout(n, n, k / n, "rice", "fp16", scale_group=64)):
+        assert layout.capacity == k
+        residual = torch.zeros(n, dtype=dtype, device=device)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        indices, decoded = ops.chunk_encode(acc.to(device), residual, 1.0, True, layout, payload)
+        check_fp16_saturation(acc, indices, decoded, residual)
 
 
 def test_rice_codes_longer_than_one_window(backend):

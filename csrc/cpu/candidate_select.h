@@ -109,7 +109,7 @@ int64_t emit_selected(const CandidateList& list, const Selection& s, size_t l, T
       if (residual && mode == Residual::restore_unsent) residual[list.index[j]] = static_cast<T>(a);
       continue;
     }
-    const V w = to_wire<V>(a);
+    const V w = to_wire<T, V>(a);
     out_index[position] = list.index[j] + index_offset;
     out_value[position] = w;
     ++position;

@@ -160,19 +160,15 @@ inline float decode_code(int32_t codec, uint32_t code, float s) {
   return level * s;
 }
 
-// Float codecs: the wire bits of v (error_feedback.to_wire_dtype: finite values beyond
-// the dtype's range saturate), and the value they stand for.
+// Float codecs: the wire bits of a float32 acc v (to_wire: finite values beyond the
+// dtype's range saturate), and the value they stand for.
 inline uint32_t float_wire_bits(int32_t codec, float v) {
   if (codec == kValueFp32) return float_bits(v);
   if (codec == kValueBf16) {
     if (std::isnan(v)) return 0xFFFFu;  // the NaN torch's float->bfloat16 conversion writes
-    constexpr float limit = 3.38953139e38f;  // torch.finfo(torch.bfloat16).max
-    if (std::isfinite(v)) v = v < -limit ? -limit : (v > limit ? limit : v);
-    return c10::BFloat16(v).x;
+    return to_wire<float, c10::BFloat16>(v).x;
   }
-  constexpr float limit = 65504.0f;
-  if (std::isfinite(v)) v = v < -limit ? -limit : (v > limit ? limit : v);
-  return c10::Half(v).x;
+  return to_wire<float, c10::Half>(v).x;
 }
 
 inline float float_wire_value(int32_t codec, uint32_t bits) {

@@ -215,7 +215,7 @@ int64_t two_pass_topk_pack(const T* g, T* r, float divisor, bool add_residual, i
     for_each_at_or_above<T>(g, r, divisor, boundary_key, begin, end, [&](int64_t i) {
       const float a = to_float(r ? r[i] : compensate<T>(g[i], divisor, nullptr));
       if ((magnitude_key(a) >> kDigitShift[0]) > boundary) {
-        const V w = to_wire<V>(a);
+        const V w = to_wire<T, V>(a);
         out_index[sure] = static_cast<int32_t>(i) + offset;
         out_value[sure] = w;
         ++sure;

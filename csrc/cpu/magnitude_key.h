@@ -73,12 +73,21 @@ inline T compensate(T grad, float divisor, const T* residual) {
   return residual ? static_cast<T>(to_float(acc) + to_float(*residual)) : acc;
 }
 
-// Value on the wire: a narrower dtype saturates finite values at its largest finite
-// value (the excess stays in the residual) instead of turning them into Inf.
-template <typename V>
+// Value on the wire of acc `a` (of dtype T): a narrower dtype V saturates finite values
+// instead of turning them into Inf, and the excess stays in the residual. A value beyond
+// V's largest, L, goes out as +-s: L rounded down to a multiple of a's ulp in T, so that s
+// and a - s are multiples of that ulp below |a|, both exact in T (sent + residual == acc).
+// L itself would not do: fp16's 65504 is 2047 x 32, and float32 from 2^29 on has an ulp of
+// 64 or more. s is 0 once the ulp exceeds L (fp16: float32 from 2^39, bf16 from 2^23 on).
+template <typename T, typename V>
 inline V to_wire(float a) {
   const float limit = static_cast<float>(std::numeric_limits<V>::max());
-  if (std::isfinite(a) && std::fabs(a) > limit) a = std::copysign(limit, a);
+  if (std::isfinite(a) && std::fabs(a) > limit) {
+    // 2^exponent (a's key with the mantissa cleared; a is normal), over 2^(T's mantissa bits)
+    constexpr float kUlpPerUnit = 1.0f / static_cast<float>(1 << (std::numeric_limits<T>::digits - 1));
+    const float ulp = key_as_float(magnitude_key(a) & kInfKey) * kUlpPerUnit;
+    a = std::copysign(std::floor(limit / ulp) * ulp, a);
+  }
   return static_cast<V>(a);
 }
 

@@ -188,7 +188,7 @@ int64_t collect_candidates(const T* g, T* r, float divisor, bool add_residual, u
     largest = std::max(largest, key);
     if (r) {
       const bool tentative = kSent == SentResidual::remainder && hit && count < capacity;
-      r[i] = tentative ? sent_remainder<T, V>(af, to_wire<V>(af)) : a;
+      r[i] = tentative ? sent_remainder<T, V>(af, to_wire<T, V>(af)) : a;
     }
     if (hit) {
       if (count < capacity) {

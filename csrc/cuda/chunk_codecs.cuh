@@ -124,24 +124,20 @@ __device__ __forceinline__ float decode_code(int32_t codec, uint32_t code, float
   return __fmul_rn(level, s);
 }
 
-// Float codecs: the wire bits of v (finite values beyond the dtype's range saturate), and
-// the value they stand for. bf16 and fp16 round to nearest even with bit operations (what
-// torch's CPU conversion computes; CUDA's conversion instructions give the same bits for
-// every non-NaN value).
+// Float codecs: the wire bits of a float32 acc v (finite values beyond the dtype's range
+// saturate: saturate() in radix_select.cuh), and the value they stand for. bf16 and fp16
+// round to nearest even with bit operations (what torch's CPU conversion computes; CUDA's
+// conversion instructions give the same bits for every non-NaN value).
 __device__ __forceinline__ uint32_t float_wire_bits(int32_t codec, float v) {
   const uint32_t bits = __float_as_uint(v);
   if (codec == sparsecomm::kValueFp32) return bits;
   if (codec == sparsecomm::kValueBf16) {
     if (bits_nan(bits)) return 0xFFFFu;  // as the CPU kernel writes it
-    constexpr float limit = 3.38953139e38f;  // torch.finfo(torch.bfloat16).max, 0x7F7F0000
-    if (bits_finite(bits)) v = v < -limit ? -limit : (v > limit ? limit : v);
-    const uint32_t u = __float_as_uint(v);
+    const uint32_t u = __float_as_uint(saturate<float, c10::BFloat16>(v));
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // c10::detail::round_to_nearest_even
   }
   if (bits_nan(bits)) return ((bits >> 16) & 0x8000u) | 0x7E00u;  // c10's CPU conversion of a NaN
-  constexpr float limit = 65504.0f;
-  if (bits_finite(bits)) v = v < -limit ? -limit : (v > limit ? limit : v);
-  return c10::Half(v).x;  // __float2half: round to nearest even
+  return c10::Half(saturate<float, c10::Half>(v)).x;  // __float2half: round to nearest even
 }
 
 __device__ __forceinline__ float float_wire_value(int32_t codec, uint32_t bits) {

@@ -250,23 +250,35 @@ struct WireLimit<c10::Half> {
   static constexpr float value = 65504.0f;
 };
 
-// wire(a) = V(a), except that finite values beyond V's range saturate at +-max(V) (only
-// when V is narrower than T: fp32 -> fp16/bf16, bf16 -> fp16). The clamp is done in float,
-// where max(V) is exact (note: clamping in bf16 would round 65504 up to 65536 -> fp16 Inf).
+// A finite float a (acc, of dtype T) beyond V's largest value L, saturated: +-s, L rounded
+// down to a multiple of a's ulp in T, so that s and a - s are multiples of that ulp below
+// |a|, both exact in T (sent + residual == acc). L itself would not do: fp16's 65504 is
+// 2047 x 32, and float32 from 2^29 on has an ulp of 64 or more; s is 0 once the ulp exceeds
+// L (fp16: float32 from 2^39, bf16 from 2^23 on). Anything else passes unchanged. In float,
+// where L and s are exact (clamping in bf16 would round 65504 up to 65536 -> fp16 Inf).
+template <typename T, typename V>
+__device__ __forceinline__ float saturate(float a) {
+  if constexpr (WireLimit<V>::value < WireLimit<T>::value) {
+    constexpr float limit = WireLimit<V>::value;
+    const uint32_t magnitude = __float_as_uint(a) & 0x7FFFFFFFu;
+    // finite (below the Inf pattern) and beyond V's range; NaN and +-Inf pass unchanged
+    if (magnitude < 0x7F800000u && fabsf(a) > limit) {
+      // a's exponent bits less T's mantissa width: its ulp
+      const float ulp = __uint_as_float((magnitude & 0x7F800000u) - ((std::numeric_limits<T>::digits - 1u) << 23));
+      a = copysignf(__fmul_rn(floorf(__fdiv_rn(limit, ulp)), ulp), a);
+    }
+  }
+  return a;
+}
+
+// wire(a) = V(saturate(a)): only V narrower than T saturates (fp32 -> fp16/bf16, bf16 -> fp16).
 // V == T returns acc itself, bit for bit (NaN payload included), like torch's no-op .to().
 template <typename T, typename V>
 __device__ __forceinline__ V to_wire(T acc) {
   if constexpr (std::is_same_v<T, V>) {
     return acc;
   } else {
-    float a = to_float(acc);
-    if constexpr (WireLimit<V>::value < WireLimit<T>::value) {
-      const float limit = WireLimit<V>::value;
-      const uint32_t magnitude = __float_as_uint(a) & 0x7FFFFFFFu;
-      // finite (below the Inf pattern) and beyond V's range; NaN and +-Inf pass unchanged
-      if (magnitude < 0x7F800000u && fabsf(a) > limit) a = copysignf(limit, a);
-    }
-    return from_float<V>(a);
+    return from_float<V>(saturate<T, V>(to_float(acc)));
   }
 }
 

@@ -18,8 +18,8 @@ torch.amp.GradScaler, skips the step. Their residual becomes +0, whether they we
 not: acc - sent would be Inf - Inf = NaN, which ranks above everything and would be sent
 again on every later step (one overflow step would poison training for good), and an
 unsent Inf kept as-is would do the same. Finite values beyond the range of a narrower wire
-dtype (fp16 tops out at 65504) saturate at its largest finite value and the excess stays
-in the residual, instead of turning into Inf on the wire.
+dtype (fp16 tops out at 65504) saturate instead of turning into Inf on the wire, and the
+excess stays in the residual (:func:`to_wire_dtype`).
 """
 from typing import Callable
 
@@ -73,15 +73,27 @@ def divide_(tensor: torch.Tensor, divisor: float) -> torch.Tensor:
 
 
 def to_wire_dtype(values: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
-    """``values`` cast to ``value_dtype``, saturating finite values the dtype cannot hold."""
+    """``values`` cast to ``value_dtype``, saturating finite values the dtype cannot hold.
+
+    A finite value beyond ``value_dtype``'s largest, L, goes out as +-s: L rounded down to a
+    multiple of the value's ulp in its own dtype T (``values.dtype``), so that s and
+    ``value - s`` are multiples of that ulp below the value's magnitude, both exact in T, and
+    ``sent + residual == acc`` holds for every finite acc. L itself would not do: fp16's
+    65504 is 2047 x 32, and float32 values from 2^29 on have an ulp of 64 or more. s is L
+    while the ulp divides it (fp16: float32 below 2^29; bf16: every float32), smaller beyond,
+    and 0 once the ulp exceeds L (fp16: float32 from 2^39, bfloat16 from 2^23 on): then the
+    whole value stays in the residual. Details: docs/precision.md.
+    """
     if value_dtype == values.dtype or torch.finfo(value_dtype).max >= torch.finfo(values.dtype).max:
         return values.to(value_dtype)
     limit = torch.finfo(value_dtype).max
-    # Clamp in float32: a bf16 tensor cannot hold fp16's limit 65504 (it rounds to 65536,
-    # which would then overflow to Inf on the wire).
+    # In float32, which holds every T exactly, and L and s too (a bf16 tensor would round
+    # fp16's 65504 up to 65536, Inf on the wire). 2^exponent: the value's bits with the
+    # mantissa cleared (normal: |value| > L); times eps, 2^-(T's mantissa bits): the ulp.
     wide = values.float()
-    saturated = torch.where(torch.isinf(wide), wide, wide.clamp(-limit, limit))
-    return saturated.to(value_dtype)
+    ulp = (wide.view(torch.int32) & 0x7F800000).view(torch.float32) * torch.finfo(values.dtype).eps
+    saturated = torch.copysign(torch.floor(limit / ulp) * ulp, wide)
+    return torch.where(torch.isfinite(wide) & (wide.abs() > limit), saturated, wide).to(value_dtype)
 
 
 def select_and_pack(

@@ -7,7 +7,8 @@ the residual, so quantization error is compensated like the entries left unsent.
 
 Codecs (bits per value; ``s`` is the chunk's scale, stored as bfloat16, 2 bytes a chunk):
 
-* ``fp32``, ``bf16``, ``fp16``: the value in that dtype (fp16 saturates at +-65504); no scale.
+* ``fp32``, ``bf16``, ``fp16``: the value in that dtype, saturated beyond its range
+  (``error_feedback.to_wire_dtype``: fp16 at 65504 or less); no scale.
 * ``fp8``: float8 e4m3 of ``v / s``, ``s`` = the chunk's largest magnitude / 448 rounded up.
 * ``int8``, ``int4``, ``int2``: the nearest of ``q * s``, ``q`` in ``[-(2**(b-1) - 1),
   2**(b-1) - 1]`` (int2: -1, 0, 1), ``s`` = the largest magnitude / 2**(b-1) rounded up;
@@ -17,7 +18,8 @@ Codecs (bits per value; ``s`` is the chunk's scale, stored as bfloat16, 2 bytes 
 
 Why conservation (``decoded + residual == acc``, exactly) holds: every decoded value is 0
 or lies within a factor of two of the value it stands for, with the same sign, so
-``acc - decoded`` is exact in floating point (Sterbenz). Rounding to the nearest level of a
+``acc - decoded`` is exact in floating point (Sterbenz); a saturated fp16 value is a
+multiple of acc's ulp below it, which keeps it exact too. Rounding to the nearest level of a
 grid that has 0 guarantees it (fp8, intN); ``sign`` has no 0, hence s <= 2 m; it also
 needs s >= M / 2**16 for the largest values (bf16 s has 8 significant bits), which a chunk
 whose selected non-zero magnitudes span more than 2**17 cannot have: there s is raised to

@@ -98,7 +98,7 @@ def _select_kernel(g_ptr, r_ptr, payload_ptr, idx_out_ptr, dec_out_ptr, vcode_pt
         if V == T:
             wire = acc
         else:
-            wire = to_wire(a32, key, V, LIMIT)
+            wire = to_wire(a32, key, T, V, LIMIT)
         if V == tl.float32:
             code = wire.to(tl.int32, bitcast=True)
         else:

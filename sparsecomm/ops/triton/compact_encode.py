@@ -63,7 +63,7 @@ def _group_kernel(idx_ptr, val_ptr, r_ptr, payload_ptr, idx_out_ptr, dec_out_ptr
         if V == T:
             wire = from_f32(a32, T)
         else:
-            wire = to_wire(a32, key, V, LIMIT)
+            wire = to_wire(a32, key, T, V, LIMIT)
         if V == tl.float32:
             code = wire.to(tl.int32, bitcast=True)
         else:

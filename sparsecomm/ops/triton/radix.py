@@ -261,7 +261,7 @@ def emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a3
     +-Inf or NaN, sent or not: Inf - Inf = NaN kept there would rank first and be sent again
     on every later step. Both operands are zeroed before the subtraction, so no NaN is formed.
     """
-    wire = to_wire(a32, key, V, LIMIT)
+    wire = to_wire(a32, key, T, V, LIMIT)
     tl.store(idx_out_ptr + slot, (offs + index_offset).to(tl.int32), mask=sel)
     tl.store(val_out_ptr + slot, wire, mask=sel)
     if WRITE_RESIDUAL:
@@ -272,12 +272,21 @@ def emit_entries(idx_out_ptr, val_out_ptr, src_ptr, slot, offs, index_offset, a3
 
 
 @triton.jit
-def to_wire(a32, key, VDTYPE: tl.constexpr, LIMIT: tl.constexpr):
-    """Wire value of float32 ``a32``: cast to VDTYPE, finite values saturating at +-LIMIT."""
+def to_wire(a32, key, T: tl.constexpr, VDTYPE: tl.constexpr, LIMIT: tl.constexpr):
+    """Wire value of float32 ``a32``, acc of dtype T: cast to VDTYPE; a finite value beyond
+    +-LIMIT goes out as +-s, LIMIT rounded down to a multiple of acc's ulp in T, so that acc - s
+    is exact in T (``error_feedback.to_wire_dtype``)."""
     if LIMIT > 0:
         over = (a32 > LIMIT) | (a32 < -LIMIT)
         over = over & (key < 0x7F800000)  # finite only: +-Inf and NaN pass through
-        a32 = tl.where(over, tl.where(a32 > 0, LIMIT, -LIMIT), a32)
+        limit = tl.full(a32.shape, LIMIT, tl.float32)
+        # ulp: acc's exponent bits less T's mantissa width (LIMIT's in the other lanes: no Inf/NaN arithmetic)
+        exponent = tl.where(over, key, limit.to(tl.int32, bitcast=True)) & 0x7F800000
+        ulp = (exponent - (T.fp_mantissa_width << 23)).to(tl.float32, bitcast=True)
+        # floor of the quotient (exact, in [0, 2^24)) by the conversion to int32, which truncates
+        # (tl.floor would compile to an instruction that flushes subnormals)
+        s = tl.math.div_rn(limit, ulp).to(tl.int32).to(tl.float32) * ulp
+        a32 = tl.where(over, tl.where(a32 > 0, s, -s), a32)
     return from_f32(a32, VDTYPE)
 
 
