@@ -29,3 +29,28 @@ def test_default_experiment_has_the_topk_dgc_arm_and_checks_its_momentum():
     assert "topk-dgc" in pydoc_gpt().arms
     with pytest.raises(ValueError, match=r"dgc_momentum.*in \(0, 1\)"):
         ExperimentConfig(name="x", task="digits-mlp", dgc_momentum=1.0)
+
+
+def _powersgd_worker(rank, world_size, bucket_cap_mb):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), bucket_cap_mb=bucket_cap_mb)
+    arm = make_arm_hook("powersgd", pydoc_gpt(), ddp, seed=0)
+    ddp.register_comm_hook(arm.state, arm.hook)
+    try:
+        for step in range(4):
+            ddp(torch.randn(8, 64) + rank).pow(2).mean().backward()
+    except RuntimeError as error:
+        return f"step {step}: {error}"
+    return "trained"
+
+
+def test_powersgd_on_gloo_refuses_a_second_bucket_instead_of_hanging():
+    from multiprocess import run_on_ranks
+
+    for said in run_on_ranks(_powersgd_worker, 1e-6, world_size=2):  # one bucket per parameter
+        # DDP's first step has one bucket (its first bucket is 1 MB), the rebuilt layout several: refused
+        # there, before PowerSGD's first compressed step (after the default experiment's 2 warm-up steps)
+        assert said.startswith("step 1:") and "can hang" in said and "bucket_cap_mb" in said
+    assert run_on_ranks(_powersgd_worker, 25.0, world_size=2) == ["trained", "trained"]  # one bucket: as before

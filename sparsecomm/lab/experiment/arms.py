@@ -149,7 +149,7 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
         return ArmHook(
             f"torch powerSGD_hook rank {options['rank']}",
             state,
-            powerSGD_hook.powerSGD_hook,
+            _one_bucket_on_gloo(powerSGD_hook.powerSGD_hook, process_group),
             _powersgd_bytes,
             snapshot=lambda s: s.total_numel_after_compression,
         )
@@ -162,6 +162,28 @@ def hook_for_spec(spec: ArmSpec, ddp_model, seed: int, *, wire: str = "", proces
         snapshot=lambda s: s.stats()["bytes_sent"],
         stats=lambda s: s.stats(),
     )
+
+
+def _one_bucket_on_gloo(hook: Callable, process_group) -> Callable:
+    """``hook`` (torch's PowerSGD), refusing a second bucket on gloo before it can hang.
+
+    PowerSGD issues its collectives from Future callbacks, which run on other threads in
+    any order: with several buckets in flight the ranks can issue them in different orders,
+    and gloo then hangs or fails (NCCL orders them by stream). Its first steps are plain
+    allreduces, so a second bucket is seen, and refused, before the first compressed step.
+    """
+    if dist.get_backend(process_group) != "gloo":
+        return hook
+
+    def guarded(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if bucket.index() > 0:
+            raise RuntimeError(
+                "torch's powerSGD_hook on gloo with several DDP buckets can hang (it issues collectives from "
+                "Future callbacks, in an order that differs between ranks): run it with one bucket (the config's "
+                "bucket_cap_mb at least the model's gradient size in MiB) or on NCCL")
+        return hook(state, bucket)
+
+    return guarded
 
 
 def topk_description(spec: ArmSpec, state: TopKState, wire: str) -> str:
