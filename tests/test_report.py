@@ -93,3 +93,24 @@ def test_fold_keeps_every_line_within_the_width():
     # A word longer than a line is cut where the line ends; the indent is never cut off alone.
     assert fold("x" * 250) == ["x" * 100, CONTINUATION + "x" * 94, CONTINUATION + "x" * 56]
     assert fold_lines(["", "short"]) == ["", "short"]
+
+
+def _runs(buckets_by_arm: dict, parallelism: str = "ddp"):
+    from pathlib import Path
+
+    from sparsecomm.lab.results import RunSummary
+
+    return [RunSummary(arm, 0, "ok", Path(arm), extra={"buckets_per_step": found, "parallelism": parallelism})
+            for arm, found in buckets_by_arm.items()]
+
+
+def test_the_report_says_how_many_buckets_a_step_reduced_the_gradient_in():
+    from sparsecomm.lab.report import format_buckets
+
+    assert format_buckets(_runs({"dense": 7, "topk-dgc": 7.0})) == \
+        "each step reduced the gradient in 7 DDP buckets (every arm)"
+    assert format_buckets(_runs({"dense": 3, "topk-dgc": 3}, "hsdp:2x2")) == \
+        "each step reduced the gradient in 3 FSDP modules (every arm)"
+    assert format_buckets(_runs({"dense": 1, "topk-dgc": 7})).splitlines() == [
+        "each step reduced the gradient in this many DDP buckets:", "  dense: 1", "  topk-dgc: 7"]
+    assert format_buckets(_runs({"dense": None})) == ""  # runs written before the count was recorded

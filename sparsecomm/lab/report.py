@@ -3,8 +3,9 @@
 1. the verdicts, one line per arm, then their detail (:func:`sparsecomm.lab.tolerance.format_report`);
 2. the time-to-quality ledger, one row and one speedup line per arm
    (:func:`sparsecomm.lab.ledger.format_ledger`);
-3. the plots written;
-4. where compression pays: each equivalent arm's modelled break-even link rate against dense
+3. every arm's options, and how many DDP buckets (FSDP modules) a step reduced the gradient in;
+4. the plots written;
+5. where compression pays: each equivalent arm's modelled break-even link rate against dense
    (:func:`sparsecomm.lab.costmodel.breakeven_report.break_even_lines`).
 
 Every line fits in :data:`sparsecomm.lab.text.REPORT_WIDTH` columns (:func:`sparsecomm.lab.text.fold`
@@ -47,6 +48,10 @@ def report(run_dir: Path, plots_dir: Path) -> int:
     if arms:
         print(arms)
         print()
+    buckets = format_buckets(runs)
+    if buckets:
+        print(buckets)
+        print()
     _print_plots(plots.plot_run_dir(run_dir, plots_dir, ledger.ledger_items_for_plot(run_dir)))
     print()
     print("\n".join(break_even_lines(run_dir)))
@@ -69,6 +74,29 @@ def format_arms(runs) -> str:
     lines = ["arms (every option, as stored with their runs):"]
     lines += [f"  {arm:<{width}}  {description}" for arm, description in specs.items()]
     return "\n".join(fold_lines(lines))
+
+
+def format_buckets(runs) -> str:
+    """How many pieces each step's gradient was reduced in (DDP buckets, or FSDP modules under
+    hsdp:RxS), as the runs counted them: a default that holds in one bucket may not in many."""
+    counts = {}
+    for run in runs:
+        found = run.extra.get("buckets_per_step")
+        if isinstance(found, (int, float)) and not isinstance(found, bool):
+            counts.setdefault(run.arm, set()).add(int(found))
+    if not counts:
+        return ""
+    pieces = "FSDP modules" if any(str(run.extra.get("parallelism", "ddp")).startswith("hsdp") for run in runs) \
+        else "DDP buckets"
+    if len({frozenset(found) for found in counts.values()}) == 1:
+        return f"each step reduced the gradient in {_count(next(iter(counts.values())))} {pieces} (every arm)"
+    lines = [f"each step reduced the gradient in this many {pieces}:"]
+    lines += [f"  {arm}: {_count(found)}" for arm, found in counts.items()]
+    return "\n".join(fold_lines(lines))
+
+
+def _count(found: set[int]) -> str:
+    return str(min(found)) if len(found) == 1 else f"{min(found)} to {max(found)}"
 
 
 def _print_plots(paths: list[Path]) -> None:
