@@ -356,7 +356,7 @@ def _arm_remarks(a: ArmLedger) -> list[str]:
     if a.hook_path is not None:
         fused, sparse = a.hook_path
         why = ("" if fused == sparse else ": the others formed acc in the bucket first (momentum correction, "
-               "local clipping, or an observer reading it); same bits, slower")
+               "the model budget counting it, local clipping, or an observer reading it); same bits, slower")
         lines.append(f"{a.arm}: hook path: fused kernel in {fused} of {sparse} sparse calls{why}")
     if exposed_fraction(a):
         lines.append(f"{a.arm}: exposed communication (the wait for it after backward) "
