@@ -5,11 +5,11 @@
 
 Tokens: the bytes of ``pydoc_data.topics`` (vocabulary 256, no download); the Trainer's
 sampler gives every rank different windows. The Trainer's default optimizer, AdamW.
-Standalone, the callback sparsifies at ``--density`` with its defaults (AdamW's first
-moment moved into the hook: betas (0.9, 0.999) -> (0.0, 0.999), said at start-up), or
-``--dense`` trains without it (the baseline); under the lab it registers the arm's hook
-(``run.apply``) and logs each ``eval_loss`` as ``val_loss``. Every checkpoint gets each
-rank's ``sparsecomm_rank<r>.pt``. The last line per rank gives ``final loss``: the mean of
+Standalone, the callback sparsifies at ``--density`` (default: the callback's, 0.03) with its
+other defaults (AdamW's first moment moved into the hook: betas (0.9, 0.999) -> (0.0, 0.999),
+said at start-up), or ``--dense`` trains without it (the baseline); under the lab it
+registers the arm's hook (``run.apply``) and logs each ``eval_loss`` as ``val_loss``. Every
+checkpoint gets each rank's ``sparsecomm_rank<r>.pt``. The last line per rank gives ``final loss``: the mean of
 the training losses the Trainer logged (each over both ranks) in the last quarter of the steps;
 the last step's is always logged (the Trainer logs every ``--logging-steps``, so a run of
 fewer steps, or one that ends between two logs, would otherwise have none there).
@@ -48,7 +48,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps (the lab's --steps wins)")
     parser.add_argument("--eval-steps", type=int, default=20)
-    parser.add_argument("--density", type=float, default=0.01, help="standalone only; the lab's arm decides")
+    parser.add_argument("--density", type=float, default=None,
+                        help="standalone only (default: the callback's); the lab's arm decides")
     parser.add_argument("--dense", action="store_true", help="standalone only: no sparsecomm, the dense baseline")
     parser.add_argument("--seed", type=int, default=None, help="standalone only: initial weights and data order")
     parser.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
     if run.in_lab:
         callback = SparseCommTrainerCallback.for_lab_run(run, metric="eval_loss", as_name="val_loss")
     else:
-        callback = None if args.dense else SparseCommTrainerCallback(density=args.density)
+        callback = None if args.dense else SparseCommTrainerCallback(density=args.density)  # None: its default
     cpu = not torch.cuda.is_available()
     training_args = TrainingArguments(
         output_dir=args.out or tempfile.mkdtemp(prefix="hf_trainer_"), max_steps=run.steps or args.max_steps,

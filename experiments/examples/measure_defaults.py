@@ -8,8 +8,9 @@ sparsecomm) and with the integration at its defaults (only ``--density``). AdamW
 three (the Trainer's default optimizer; the Lightning and Accelerate examples build it).
 It prints each pair's ``final loss`` (the mean training loss over the last quarter of the
 steps, both ranks), the difference and the bytes the hook sent as a share of dense
-(``state.stats()["compression"]``), then the mean per framework. The bar: within
-``--tolerance`` (0.15) of dense at under 30% of dense's bytes.
+(``state.stats()["compression"]``), then the mean and the largest difference per framework.
+The bar: every seed within ``--tolerance`` (0.1, the tolerance the integrations' docs state)
+of dense, at under 30% of dense's bytes.
 """
 import argparse
 import os
@@ -48,8 +49,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frameworks", nargs="+", choices=sorted(EXAMPLES), default=list(EXAMPLES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--density", type=float, default=None, help="passed to the examples (default: theirs, 0.01)")
-    parser.add_argument("--tolerance", type=float, default=0.15)
+    parser.add_argument("--density", type=float, default=None,
+                        help="passed to the examples (default: their integration's)")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="largest final-loss difference, every seed")
     args = parser.parse_args(argv)
     rows = {framework: [] for framework in args.frameworks}
     print(f"{'framework':<11} {'seed':>4} {'dense':>8} {'sparse':>8} {'diff':>8} {'bytes':>7}", flush=True)
@@ -62,12 +64,13 @@ def main(argv=None) -> int:
                   flush=True)
     passed = True
     for framework, pairs in rows.items():
-        diff = sum(s - d for d, s, _ in pairs) / len(pairs)
+        diffs = [s - d for d, s, _ in pairs]
         percent = sum(p for _, _, p in pairs) / len(pairs)
-        ok = diff <= args.tolerance and percent < BYTES_LIMIT
+        ok = max(diffs) <= args.tolerance and percent < BYTES_LIMIT
         passed &= ok
-        print(f"{framework}: mean diff {diff:+.4f} over {len(pairs)} seed(s), {percent:.1f}% of dense bytes: "
-              f"{'within' if ok else 'NOT within'} {args.tolerance} at under {BYTES_LIMIT:.0f}%", flush=True)
+        print(f"{framework}: mean diff {sum(diffs) / len(diffs):+.4f}, largest {max(diffs):+.4f} over {len(pairs)} "
+              f"seed(s), {percent:.1f}% of dense bytes: {'within' if ok else 'NOT within'} {args.tolerance} at every "
+              f"seed at under {BYTES_LIMIT:.0f}%", flush=True)
     return 0 if passed else 1
 
 
