@@ -415,7 +415,7 @@ def test_results_do_not_depend_on_bucket_cap(selector):
 
 
 def _training_worker(rank, world_size, k_scope, budget, observed):
-    ddp = DDP(_mlp())
+    ddp = DDP(_mlp(), bucket_cap_mb=25 if budget == "bucket" else 0.002)  # the model budget: several buckets
     state = sparsecomm.register_topk_hook(ddp, density=0.05, k_scope=k_scope, budget=budget, momentum=0)
     if observed:  # an observer makes the hook compensate in the bucket first (unfused path)
         state.add_observer(lambda event: None)
@@ -448,7 +448,7 @@ def test_native_kernels_train_bitwise_like_the_reference(monkeypatch, k_scope, b
         # Both went through the kernels being compared: 4 sparse steps, on the fused path
         # unless an observer or the model budget (which counts acc's magnitudes) made the hook compensate first.
         for stats in (native_stats, ref_stats):
-            assert stats["sparse_calls"] == 4 and stats["fused_calls"] == (4 if fused else 0)
+            assert stats["sparse_calls"] >= 4 and stats["fused_calls"] == (stats["sparse_calls"] if fused else 0)
         assert all(torch.equal(a, b) for a, b in zip(native_params, ref_params))
         assert native_state.keys() == ref_state.keys()
         assert all(torch.equal(native_state[key], ref_state[key]) for key in native_state

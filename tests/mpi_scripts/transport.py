@@ -106,9 +106,10 @@ class Recorder:
 
 def train(rank: int, transport: str, selector: str, recorder: Recorder | None = None, **settings):
     model = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    # budget="bucket" on both transports: MPI's cannot share one budget (its counts are all-reduced over c10d)
     state = sparsecomm.register_topk_hook(model, density=0.02, selector=selector, transport=transport,
                                           allow_dense_fallback=False, verify_conservation=recorder is not None,
-                                          **settings)
+                                          budget="bucket", momentum=0, **settings)
     if recorder is not None:
         state.add_observer(recorder)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -172,11 +172,8 @@ def _one_bucket_on_gloo(hook: Callable, process_group) -> Callable:
     and gloo then hangs or fails (NCCL orders them by stream). Its first steps are plain
     allreduces, so a second bucket is seen, and refused, before the first compressed step.
     """
-    if dist.get_backend(process_group) != "gloo":
-        return hook
-
     def guarded(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if bucket.index() > 0:
+        if bucket.index() > 0 and dist.get_backend(process_group) == "gloo":
             raise RuntimeError(
                 "torch's powerSGD_hook on gloo with several DDP buckets can hang (it issues collectives from "
                 "Future callbacks, in an order that differs between ranks): run it with one bucket (the config's "
