@@ -23,14 +23,21 @@ def _config(**overrides) -> ExperimentConfig:
 
 
 def test_presets_keep_the_run_hashes_they_had_before_arms_were_data():
-    # Recorded from the release before arm definitions existed: finished runs are reused.
+    # Recorded from the release before arm definitions existed, when the default task had 1 MB
+    # buckets: finished runs are reused. The top-k presets since run the hook's model-wide
+    # budget (its default), which trains otherwise: those are new runs, with hashes of their own.
     before = {"dense": "ac5a400b8a66", "dense-bf16": "d79a69d51767", "powersgd": "db4b1033ce4b",
               "topk-ef": "f3e505d83feb", "topk-noef": "4d774ab3238b", "topk-dgc": "91b06a9cb1d5"}
-    config = pydoc_gpt()
-    assert {arm: config.run_hash(arm, 1) for arm in before} == before
-    assert digits_quick().run_hash("topk-ef", 0) == "e0d1ad727b89"
+    config = dataclasses.replace(pydoc_gpt(), bucket_cap_mb=1.0)
+    now = {arm: config.run_hash(arm, 1) for arm in before}
+    assert {arm: now[arm] for arm in ("dense", "dense-bf16", "powersgd")} == \
+        {arm: before[arm] for arm in ("dense", "dense-bf16", "powersgd")}
+    assert {arm: now[arm] for arm in ("topk-ef", "topk-noef", "topk-dgc")} == \
+        {"topk-ef": "a811378533cc", "topk-noef": "d9dd163c5748", "topk-dgc": "dc1533fad57e"}
+    assert config.arm("topk-dgc").options["budget"] == "model"
+    assert digits_quick().run_hash("topk-ef", 0) == "c7e6afb0a174"  # was e0d1ad727b89 with the per-bucket budget
     wire = dataclasses.replace(config, selector="chunk", index_codec="rice", value_codec="int4", exchange="owner")
-    assert wire.run_hash("topk-dgc", 2) == "3db48a23105b" and wire.run_hash("dense", 2) == "7e99735e0893"
+    assert wire.run_hash("topk-dgc", 2) == "a1018a877792" and wire.run_hash("dense", 2) == "7e99735e0893"
 
 
 def test_a_defined_arm_resolves_with_the_experiments_values_for_what_it_leaves_out():

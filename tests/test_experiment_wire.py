@@ -11,24 +11,26 @@ from sparsecomm.lab.experiment.named import EXPERIMENTS
 from sparsecomm.lab.results import load_runs
 
 
-def _hash_without_wire(config: ExperimentConfig, arm: str, seed: int) -> str:
+def _hash_without_wire(config: ExperimentConfig, arm: str, seed: int, **since) -> str:
     """The run hash as it was computed before the wire fields existed (an independent recomputation;
     the fields added after them, for your own script and metric and for sharded models, did not
-    exist either)."""
+    exist either); ``since``: keys added to it later."""
     d = config.to_dict()
     for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour",
                 "selector", "chunk_size", "index_codec", "value_codec", "exchange",
                 "script", "script_args", "metric", "mode", "launcher", "parallelism"):
         d.pop(key)
     d.pop("link")
-    d.update(arm=arm, seed=seed)
+    d.update(arm=arm, seed=seed, **since)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def test_default_wire_keeps_earlier_run_hashes_and_codecs_do_not_change_dense_runs():
     base = EXPERIMENTS["digits-quick"]()
-    for arm in ("dense", "topk-ef"):
-        assert base.run_hash(arm, 0) == _hash_without_wire(base, arm, 0)
+    assert base.run_hash("dense", 0) == _hash_without_wire(base, "dense", 0)
+    # A top-k arm differs from it by the model-wide budget alone (the hook's default since; not the wire).
+    assert base.arm("topk-ef").options["budget"] == "model"
+    assert base.run_hash("topk-ef", 0) == _hash_without_wire(base, "topk-ef", 0, topk_budget="model")
     chunked = base.with_overrides(selector="chunk", index_codec="rice", value_codec="int4")
     assert chunked.run_hash("dense", 0) == base.run_hash("dense", 0)
     assert chunked.run_hash("topk-ef", 0) != base.run_hash("topk-ef", 0)

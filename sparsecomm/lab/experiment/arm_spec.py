@@ -260,6 +260,9 @@ def topk_state_kwargs(options: dict) -> dict:
 
 
 def _check_topk(name: str, options: dict) -> None:
+    """Check a topk arm's options by the hook's own validation, and write down the budget they
+    resolve to (the hook's default is "model" where it applies), so that the stored arm says
+    it and a run of another budget is never taken for this one."""
     from sparsecomm.hooks.config import TopKConfig
 
     for key in ("value_dtype", "residual_dtype"):
@@ -273,7 +276,7 @@ def _check_topk(name: str, options: dict) -> None:
                          f"pairs (DensitySchedule.to_list()), got {schedule!r}")
     try:
         kwargs = topk_state_kwargs(options)
-        TopKConfig.build(**kwargs)
+        options["budget"] = TopKConfig.build(**kwargs).budget
     except (TypeError, ValueError) as error:
         raise ValueError(f"experiment config: arm {name!r}: {error}") from None
 

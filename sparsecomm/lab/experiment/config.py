@@ -496,6 +496,9 @@ class ExperimentConfig:
         for key in UNREAD_FIELDS.get(spec.name, ()):
             # As if at its default: one hash at every value, and the one runs already had.
             d[key] = self.__dataclass_fields__[key].default
+        if spec.reducer == "topk" and spec.options.get("budget", "bucket") != "bucket":
+            # The hook's default budget became "model": its runs are not the per-bucket runs of before.
+            d["topk_budget"] = spec.options["budget"]
         if spec.name not in HOOK_PRESETS:
             # A defined arm carries its resolved options: the experiment's wire and optimizer
             # fields reach it only through them.
