@@ -51,33 +51,35 @@ def _train(rank, world_size, budget):
     return seen, {name: p.detach().clone() for name, p in names.items()}, state.stats()
 
 
-def _float32_exponent(value: float) -> int:
-    """The biased float32 exponent of |value| (0 for zero and subnormals), from frexp."""
-    if value == 0:
-        return 0
-    _, exponent = math.frexp(abs(value))  # value = m x 2^exponent, 0.5 <= m < 1
-    return max(exponent - 1 + 127, 0)
+def _magnitude_bin(value: float) -> int:
+    """|value|'s bin: 8 per power of two, numbered from 0 (zero) up; from frexp, not from bits."""
+    magnitude = abs(value)
+    smallest_normal = 2.0 ** -126
+    if magnitude < smallest_normal:  # zero and subnormals: the first power's 8 bins
+        return int(magnitude / smallest_normal * 8)
+    fraction, exponent = math.frexp(magnitude)  # magnitude = fraction x 2^exponent, 0.5 <= fraction < 1
+    return (exponent - 1 + 127) * 8 + int((2 * fraction - 1) * 8)
 
 
 def _expected_k(seen_step, world_size):
-    """The rule worked by hand from one step's accs: count every parameter's entries per power
-    of two, sum the counts over the ranks; the threshold is the highest power of two at or
-    above which K x world-size entries lie (K = the sum of the plain k's); a parameter's
-    share of K is its count above it plus, of its count at it, the fraction still needed."""
+    """The rule worked by hand from one step's accs: count every bucket's entries per eighth of
+    a power of two, sum the counts over the ranks; the threshold is the highest bin at or
+    above which K x world-size entries lie (K = the sum of the plain k's); a bucket's share
+    of K is its count above it plus, of its count at it, the fraction still needed."""
     k0 = {names: max(1, math.ceil(DENSITY * acc.numel())) for names, acc, _ in seen_step}
     budget = sum(k0.values())
     order = sorted(names for names in k0)
     accs = {names: acc for names, acc, _ in seen_step}
-    table = torch.zeros(len(order), 255, dtype=torch.float64)
+    table = torch.zeros(len(order), 255 * 8, dtype=torch.float64)
     for row, names in enumerate(order):
         for value in accs[names].tolist():
-            table[row, _float32_exponent(value)] += 1
+            table[row, _magnitude_bin(value)] += 1
     dist.all_reduce(table)
     target = budget * world_size
-    per_power = table.sum(0).tolist()
-    threshold = max((e for e in range(255) if sum(per_power[e:]) >= target), default=0)
-    needed = target - sum(per_power[threshold + 1:])
-    entries = [sum(table[row, threshold + 1:].tolist()) + float(table[row, threshold]) * min(needed / per_power[threshold], 1.0)
+    per_bin = table.sum(0).tolist()
+    threshold = max((e for e in range(255 * 8) if sum(per_bin[e:]) >= target), default=0)
+    needed = target - sum(per_bin[threshold + 1:])
+    entries = [sum(table[row, threshold + 1:].tolist()) + float(table[row, threshold]) * min(needed / per_bin[threshold], 1.0)
                for row in range(len(order))]
     return {names: min(accs[names].numel(), max(1, round(budget * count / sum(entries))))
             for names, count in zip(order, entries)}
