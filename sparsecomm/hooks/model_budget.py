@@ -27,9 +27,9 @@ the budget counts nothing and sends nothing (and plain error feedback takes the 
 kernel again).
 
 Where the mass of a gradient sits in few layers (embeddings) the plain per-bucket density
-starves them: on the default task split into ~10 DDP buckets, and under HSDP 2x2 where each
-FSDP module is a bucket, the per-bucket budget loses quality that the model budget keeps
-(docs/results.md, docs/fsdp.md).
+starves them: under HSDP 2x2, where each FSDP module is a bucket, the model budget is
+equivalent to dense where the per-module one is not; on the default task in 7 DDP buckets
+it takes `topk-dgc` from worse (+0.27) to inconclusive (+0.04) (docs/results.md, docs/fsdp.md).
 """
 import torch
 import torch.distributed as dist
