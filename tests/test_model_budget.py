@@ -289,3 +289,18 @@ def test_with_one_bucket_a_step_the_model_budget_sends_nothing_and_the_kernel_fu
         # 2 dense warm-up steps, then the first sparse step finds one bucket: nothing is ever sent
         assert budget_bytes == [0] * 6 and shares == {}
         assert fused_calls == 3  # the sparse steps after the first, on the fused path
+
+
+def _toy_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), bucket_cap_mb=1e-6)  # 4 buckets
+    state = sparsecomm.register_topk_hook(model, density=0.25, allow_dense_fallback=False, momentum=0)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        model(torch.randn(3, 4, generator=generator)).pow(2).mean().backward()
+    return state.stats()["bytes_budget"], state.model_budget.counting
+
+
+def test_a_toy_model_whose_counts_would_outweigh_its_gradient_sends_no_counts():
+    # 4 buckets x 31 int32 + 1 = 500 bytes a step against a 136-byte gradient: not worth it
+    assert run_on_ranks(_toy_worker, world_size=2) == [(0, False), (0, False)]

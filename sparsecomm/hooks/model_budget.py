@@ -22,9 +22,10 @@ window: what is all-reduced are the bins of the 4 powers of two around the last 
 threshold, those above it added into its top bin; the entries below it are the bucket's
 size less the others, so they need not travel. The first step after construction or a load has no last
 threshold: the ranks agree on one first (an all-reduce of one number, the largest of the
-ranks' own). A job whose steps have one bucket has nothing to share: after its first step
-the budget counts nothing and sends nothing (and plain error feedback takes the fused
-kernel again).
+ranks' own). A job whose steps have one bucket has nothing to share, and one whose counts
+would cost more than a tenth of its dense gradient's bytes (a toy model) little to gain:
+after its first step the budget counts nothing and sends nothing (and plain error feedback
+takes the fused kernel again).
 
 Where the mass of a gradient sits in few layers (embeddings) the plain per-bucket density
 starves them: under HSDP 2x2, where each FSDP module is a bucket, the model budget is
@@ -42,6 +43,11 @@ WINDOW = 4 * SUB_BINS
 """Bins around the last threshold that the all-reduce carries (the lowest derived): a threshold
 that moves by up to 2 powers of two in a step is found exactly; one that moves further is
 found in an end bin, less exactly, and the next step re-centres."""
+
+
+MAX_COUNT_BYTES = 0.1
+"""The counts are sent only while they cost less than this share of the dense gradient's bytes
+(a toy model's counts can outweigh the entries they would move)."""
 
 
 class ModelBudget:
@@ -82,12 +88,15 @@ class ModelBudget:
         if not observed:  # a dense step (warm-up, fallback): nothing to learn from
             return 0
         # Every rank has the same buckets, so every rank decides these alike, without a word.
-        if len(observed) == 1 or any(counts is None for *_, counts in observed):
-            self.counting = len(observed) > 1  # one bucket: nothing to share; more: count from the next step
+        sizes = [sum(numels) for _, numels, _, _ in observed]
+        if len(observed) == 1 or (len(observed) * (WINDOW - 1) + 1) * 4 > MAX_COUNT_BYTES * 4 * sum(sizes):
+            self.counting = False  # one bucket, or a model so small that the counts cost more than they save
+            return 0
+        if any(counts is None for *_, counts in observed):
+            self.counting = True  # more buckets than before: count from the next step
             return 0
         world_size = dist.get_world_size(group)
         histograms = torch.stack([counts for *_, counts in observed])
-        sizes = [sum(numels) for _, numels, _, _ in observed]
         budget = sum(plain_k for _, _, plain_k, _ in observed)
         target = budget * world_size
         # int32 while no count can pass 2^31 (every bucket's entries on every rank).
