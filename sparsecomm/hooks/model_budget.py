@@ -59,7 +59,7 @@ class ModelBudget:
         self.shares: dict[str, float] = {}  # name -> entries of K it gets (the last step's top-k)
         self.shares_before_step: dict[str, float] = {}  # what a rolled-back step gets back
         self.low_bin: int | None = None  # the window's lowest bin (None: not agreed yet)
-        self.counting = True  # False while the steps have one bucket (nothing to share)
+        self.counting = True  # False while the steps have one bucket, or counts too dear to send
         self.observed: list[tuple[tuple[str, ...], tuple[int, ...], int, torch.Tensor | None]] = []
 
     def k_of(self, names: tuple[str, ...], numels: tuple[int, ...], plain_k: int) -> int:
@@ -75,7 +75,7 @@ class ModelBudget:
         if self.counting:
             # the exponent and the mantissa's first 3 bits of |acc| (the sign bit shifted out)
             codes = (acc.detach().float().view(torch.int32) >> (23 - 3)) & 0x7FF
-            counts = torch.bincount(codes, minlength=256 * SUB_BINS)
+            counts = torch.bincount(codes, minlength=256 * SUB_BINS)  # the finite bins, then Inf/NaN
         self.observed.append((names, numels, plain_k, counts))
 
     def agree(self, group) -> int:
@@ -125,9 +125,9 @@ class ModelBudget:
         return sent
 
     def _message(self, histograms: torch.Tensor) -> torch.Tensor:
-        """(buckets, 256) counts by exponent -> what the all-reduce carries: per bucket the
-        window's powers of two but its lowest (those above the window added into its top), then
-        the number of Inf/NaN entries of all buckets."""
+        """(buckets, 2048) counts by bin -> what the all-reduce carries: per bucket the window's
+        bins but its lowest (those above the window added into its top), then the number of
+        Inf/NaN entries of all buckets."""
         nonfinite = histograms[:, BINS:].sum().reshape(1)
         low, high = self.low_bin, self.low_bin + WINDOW - 1
         bins = torch.cat([histograms[:, low + 1:high], histograms[:, high:BINS].sum(1, keepdim=True)], dim=1)
