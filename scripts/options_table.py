@@ -1,13 +1,13 @@
 """Rewrite the options table of docs/options.md from the option table in the code
-(sparsecomm/hooks/config.py, TopKConfig's fields): ``python scripts/options_table.py``.
+(sparsecomm/hooks/state/settings.py, TopKConfig's fields): ``python scripts/options_table.py``.
 
 The table sits between two marker lines; everything else in the page is left as it is.
 tests/test_options_table.py fails when the page and the code disagree.
 """
 from pathlib import Path
 
-from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.options import markdown_table
+from sparsecomm.hooks.state.settings import TopKConfig
+from sparsecomm.hooks.state.settings import markdown_table
 
 BEGIN = "<!-- options table: written by scripts/options_table.py from the code; edit the code, not this -->"
 END = "<!-- end of the options table -->"

@@ -8,7 +8,10 @@ Two lines in an existing DDP job::
 or, for an FSDP2 model sharded over ``mesh["shard"]`` of a (replicate, shard) mesh,
 ``sparsecomm.register_hsdp_hook(model, mesh, density=0.01)``.
 """
+from sparsecomm import moved_modules
 from sparsecomm.errors import ConservationError, NonFiniteSyncError, SparsecommError, WireIntegrityError
+
+moved_modules.install()  # modules that moved keep their old names, with a warning
 
 __version__ = "0.1.0"
 

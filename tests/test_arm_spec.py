@@ -185,7 +185,7 @@ def test_a_sparse_delta_arm_resolves_and_its_period_must_divide_checkpoints_and_
 
 
 def test_the_sign_mode_is_a_topk_arm_with_the_sign_sgd_optimizer():
-    from sparsecomm.hooks.sign_sgd import SignSGD
+    from sparsecomm.optim.sign_sgd import SignSGD
 
     sign = {"sign": {"reducer": "topk", "options": {"density": 0.003, "value_codec": "sign", "selector": "chunk",
                                                     "index_codec": "rice"},

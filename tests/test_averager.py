@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from multiprocess import run_on_ranks
 from sparsecomm import SparseDeltaAverager
 from sparsecomm.averaging.sparse_delta import check_settings
+from sparsecomm.compress.payload_seal import TRAILER_BYTES
 
 PERIOD, CHUNK = 3, 64
 
@@ -256,14 +257,16 @@ def test_a_shared_index_sync_is_the_leaders_selection_summed(world_size):
         errors = [r["errors"][sync] for r in results]
         assert all(torch.equal(error, wanted) for error, wanted in zip(errors, want_errors))
         anchor = got
-    # Bytes: k fp32 values each way around the ring, and the leader's int32 index region once.
+    # Bytes: k fp32 values, and the ranks' verdict on the index broadcast (one more fp32:
+    # wire_checksum), each way around the ring; the leader's int32 index region once, sealed
+    # (its trailer).
     k = 8 * (results[0]["initial"].numel() // CHUNK)
-    ring = round(2 * (world_size - 1) * 4 * k / world_size)
+    ring = round(2 * (world_size - 1) * 4 * (k + 1) / world_size)
     for rank, result in enumerate(results):
         led = sum(1 for sync in range(4) if sync % world_size == rank)
         stats = result["stats"]
-        assert stats["bytes_sent"] == 4 * (4 * k) + led * 4 * k
-        assert stats["bytes_received"] == 4 * ring + (4 - led) * 4 * k
+        assert stats["bytes_sent"] == 4 * (4 * (k + 1)) + led * (4 * k + TRAILER_BYTES)
+        assert stats["bytes_received"] == 4 * ring + (4 - led) * (4 * k + TRAILER_BYTES)
 
 
 OWNER = {**SPARSE, "exchange": "owner"}
@@ -328,9 +331,10 @@ def test_an_owner_sync_is_the_owners_reselection_of_the_sum(world_size):
         assert sync == 0 or any(bool(o.abs().sum() > 0) for o in owned)  # the second level keeps something
         anchor = got
     # Bytes, by hand: 8 entries per chunk of 64 at 4 + 4 bytes; each owner's range is whole
-    # chunks (p = 2: 3 and 2 of the 5; p = 3: 2, 2, 1); the reply slot is the largest range's.
+    # chunks (p = 2: 3 and 2 of the 5; p = 3: 2, 2, 1); every message sealed (its trailer); the
+    # reply slot is the largest range's, sealed too.
     chunks = [3, 2] if world_size == 2 else [2, 2, 1]
-    message = [64 * c for c in chunks]
+    message = [64 * c + TRAILER_BYTES for c in chunks]
     for rank, result in enumerate(results):
         stats = result["stats"]
         assert stats["bytes_sent"] == 4 * (sum(message) - message[rank] + max(message))

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm import TopKState
-from sparsecomm.hooks.density_schedule import DensitySchedule
+from sparsecomm.hooks.state.settings import DensitySchedule
 from multiprocess import run_on_ranks
 
 

@@ -3,7 +3,7 @@
 Checked: markdown links and images (relative to the document; a ``#section`` must be a
 heading of the target, as GitHub writes its anchor), and paths written in code, inline or in
 fenced blocks, that start at a top-level folder of the repository (``sparsecomm/...``,
-``docs/...``, ``experiments/...``) or at a subpackage of ``sparsecomm`` (``hooks/config.py``). Paths with a placeholder (``<experiment>``, ``*``,
+``docs/...``, ``experiments/...``) or at a subpackage of ``sparsecomm`` (``hooks/state/settings.py``). Paths with a placeholder (``<experiment>``, ``*``,
 ``{a,b}``) and web addresses are not checked. Reads files only: no torch.
 """
 import re
@@ -80,10 +80,10 @@ def test_every_repository_path_named_in_code_exists(document):
 
 
 def test_the_checks_see_links_anchors_and_paths():
-    text = "See [a](docs/lab.md#the-lab), ![f](figures/x.png), `hooks/config.py` and `python experiments/bench_links.py --x 1`.\n" \
+    text = "See [a](docs/lab.md#the-lab), ![f](figures/x.png), `hooks/state/settings.py` and `python experiments/bench_links.py --x 1`.\n" \
            "```bash\nsparsecomm compare --config experiments/configs/<name>.json\n```\n[w](https://example.org)"
     assert _links(text) == ["docs/lab.md#the-lab", "figures/x.png"]
-    assert _code_paths(text) == {"experiments/bench_links.py", "sparsecomm/hooks/config.py"}
+    assert _code_paths(text) == {"experiments/bench_links.py", "sparsecomm/hooks/state/settings.py"}
     assert _anchors("# The lab: paired runs\n## `bench_links.py`: where it pays\n## Twice\n## Twice\n") == {
         "the-lab-paired-runs", "bench_linkspy-where-it-pays", "twice", "twice-1"}
 

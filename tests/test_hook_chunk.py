@@ -132,7 +132,7 @@ def test_checkpoints_of_other_selectors_do_not_name_the_wire():
 
 
 def _chunk_event(layout, acc):
-    from sparsecomm.hooks.events import HookEvent
+    from sparsecomm.hooks.state.events import HookEvent
 
     payload = torch.empty(layout.nbytes, dtype=torch.uint8)
     indices, decoded = layout.encode(acc, None, payload)

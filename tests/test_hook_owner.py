@@ -24,7 +24,7 @@ from sparsecomm.checkpoint import rebuild_buckets
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.payload_seal import TRAILER_BYTES
 from sparsecomm.compress.owner_layout import OwnerLayout
-from sparsecomm.hooks.wires.owner import fold_foreign
+from sparsecomm.hooks.wires.base import fold_foreign
 
 CHUNK = 128
 

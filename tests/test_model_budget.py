@@ -1,5 +1,5 @@
 """``budget="model"``: the buckets share one k, each bucket's part taken from the last
-step's model-wide top-k, agreed over the ranks (sparsecomm.hooks.model_budget)."""
+step's model-wide top-k, agreed over the ranks (sparsecomm.hooks.state.model_budget)."""
 import math
 
 import pytest

@@ -132,7 +132,7 @@ def test_local_clip_norm_must_be_positive():
 
 
 def test_sign_sgd_moves_each_weight_by_lr_in_the_sign_of_its_gradient():
-    from sparsecomm.hooks.sign_sgd import SignSGD
+    from sparsecomm.optim.sign_sgd import SignSGD
 
     weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
     weight.grad = torch.tensor([0.3, -1e-8, 0.0, -40.0])  # sizes do not matter, signs do; 0 stays

@@ -11,7 +11,7 @@ import torch
 
 from sparsecomm import compress
 from sparsecomm.compress.packing import payload_nbytes
-from sparsecomm.hooks.events import HookEvent
+from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import BitFlipInjector, ValueInjector, flip_bit
 
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from multiprocess import run_on_ranks
 from sparsecomm import TopKState, compress, topk_hook
 from sparsecomm.compress.packing import payload_nbytes
-from sparsecomm.hooks.events import HookEvent
+from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import (
     CorruptionDetected,
     FiniteGuard,

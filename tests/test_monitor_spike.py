@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from multiprocess import run_on_ranks
 from sparsecomm import TopKState, topk_hook
-from sparsecomm.hooks.events import HookEvent
+from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, UpdateSpikeDetector
 from sparsecomm.monitor.spike import DEFAULT_THRESHOLD
 

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from multiprocess import run_on_ranks
-from sparsecomm.hooks.events import HookEvent
+from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import StalenessExceeded, StalenessMonitor
 from sparsecomm.lab.policy import Policy
 

@@ -22,7 +22,7 @@ import pytest
 
 from mpi_launch import run_mpiexec
 from sparsecomm import TopKState
-from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
+from sparsecomm.hooks.state.settings import FIELDS as CONFIG_FIELDS
 
 pytestmark = pytest.mark.timeout(120)
 

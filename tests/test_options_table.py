@@ -1,4 +1,4 @@
-"""The option table (sparsecomm/hooks/options.py, the fields of TopKConfig) against what is
+"""The option table (sparsecomm/hooks/state/settings.py, the fields of TopKConfig) against what is
 derived from it or must say the same: TopKState's signature and docstring, the docs table,
 the lab's arm options, rank agreement and the checkpoint's settings."""
 import inspect
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sparsecomm import TopKState
-from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.options import markdown_table, options
-from sparsecomm.hooks.rank_agreement import _COMPARED
+from sparsecomm.hooks.state.settings import TopKConfig
+from sparsecomm.hooks.state.settings import markdown_table, options
+from sparsecomm.hooks.state.rank_agreement import _COMPARED
 from sparsecomm.lab.experiment.arm_spec import TOPK_OPTIONS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "options.md"

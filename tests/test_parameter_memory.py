@@ -9,7 +9,7 @@ All comparisons are exact.
 import pytest
 import torch
 
-from sparsecomm.hooks.parameter_memory import ParameterMemory
+from sparsecomm.hooks.state.memories import ParameterMemory
 
 NUMELS = {"a": 2, "b": 3, "c": 4, "d": 1}
 

@@ -6,13 +6,13 @@ another density or model sends payloads of another size (decoded as garbage: a N
 on a rank, then an abort), another ``outer_lr`` or ``ef_decay`` moves the replicas apart in
 silence. Before the first sync's collectives (and the first after a load) every rank's
 settings are compared the way the hook compares its own
-(:func:`sparsecomm.hooks.rank_agreement.disagreements`: one small all-gather), and every
+(:func:`sparsecomm.hooks.state.rank_agreement.disagreements`: one small all-gather), and every
 rank raises the same ValueError naming each setting that differs and each rank's value.
 """
 import torch
 
-from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.rank_agreement import COMPARED_OPTIONS, disagreements, option_fields, shown_config_value
+from sparsecomm.hooks.state.settings import TopKConfig
+from sparsecomm.hooks.state.rank_agreement import COMPARED_OPTIONS, disagreements, option_fields, shown_config_value
 
 # The averager's own settings, beside its wire's (compared as the hook's options), each shown as its type.
 _OWN = {"period": int, "outer_lr": float, "ef_decay": float, "overlap": bool, "model_entries": int, "step": int}

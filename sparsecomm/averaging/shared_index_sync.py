@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.averaging.sync_guard import all_finite
-from sparsecomm.comm import link_model
 from sparsecomm.comm.collectives import all_to_all_bytes, gather_unequal_future
 from sparsecomm.compress import bitpack, index_codecs, value_codecs
 from sparsecomm.compress.chunking import chunk_topk
@@ -109,29 +108,6 @@ class SharedIndexSync:
             region.copy_(index_codecs.encode(self.config.index_codec, chunk_topk(error, self.geometry), self.geometry))
         dist.broadcast(region, src=lead if group is None else dist.get_global_rank(group, lead), group=group)
         return index_codecs.decode(self.config.index_codec, region, self.geometry).to(error.device)
-
-    # -- float values: one allreduce --------------------------------------------------------------
-
-    def float_sum(self, error: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.futures.Future]:
-        """(this rank's values at ``indices`` in the wire dtype, the future of their sum over
-        ranks: the allreduce is issued, not waited for)."""
-        sent = error[indices].to(self.value_dtype)
-        if sent.numel() and not all_finite(error):  # make sure the sum sees it (module docstring)
-            sent[0] = float("nan")
-        summed = sent.clone()
-        work = dist.all_reduce(summed, group=self.process_group, async_op=True)
-
-        def reduced(future: torch.futures.Future) -> torch.Tensor:
-            future.value()  # re-raises a failed or timed-out collective
-            return summed
-
-        return sent, work.get_future().then(reduced)
-
-    def float_bytes(self, k: int, sync: int) -> tuple[int, int]:
-        """(sent, received) by this rank: k values around the ring, and the index region once."""
-        values = k * self.value_dtype.itemsize
-        return (values + (self.index_nbytes if self.led(sync) else 0),
-                link_model.ring_allreduce_bytes(values, self.world_size) + (0 if self.led(sync) else self.index_nbytes))
 
     # -- quantized values: through the owners ------------------------------------------------------
 

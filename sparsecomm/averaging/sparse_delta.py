@@ -17,7 +17,7 @@ index region (the index codec's bytes, once), every rank sends its ``e`` there i
 wire dtype, an allreduce sums them, and ``e -= sent`` on every rank. What a rank receives is
 then the index region and 2 (p-1)/p x k values whatever p is, where the all-gather's grows
 as (p-1) payloads (docs/exchange.md). With ``exchange="owner"``
-(:mod:`sparsecomm.averaging.owner_sync`) every rank sends each owner its selection of that
+(the owner wire, :mod:`sparsecomm.hooks.wires.owner`) every rank sends each owner its selection of that
 owner's range, the owner sums them with its owner residual and selects again at the same
 density and codecs, and the owners' replies are all-gathered: about k entries sent and
 2 k (p-1)/p received per rank, any value codec, error feedback at both levels.
@@ -45,16 +45,17 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsecomm import compress
 from sparsecomm.averaging import rank_agreement, sharded_model, state_check
 from sparsecomm.averaging.sharded_model import local_tensor
-from sparsecomm.averaging.owner_sync import OwnerSync
 from sparsecomm.averaging.shared_index_sync import SharedIndexSync
 from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm.collectives import allgather_future
 from sparsecomm.compress.value_codecs import FLOAT_CODECS
 from sparsecomm.fsdp.fsdp_modules import is_fsdp_module
-from sparsecomm.hooks.config import TopKConfig
+from sparsecomm.hooks.state.settings import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
-from sparsecomm.hooks.wires import AllgatherWire, payload_layout
-from sparsecomm.hooks.validation import check_choice, check_int, check_real
+from sparsecomm.hooks import wires
+from sparsecomm.hooks.wires.base import WireCall, WireContext
+from sparsecomm.hooks.wires.integrity import StepSeals
+from sparsecomm.hooks.state.settings import check_choice, check_int, check_real
 
 STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
          "seconds_encode", "seconds_exchange", "seconds_decode")
@@ -91,14 +92,21 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     # The wire's own validation: the same refusals and messages as the hook's (shared-index:
     # a float wire). The averager keeps its own error feedback, so the hook's (and its
-    # warm-up) is off here, and so is the wire checksum (the averager does not seal its payloads).
+    # warm-up) is off here; the wire checksum is on, as the hook's default: every payload the
+    # averager puts on a wire is sealed and checked before it is decoded.
     # Its shared-index exchange also takes quantized values (through the owners), which the
     # hook's does not: those settings are checked as the hook's all-gather wire.
-    quantized = value_codec is not None and value_codec not in FLOAT_CODECS
+    quantized = is_quantized(value_codec)
     return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
                             value_codec=value_codec, warmup_steps=0, error_feedback=False,
                             exchange="allgather" if exchange == "shared-index" and quantized else exchange,
-                            wire_checksum=False, link=link)
+                            wire_checksum=True, link=link)
+
+
+def is_quantized(value_codec: str | None) -> bool:
+    """Values written with a scale (int8 ... sign), which the shared-index exchange sums through the
+    owners (:mod:`~sparsecomm.averaging.shared_index_sync`) instead of one allreduce."""
+    return value_codec is not None and value_codec not in FLOAT_CODECS
 
 
 def choose_exchange(config: TopKConfig, numel: int, density: float, world_size: int) -> str:
@@ -113,6 +121,11 @@ def choose_exchange(config: TopKConfig, numel: int, density: float, world_size: 
                                              compress.num_selected(numel, density))
     costs.pop("dense", None)
     return min(costs, key=costs.get)  # ties: the first, in the cost model's candidate order
+
+
+def _timings_not_kept(**_seconds) -> None:
+    """The wires' own timings (checksum, decode, the owner's reduce): inside the averager's
+    seconds_encode / seconds_exchange / seconds_decode, which it counts itself."""
 
 
 class SparseDeltaAverager:
@@ -193,19 +206,17 @@ class SparseDeltaAverager:
             exchange = choose_exchange(wire_config, numel, self.density, dist.get_world_size(process_group))
         self.exchange = exchange  # the exchange the syncs use ("auto"'s choice)
         self.owner_residual = None  # the owner exchange's second-level error feedback (sum over ranks)
-        if exchange == "shared-index":
+        # The wire's value dtype: a float codec's; the scaled codecs decode to float32.
+        self.value_dtype = wire_config.value_dtype or FLOAT_CODECS.get(value_codec, torch.float32)
+        if exchange == "shared-index" and is_quantized(value_codec):
             self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
-            if self.wire.quantized:  # the owners' second-level error feedback
+            self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)  # the owners' second level
+        else:  # the hook's wire for one bucket of the model's size: its kernels, checksums and byte counts
+            self.wire = wires.build(wire_config, exchange, numel, self.density,
+                                    compress.num_selected(numel, self.density), self.value_dtype,
+                                    dist.get_world_size(process_group))
+            if exchange == "owner":
                 self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
-        elif exchange == "owner":
-            self.wire = OwnerSync(wire_config, numel, self.density, process_group)
-            self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
-        else:
-            layout = payload_layout(wire_config, self.density, numel, compress.num_selected(numel, self.density),
-                                    torch.float32)
-            # The hook's all-gather wire: its payload, encoder and decoder (no checksum: the
-            # averager's payloads are not sealed).
-            self.wire = AllgatherWire(wire_config, layout, dist.get_world_size(process_group))
         with torch.no_grad():
             self.anchor = self._flat_weights()  # replicas are equal here: DDP broadcast rank 0's weights
         if sharded:
@@ -296,87 +307,92 @@ class SparseDeltaAverager:
         started = time.perf_counter()
         weights = self._flat_weights()
         new_error = self.error * self.ef_decay
-        if self.exchange == "allgather":
-            sync = self._start_allgather(step, weights, new_error)
-        else:
+        if isinstance(self.wire, SharedIndexSync):
             new_error += self.anchor - weights
-            sync = (self._start_owner if self.exchange == "owner" else self._start_shared_index)(step, new_error)
+            sync = self._start_quantized_shared_index(step, new_error)
+        else:
+            sync = self._start_on_wire(step, weights, new_error)
         sync.weights = weights if self.overlap else None
         sync.counts["seconds_encode"] = time.perf_counter() - started
         return sync
 
-    def _start_allgather(self, step: int, weights: torch.Tensor, new_error: torch.Tensor) -> "StartedSync":
-        payload = torch.empty(self.wire.layout.nbytes, dtype=torch.uint8, device=new_error.device)
-        # new_error <- ef_decay * error + delta - decoded
-        sent = self.wire.write(self.anchor - weights, new_error, 1.0, True, payload).count
-        world_size = self.world_size
-        gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+    def _start_on_wire(self, step: int, weights: torch.Tensor, new_error: torch.Tensor) -> "StartedSync":
+        """The sync on the hook's wire (all-gather, owner or shared index), the model's flat
+        buffer one bucket: ``new_error`` becomes ``ef_decay * error + delta - decoded(sent)``, the
+        owner exchange's owner residual its owners' second level; every payload sealed and
+        checked; the future's value is the sum over ranks of what they sent (the owners' replies)."""
+        wire, world_size = self.wire, self.world_size
+        call = self._wire_call(step, self.anchor - weights, torch.empty_like(self.anchor))
+        new_owner_residual = call.owner_memory = None if self.owner_residual is None else self.owner_residual.clone()
+        fused = wire.fuses_compensation(call)
+        if not fused:  # the reference forms acc here, the kernel in its own pass
+            call.grad.add_(new_error)
+        packed = wire.encode(call, new_error, fused)  # the hook's step 3
+        future = wire.exchange(call, packed)  # its step 5
+        accumulate = wire.accumulate(call, packed)  # its step 6, run here when the sync is applied (so a
+        # payload that fails its check raises its WireIntegrityError in the caller, not in a callback)
 
-        def outer_step(gathered: torch.Tensor) -> torch.Tensor:
-            new_anchor = torch.empty_like(self.anchor)
-            self.wire.decode_add(gathered.view(world_size, -1), new_anchor)
-            new_anchor.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
-            return torch.sub(self.anchor, new_anchor, alpha=self.outer_lr, out=new_anchor)
+        def outer_step(_) -> torch.Tensor:
+            summed = accumulate(future)
+            if packed.layout is None:  # values at indices every rank shares: only those entries move
+                new_anchor = self.anchor.clone()
+                new_anchor[packed.indices] -= self.outer_lr * (summed[packed.indices] / world_size)
+                return new_anchor
+            summed.div_(world_size)  # the mean of what the ranks sent, then the outer step from the anchor:
+            return torch.sub(self.anchor, summed, alpha=self.outer_lr, out=summed)
 
-        return StartedSync(step, allgather_future(gathered, payload, self.process_group), new_error, outer_step,
-                           lambda gathered: refusal(gathered.view(world_size, -1), self._decoded, step),
-                           counts=dict(bytes_sent=payload.numel(), elements_sent=sent,
-                                       bytes_received=(world_size - 1) * payload.numel()))
+        def refused(summed: torch.Tensor) -> Exception:
+            if wire.name == "allgather":  # every rank's payload is here: name the ranks whose decodes are not finite
+                rows = wire.gathered.view(world_size, -1)[:, : wire.layout.nbytes]
+                return refusal(rows, self._decoded, step)
+            return self._refusal_naming_senders(bool(torch.isfinite(packed.values).all()), step)
 
-    def _start_shared_index(self, step: int, new_error: torch.Tensor) -> "StartedSync":
-        """The leader's indices: ``e`` there, summed by an allreduce (float values) or through
-        the owners (quantized values: :mod:`~sparsecomm.averaging.shared_index_sync`)."""
+        def commit():
+            if new_owner_residual is not None:
+                self.owner_residual = new_owner_residual
+
+        return StartedSync(step, future, new_error, outer_step, refused, commit,
+                           dict(bytes_sent=wire.bytes_sent(call, packed), elements_sent=packed.count,
+                                bytes_received=wire.bytes_received(call, packed)))
+
+    def _wire_call(self, step: int, delta: torch.Tensor, out: torch.Tensor) -> WireCall:
+        """The model's flat buffer as the one bucket of a wire call, for the sync at ``step``
+        (the context's step is the sync's number, which rotates the shared-index leader)."""
+        context = WireContext(caller="SparseDeltaAverager", count=_timings_not_kept, seals=StepSeals(),
+                              rank=dist.get_rank(self.process_group), step=step // self.period - 1)
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        call = WireCall(context, 0, ("model",), (delta.numel(),), group, self.world_size)
+        call.divisor = 1.0  # the mean is taken after the sum (outer_step)
+        call.grad, call.out, call.wire, call.value_dtype = delta, out, self.wire, self.value_dtype
+        call.k = self.wire.capacity
+        call.ks = (call.k,)
+        call.fusable = True  # nothing reads acc: a kernel may form it in its own pass
+        return call
+
+    def _start_quantized_shared_index(self, step: int, new_error: torch.Tensor) -> "StartedSync":
+        """The leader's indices, every rank's quantized values there summed through the owners
+        (:mod:`~sparsecomm.averaging.shared_index_sync`)."""
         number = step // self.period - 1  # this sync's number, the same on every rank
         wire = self.wire
-        indices = wire.indices(new_error, number)
-        if wire.quantized:
-            indices = torch.sort(indices).values
-            new_owner_residual = self.owner_residual.clone()
-            sent, future, summed_of, (bytes_sent, bytes_received) = wire.quantized_sum(
-                new_error, indices, new_owner_residual)
-            index_bytes = wire.index_nbytes
-            bytes_sent += index_bytes if wire.led(number) else 0
-            bytes_received += 0 if wire.led(number) else index_bytes
+        indices = torch.sort(wire.indices(new_error, number)).values
+        new_owner_residual = self.owner_residual.clone()
+        sent, future, summed_of, (bytes_sent, bytes_received) = wire.quantized_sum(new_error, indices,
+                                                                                   new_owner_residual)
+        bytes_sent += wire.index_nbytes if wire.led(number) else 0
+        bytes_received += 0 if wire.led(number) else wire.index_nbytes
 
-            def commit():
-                self.owner_residual = new_owner_residual
-        else:
-            sent, future = wire.float_sum(new_error, indices)
-            summed_of = None
-            bytes_sent, bytes_received = wire.float_bytes(indices.numel(), number)
-
-            def commit():
-                new_error[indices] -= sent.float()  # what was sent, as the wire carried it: conservation is exact
+        def commit():
+            self.owner_residual = new_owner_residual
 
         def outer_step(result: torch.Tensor) -> torch.Tensor:
-            summed = result if summed_of is None else summed_of(result)
             new_anchor = self.anchor.clone()
-            new_anchor[indices] -= self.outer_lr * (summed.float() / self.world_size)
+            new_anchor[indices] -= self.outer_lr * (summed_of(result).float() / self.world_size)
             return new_anchor
 
         return StartedSync(step, future, new_error, outer_step,
                            lambda _: self._refusal_naming_senders(bool(torch.isfinite(new_error).all()), step),
                            commit, dict(bytes_sent=bytes_sent, bytes_received=bytes_received,
                                         elements_sent=indices.numel()))
-
-    def _start_owner(self, step: int, new_error: torch.Tensor) -> "StartedSync":
-        """The owners' replies (:mod:`sparsecomm.averaging.owner_sync`)."""
-        sent, messages, sent_values = self.wire.send(new_error)
-        new_owner_residual = self.owner_residual.clone()
-        future = self.wire.reduce_and_gather(messages, new_owner_residual)
-
-        def outer_step(replies: torch.Tensor) -> torch.Tensor:
-            mean = self.wire.decode_sum(replies, torch.empty_like(self.anchor))
-            mean.div_(self.world_size)
-            return torch.sub(self.anchor, mean, alpha=self.outer_lr)
-
-        def commit():
-            self.owner_residual = new_owner_residual
-
-        return StartedSync(step, future, new_error, outer_step,
-                           lambda _: self._refusal_naming_senders(bool(torch.isfinite(sent_values).all()), step),
-                           commit, dict(bytes_sent=self.wire.bytes_sent, bytes_received=self.wire.bytes_received,
-                                        elements_sent=sent))
 
     @torch.no_grad()
     def _finish(self, sync: "StartedSync") -> None:

@@ -1,8 +1,28 @@
-"""DDP communication hooks and their states."""
-from sparsecomm.hooks.density_schedule import DensitySchedule
-from sparsecomm.hooks.optimizer import MomentumMismatchWarning, dgc_optimizer
-from sparsecomm.hooks.register import register_topk_hook
-from sparsecomm.hooks.topk import DenseFallbackWarning, TopKState, topk_hook
+"""DDP communication hooks and their states.
 
-__all__ = ["DenseFallbackWarning", "DensitySchedule", "MomentumMismatchWarning", "TopKState", "dgc_optimizer", "register_topk_hook",
-           "topk_hook"]
+Floors, each importing only those below it: ``state`` (settings, memories, counters), ``wires``
+(how a bucket travels), ``pipeline`` (the hook's own steps around the wire), then the hook
+(``topk.py``), its state (``topk_state.py``) and its registration (``register.py``) here. The
+names below load on first use, so that a lower floor (or ``sparsecomm.optim``, which the state
+uses) can be imported on its own without loading the hook.
+"""
+import importlib
+
+_WHERE = {
+    "DenseFallbackWarning": "sparsecomm.hooks.topk",
+    "TopKState": "sparsecomm.hooks.topk",
+    "topk_hook": "sparsecomm.hooks.topk",
+    "register_topk_hook": "sparsecomm.hooks.register",
+    "DensitySchedule": "sparsecomm.hooks.state.settings",
+    "MomentumMismatchWarning": "sparsecomm.optim.dgc",
+    "dgc_optimizer": "sparsecomm.optim.dgc",
+}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'sparsecomm.hooks' has no attribute {name!r}")
+
+
+__all__ = sorted(_WHERE)

@@ -26,8 +26,8 @@ import warnings
 
 import torch
 
-from sparsecomm.hooks.optimizer import MomentumMismatchWarning
-from sparsecomm.hooks.validation import check_real
+from sparsecomm.optim.dgc import MomentumMismatchWarning
+from sparsecomm.hooks.state.settings import check_real
 
 AUTO = "auto"
 MOVED_KEY = "sparsecomm_moved_momentum"

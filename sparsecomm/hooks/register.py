@@ -2,7 +2,7 @@
 import torch
 
 from sparsecomm.hooks import momentum_handover
-from sparsecomm.hooks.optimizer import MomentumMismatchWarning
+from sparsecomm.optim.dgc import MomentumMismatchWarning
 from sparsecomm.hooks.topk import TopKState, topk_hook
 
 OWNER = "register_topk_hook"
@@ -22,7 +22,7 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
     (:mod:`sparsecomm.hooks.momentum_handover`; said once on rank 0 with an
     ``OptimizerChangedWarning``). ``momentum=0`` keeps the optimizer as it is. Without
     an optimizer and without ``momentum``, the hook is plain top-k + error feedback and a
-    :class:`~sparsecomm.hooks.optimizer.MomentumMismatchWarning` says so on rank 0. With
+    :class:`~sparsecomm.optim.dgc.MomentumMismatchWarning` says so on rank 0. With
     a ready ``state``, ``optimizer`` is only checked (a warning if both apply momentum).
 
     Raises (before anything changes, the optimizer included):

@@ -3,7 +3,7 @@
 A mixin of :class:`~sparsecomm.hooks.topk_state.TopKState`, apart from the hook and the
 step bookkeeping: what is saved (every per-rank memory under ``rank{r}.``, the config, the
 grad scaler's scale the memories are in), what a load checks before it changes anything
-(:mod:`sparsecomm.hooks.state_dict_check`), and what a pickle leaves behind (what belongs
+(:mod:`sparsecomm.hooks.state.state_dict_check`), and what a pickle leaves behind (what belongs
 to the process: the group, communicators, observers, the DDP model).
 """
 import copy
@@ -11,14 +11,13 @@ import warnings
 
 import torch
 
-from sparsecomm.hooks import state_dict_check
-from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
-from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.observers import Observers
 from sparsecomm.hooks.pipeline import exchange_choice
-from sparsecomm.hooks.stats import HookStats
-from sparsecomm.hooks.step_journal import StepJournal
-from sparsecomm.hooks.wires import WireCache
+from sparsecomm.hooks.pipeline.steps import PlanCache
+from sparsecomm.hooks.state import state_dict_check
+from sparsecomm.hooks.state.observers import Observers
+from sparsecomm.hooks.state.settings import FIELDS as CONFIG_FIELDS
+from sparsecomm.hooks.state.settings import TopKConfig
+from sparsecomm.hooks.state.step import HookStats, StepJournal
 
 STATE_DICT_FORMAT = 1
 CONFIG_DEFAULTS = {name: getattr(TopKConfig, name) for name in CONFIG_FIELDS}  # what a saved config leaves out
@@ -89,7 +88,7 @@ class PersistentState:
         memories holding Inf or NaN, and shares of the model's k (``budget_shares``, each a
         number in [0, 2**53]) of parameters the model does not have; every message gives
         both values. Shares that differ between ranks are refused at the next step, on every
-        rank (:mod:`sparsecomm.hooks.rank_agreement`). Lenient (``strict=False``): in those
+        rank (:mod:`sparsecomm.hooks.state.rank_agreement`). Lenient (``strict=False``): in those
         cases the residuals and velocities are reset to zero with a warning, and
         ``stats()["residual_reset"]`` becomes True so the ledger can report it (error
         feedback then restarts from nothing; convergence usually survives an occasional
@@ -147,7 +146,7 @@ class PersistentState:
         self.step = parsed.step
         self._stats = HookStats(parsed.per_rank.get("stats", {}))
         self._stats.totals["residual_reset"] = reset or bool(self._stats.totals.get("residual_reset"))
-        self.wires = WireCache()
+        self.wires = PlanCache()
         self._forget_step()
 
     def _load_memory_scale(self, saved_scale: float | None) -> None:
@@ -187,7 +186,7 @@ class PersistentState:
         state["names"].forget_process()  # keyed by id(): meaningless in another process
         state["memories"] = copy.copy(self.memories)
         state["memories"].scratch = None
-        state["wires"] = WireCache()  # buffers; "auto" decides again
+        state["wires"] = PlanCache()  # buffers; "auto" decides again
         state["unused"] = None  # holds the DDP model; bind() again in the new process
         state["scale"] = None if self.scale is None else self.scale.memory_scale  # the scaler is the loop's
         if self.sample_generator is not None:

@@ -17,10 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparsecomm.hooks.conservation import ConservationAudit
-from sparsecomm.hooks.pipeline import acc, integrity, plan, record
-from sparsecomm.hooks.wires import dense, shared_mask
-from sparsecomm.hooks.wires.owner import owner_residual
+from sparsecomm.hooks.pipeline import steps
+from sparsecomm.hooks.state.conservation import ConservationAudit
+from sparsecomm.hooks.wires import dense, integrity
 from sparsecomm.hooks.topk_state import (  # noqa: F401  (TopKState and the constants are re-exported)
     K_SCOPES,
     MAX_BUCKET_NUMEL,
@@ -82,10 +81,10 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     if not isinstance(state, TopKState):
         raise TypeError(f"topk_hook: state must be a sparsecomm.TopKState, got {type(state).__name__}")
     buffer = bucket.buffer()
-    steps = state.lifecycle
-    if steps.bypass:
+    lifecycle = state.lifecycle
+    if lifecycle.bypass:
         return _completed(buffer)  # see rebuild_buckets(): no communication, no state change
-    memory_dtype = plan.check_bucket(state.config, buffer)
+    memory_dtype = steps.check_bucket(state.config, buffer)
     group = state.group()
     if state.config.transport == "mpi":
         if buffer.device.type != "cpu":
@@ -94,19 +93,19 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         state.mpi_transport()  # first call: checks the MPI world against the group
     world_size = dist.get_world_size(group)
     names, numels = state.names.of_bucket(bucket)
-    if not steps.open:
+    if not lifecycle.open:
         state.begin_step(group, buffer.device)
     # From here until the reduced bucket is delivered the memories are mid-update.
-    steps.pending += 1
+    lifecycle.pending += 1
     try:
         if buffer.is_sparse:
             fut, is_dense = dense.reduce_sparse_gradients(state, buffer, group, world_size), True
         else:
-            call = plan.plan_bucket(plan.BucketCall(state, bucket, names, numels, group, world_size), buffer,
-                                    memory_dtype)  # 1.
+            call = steps.plan_bucket(steps.BucketCall(state, bucket, names, numels, group, world_size), buffer,
+                                     memory_dtype)  # 1.
             fut, is_dense = _reduce(call), call.dense
     except BaseException:
-        steps.pending -= 1
+        lifecycle.pending -= 1
         raise
     step = state.step  # the callback may run after the step counter moved on
 
@@ -114,8 +113,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         try:
             reduced = done.value()  # re-raises a failed collective, or a refused payload
         finally:
-            steps.pending -= 1
-            if steps.pending == 0 and not steps.open:
+            lifecycle.pending -= 1
+            if lifecycle.pending == 0 and not lifecycle.open:
                 state.close_step_view()  # a failed step's counters are its own too
         if state.observers.callbacks:
             state.observers.emit(state, "reduced", bucket, names, numels, is_dense, step=step, reduced=reduced)
@@ -127,50 +126,38 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
             state.count(bytes_sent=sent, bytes_budget=sent)
         state.end_step()
         # wire_checksum: every rank raises alike if any found a corrupt payload (one small allreduce).
-        fut = integrity.agree(state, group, step, buffer.device, fut)
+        fut = integrity.agree(state.wire_context(), group, step, buffer.device, fut)
     return fut.then(deliver)
 
 
-def _reduce(call: plan.BucketCall) -> torch.futures.Future:
+def _reduce(call: steps.BucketCall) -> torch.futures.Future:
     """Steps 2-6 for one planned bucket: the future of the reduced bucket."""
     state, config, wire = call.state, call.state.config, call.wire
-    velocity, residual = acc.memories(call, call.with_residual)
-    if config.exchange in ("owner", "auto"):  # what this rank no longer owns moves to its residual
-        call.owner_memory = owner_residual(call, residual)
-    if config.exchange == "shared-mask":  # what the mask is derived from, the same on every rank
-        call.mask_memory = tuple(memory.bucket_tensor(call.index, call.names, call.numels, call.grad, torch.float32)
-                                 for memory in (state.memories.mask_rates, state.memories.mask_ages))
-    memories = (velocity, residual, call.owner_memory, *(call.mask_memory or ()))
+    velocity, residual = steps.memories(call, call.with_residual)
+    kept = wire.prepare(call, residual)  # what the exchange keeps besides the residual
     if state.journal is not None:
-        state.journal.record(call.index, [m for m in memories if m is not None])
+        state.journal.record(call.index, [m for m in (velocity, residual, *kept) if m is not None])
     call.emit("gradient", call.dense, gradient=call.out)
     if wire.dense:
-        return _follow(call, wire.reduce(call, velocity, residual), None)  # 2.-6., an allreduce of the bucket
+        steps.compensate(call, velocity, residual)  # 2.
+        return wire.follow(call, wire.reduce(call, velocity, residual), None)  # 3.-6., an allreduce of the bucket
     started = time.perf_counter()
     if config.verify_conservation:
         call.audit = ConservationAudit(state, call.grad, call.numels, call.world_size, velocity, residual)
     fused = wire.fuses_compensation(call)
     if not fused:
-        acc.compensate(call, velocity, residual)  # 2.
+        steps.compensate(call, velocity, residual)  # 2.
     if state.model_budget is not None:  # fused: acc is not in the bucket, and the budget is not counting
         state.model_budget.observe(call.names, call.numels, call.plain_k, None if fused else call.grad)
     packed = wire.encode(call, residual, fused)  # 3.
-    record.after_packing(call, packed, velocity, residual)  # 4.
+    steps.after_packing(call, packed, velocity, residual)  # 4.
     seconds_select_pack = time.perf_counter() - started
     fut = wire.exchange(call, packed)  # 5.
-    record.count_sparse_call(call, packed, seconds_select_pack)
+    steps.count_sparse_call(call, packed, seconds_select_pack)
     fut = fut.then(wire.accumulate(call, packed))  # 6.
     if wire.sealed:
         state.seals.futures.append(fut)  # checked when it arrives; agreed on at the step's last bucket
-    return _follow(call, fut, packed.indices)
-
-
-def _follow(call: plan.BucketCall, fut: torch.futures.Future, indices) -> torch.futures.Future:
-    """The shared-mask exchange folds every reduced bucket, dense (``indices`` None) or sparse,
-    into the memories its mask is derived from."""
-    if call.mask_memory is None:
-        return fut
-    return fut.then(shared_mask.follow_reduced(*call.mask_memory, indices))
+    return wire.follow(call, fut, packed.indices)
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future:

@@ -8,23 +8,22 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.comm import mpi_allgatherv
-from sparsecomm.hooks.config import FIELDS as CONFIG_FIELDS
-from sparsecomm.hooks.config import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES, TopKConfig  # noqa: F401  (re-exported)
-from sparsecomm.hooks.grad_scaler import ScaleTracker
-from sparsecomm.hooks.memories import HookMemories
-from sparsecomm.hooks.model_budget import ModelBudget
-from sparsecomm.hooks.observers import Observers
-from sparsecomm.hooks.optimizer import warn_on_double_momentum
-from sparsecomm.hooks.parameter_names import ParameterNames
-from sparsecomm.hooks.pipeline.integrity import StepSeals
-from sparsecomm.hooks.pipeline.plan import MAX_BUCKET_NUMEL  # noqa: F401  (re-exported)
-from sparsecomm.hooks.rank_agreement import check_ranks_agree
+from sparsecomm.hooks.pipeline.steps import MAX_BUCKET_NUMEL  # noqa: F401  (re-exported)
+from sparsecomm.hooks.pipeline.steps import PlanCache
+from sparsecomm.hooks.state.grad_scaler import ScaleTracker
+from sparsecomm.hooks.state.memories import HookMemories
+from sparsecomm.hooks.state.memories import ParameterNames
+from sparsecomm.hooks.state.model_budget import ModelBudget
+from sparsecomm.hooks.state.observers import Observers
+from sparsecomm.hooks.state.rank_agreement import check_ranks_agree
+from sparsecomm.hooks.state.settings import FIELDS as CONFIG_FIELDS
+from sparsecomm.hooks.state.settings import K_SCOPES, OVERFLOW_CHOICES, SELECTOR_CHOICES, TopKConfig  # noqa: F401  (re-exported)
+from sparsecomm.hooks.state.step import HookStats, StepJournal, StepLifecycle
+from sparsecomm.hooks.state.unused_parameters import UnusedParameterAccounting
 from sparsecomm.hooks.state_persistence import STATE_DICT_FORMAT, PersistentState  # noqa: F401  (re-exported)
-from sparsecomm.hooks.stats import HookStats
-from sparsecomm.hooks.step_journal import StepJournal
-from sparsecomm.hooks.step_lifecycle import StepLifecycle
-from sparsecomm.hooks.unused_parameters import UnusedParameterAccounting
-from sparsecomm.hooks.wires import WireCache
+from sparsecomm.hooks.wires.base import WireContext
+from sparsecomm.hooks.wires.integrity import StepSeals
+from sparsecomm.optim.dgc import warn_on_double_momentum
 
 
 class DenseFallbackWarning(UserWarning):
@@ -109,7 +108,7 @@ class TopKState(PersistentState):
     10. ``density_schedule``: start denser and reach ``density`` in stages (DGC's warm-up):
        ``{"kind": "exponential", "steps": N, "stages": 4}`` (each stage sends about a
        quarter of the previous one), a list of ``(first_step, density)`` pairs ending at
-       ``density``, or a :class:`~sparsecomm.hooks.density_schedule.DensitySchedule`.
+       ``density``, or a :class:`~sparsecomm.hooks.state.settings.DensitySchedule`.
        ``stats()["density"]`` is the density of the current step.
     11. ``exchange``: how the payloads travel. ``"allgather"`` (default): every rank
        receives every other rank's payload, (p-1) k entries, growing with the world size.
@@ -176,7 +175,7 @@ class TopKState(PersistentState):
             (``bucket_cap_mb``). Random-k always draws per parameter.
         budget: ``"model"`` shares ``density`` x the model's entries among the buckets,
             each bucket's k from the last step's model-wide top-k
-            (:mod:`sparsecomm.hooks.model_budget`; one small all-reduce per step);
+            (:mod:`sparsecomm.hooks.state.model_budget`; one small all-reduce per step);
             ``"bucket"`` sends ``density`` x each bucket's entries. None (the default):
             ``"model"`` wherever it applies (exact or chunked selection, per-bucket k, c10d,
             any exchange but the shared mask), else ``"bucket"``. Models whose gradient mass
@@ -205,7 +204,7 @@ class TopKState(PersistentState):
         "memories",  # HookMemories: residuals, velocities, owner residuals (by parameter name)
         "lifecycle",  # StepLifecycle: buckets in flight, settled, agreed, the fallback warning
         "model_budget",  # ModelBudget with budget="model" (the shares of the model's k), else None
-        "wires",  # WireCache: every bucket's wire with its buffers; exchange="auto"'s choices
+        "wires",  # PlanCache: every bucket's wire with its buffers; exchange="auto"'s choices
         "observers",  # Observers: callables receiving HookEvents (monitors, fault injectors)
         "seals",  # StepSeals of the current step (wire_checksum): its sealed buckets and the faults found
         "journal",  # StepJournal (on_overflow="rollback", the default), else None
@@ -269,7 +268,7 @@ class TopKState(PersistentState):
         self.names = ParameterNames()
         self.memories = HookMemories()
         self.lifecycle = StepLifecycle()
-        self.wires = WireCache()
+        self.wires = PlanCache()
         self.model_budget = ModelBudget() if self.config.budget == "model" else None
         self.observers = Observers()
         self.seals = StepSeals()
@@ -298,7 +297,7 @@ class TopKState(PersistentState):
 
         A DDP model also lends its process group (when the state has none) and, with
         ``find_unused_parameters``/``static_graph``, its record of which parameters no
-        rank used (see :mod:`sparsecomm.hooks.unused_parameters`).
+        rank used (see :mod:`sparsecomm.hooks.state.unused_parameters`).
         """
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -329,8 +328,8 @@ class TopKState(PersistentState):
     # ----- observers ---------------------------------------------------------------------
 
     def add_observer(self, observer) -> None:
-        """Call ``observer(event)`` with a :class:`~sparsecomm.hooks.events.HookEvent` at
-        every stage of every bucket (see :mod:`sparsecomm.hooks.events`).
+        """Call ``observer(event)`` with a :class:`~sparsecomm.hooks.state.events.HookEvent` at
+        every stage of every bucket (see :mod:`sparsecomm.hooks.state.events`).
 
         An observer that does not read ``acc`` of the ``packed`` stage should say so with
         an attribute ``needs_acc = False``: the hook then keeps its fused kernel (which
@@ -518,6 +517,13 @@ class TopKState(PersistentState):
     def count(self, **increments) -> None:
         """Add to the counters of ``stats()`` (the hook's steps and its wires call it)."""
         self._stats.count(**increments)
+
+    def wire_context(self) -> WireContext:
+        """What this step's wires may use of the state (``wires.base.WireContext``)."""
+        return WireContext(caller="topk_hook", count=self._stats.count, seals=self.seals, rank=self.rank_and_world_size()[0],
+                           step=self.step, journal=self.journal, generator=self.generator,
+                           transport=self.mpi_transport() if self.config.transport == "mpi" else None,
+                           memories=self.memories, unused=self.unused)
 
     def set_grad_scaler(self, grad_scaler) -> None:
         """Attach a ``torch.amp.GradScaler`` after construction (e.g. to an unpickled state);

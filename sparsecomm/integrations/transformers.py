@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.topk import TopKState
-from sparsecomm.hooks.validation import check_bool
+from sparsecomm.hooks.state.settings import check_bool
 from sparsecomm.integrations._common import _to_cpu, check_state_options, import_framework
 from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover, unwrap
 

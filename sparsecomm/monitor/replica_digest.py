@@ -39,7 +39,7 @@ by 32 MiB whatever the model size.
 """
 import torch
 
-from sparsecomm.hooks.validation import check_int
+from sparsecomm.hooks.state.settings import check_int
 from sparsecomm.monitor._consensus import compare_across_ranks
 
 DEFAULT_EVERY = 10  # steps between checks

@@ -1,7 +1,7 @@
 """The steps of one bucket's reduction by the top-k hook that every wire shares.
 
 :func:`sparsecomm.hooks.topk.topk_hook` runs the numbered steps of its docstring; each
-reads the :class:`~sparsecomm.hooks.pipeline.plan.BucketCall` that the plan made:
+reads the :class:`~sparsecomm.hooks.pipeline.steps.BucketCall` that the plan made:
 
 1. ``plan``            k; the bucket's wire (:mod:`sparsecomm.hooks.wires`), or dense; dtypes
 2. ``acc``             acc = grad / world_size (+ clipping, momentum) + residual

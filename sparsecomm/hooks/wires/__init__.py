@@ -21,8 +21,8 @@ wire                       when                                                 
 Each wire owns its layout, its buffers, its byte counts, its encode, exchange and decode
 (``base.Wire``), and its modelled seconds on a link, which ``exchange="auto"`` compares.
 :func:`build` makes the wire for a bucket from the settings (its layout:
-:func:`payload_layout`, which the averager's payload uses too); the hook's plan keeps one per
-bucket (``TopKState.wires``) and reuses it, with its buffers, while the bucket's layout holds.
+:func:`payload_layout`); the hook's plan keeps one per bucket (``pipeline.steps.PlanCache``)
+and reuses it, with its buffers, while the bucket's layout holds. The averager runs the same wires.
 """
 import torch
 
@@ -32,7 +32,7 @@ from sparsecomm.compress.layout import PayloadLayout
 # in index order): a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
 from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP, OwnerLayout
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
-from sparsecomm.hooks.pipeline.integrity import trailer_bytes
+from sparsecomm.hooks.wires.integrity import trailer_bytes
 from sparsecomm.hooks.wires.allgather import AllgatherWire
 from sparsecomm.hooks.wires.base import Packed, Wire
 from sparsecomm.hooks.wires.dense import DenseWire
@@ -82,26 +82,5 @@ def payload_layout(config, density: float, numel: int, k: int, value_dtype: torc
     return ChunkLayout(numel, numel, density, config.index_codec, value_codec, scale_group=EXACT_SCALE_GROUP)
 
 
-class WireCache:
-    """The wire of every bucket, kept with its buffers from step to step, and the choices of
-    ``exchange="auto"`` per bucket shape (the same numbers give the same choice)."""
-
-    __slots__ = ("by_bucket", "auto_choices")
-
-    def __init__(self):
-        self.by_bucket: dict[int, Wire] = {}
-        self.auto_choices: dict[tuple, str] = {}
-
-    def reuse(self, bucket_index: int, wire: Wire) -> Wire:
-        """``wire``, or the equal one this bucket already has (with its buffers)."""
-        if wire.dense:
-            return wire  # no buffers to keep
-        cached = self.by_bucket.get(bucket_index)
-        if cached is not None and cached.matches(wire):
-            return cached
-        self.by_bucket[bucket_index] = wire
-        return wire
-
-
 __all__ = ["AllgatherWire", "DenseWire", "OwnerWire", "Packed", "RandomKWire", "SharedIndexWire",
-           "SharedMaskWire", "VariableAllgatherWire", "Wire", "WireCache", "build", "payload_layout"]
+           "SharedMaskWire", "VariableAllgatherWire", "Wire", "build", "payload_layout"]

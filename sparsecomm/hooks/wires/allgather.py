@@ -18,8 +18,8 @@ import torch
 from sparsecomm import compress, ops
 from sparsecomm.comm import allgather_future, link_model
 from sparsecomm.compress.chunk_layout import ChunkLayout
-from sparsecomm.hooks.pipeline import acc, integrity
-from sparsecomm.hooks.wires.base import Packed, Wire
+from sparsecomm.hooks.wires import integrity
+from sparsecomm.hooks.wires.base import Packed, Wire, kernel_arguments
 
 
 class AllgatherWire(Wire):
@@ -61,7 +61,7 @@ class AllgatherWire(Wire):
     def fuses_compensation(self, call) -> bool:
         """The kernel forms acc itself where nothing needs it written (``acc.fused``): the
         exact top-k kernel always; the chunk encoder where a kernel (not the reference) runs."""
-        if not acc.fused(call.state):
+        if not call.fusable:
             return False
         if self.chunked:
             return ops.dispatch.native_chunk_encode(call.grad, self.layout)
@@ -77,7 +77,7 @@ class AllgatherWire(Wire):
     def encode(self, call, residual, fused: bool) -> Packed:
         buffer, _ = self.buffers(call.out.device)
         payload = buffer[: self.layout.nbytes]
-        divisor, add_residual = acc.kernel_arguments(call.world_size, residual, fused)
+        divisor, add_residual = kernel_arguments(call.divisor, residual, fused)
         if self.chunked or (self.config.selector == "exact" and self.config.k_scope == "bucket"):
             packed = self.write(call.grad, residual, divisor, add_residual, payload)
         elif self.config.selector == "exact":  # k_scope="parameter"
@@ -85,7 +85,7 @@ class AllgatherWire(Wire):
         else:  # the sampled threshold; the residual is rewritten from acc (read only through it)
             indices = ops.select_and_pack(call.grad, call.k, _selector(self.config, call.ks, call.numels), payload,
                                           call.value_dtype, residual_out=residual,
-                                          generator=call.state.generator(call.out.device))
+                                          generator=call.context.generator(call.out.device))
             _, value_view = self.layout.payload_views(payload)
             packed = Packed(payload, self.layout, indices, value_view[: indices.numel()], False)
         packed.fused = fused
@@ -139,14 +139,14 @@ class AllgatherWire(Wire):
     def exchange(self, call, packed) -> torch.futures.Future:
         _, gathered = self.buffers(call.out.device)
         if self.config.transport == "mpi":  # same bytes as c10d, so the same result bit for bit
-            return call.state.mpi_transport().allgatherv(packed.wire, gathered,
+            return call.context.transport.allgatherv(packed.wire, gathered,
                                                          [packed.wire.numel()] * self.world_size)
         return allgather_future(gathered, packed.wire, call.group)
 
     def accumulate(self, call, packed):
         """Check every sealed payload (``wire_checksum``: a bucket with a failed one is not
         decoded: ``integrity.refused``), then scatter-add every payload into the bucket."""
-        state, step, seals, layout = call.state, call.state.step, call.state.seals, self.layout
+        context, step, seals, layout = call.context, call.context.step, call.context.seals, self.layout
 
         def accumulate(fut: torch.futures.Future) -> torch.Tensor:
             gathered = fut.value()
@@ -154,18 +154,18 @@ class AllgatherWire(Wire):
                 started = time.perf_counter()
                 rows = gathered.view(self.world_size, self.sealed_nbytes)
                 bad = integrity.bad_rows(rows)
-                state.count(seconds_wire_checksum=time.perf_counter() - started)
+                context.count(seconds_wire_checksum=time.perf_counter() - started)
                 if bad:
                     return integrity.refused(call, step, seals, [(integrity.PAYLOAD, sender, 0) for sender in bad])
                 gathered = rows[:, : layout.nbytes]
             started = time.perf_counter()
             indices = self.decode_add(gathered, call.out)
-            state.count(seconds_unpack=time.perf_counter() - started)
-            if state.journal is not None:
+            context.count(seconds_unpack=time.perf_counter() - started)
+            if context.journal is not None:
                 if indices is None:  # unsent entries are 0: the whole bucket says the same
-                    state.journal.note_reduced(~torch.isfinite(call.out).all())
+                    context.journal.note_reduced(~torch.isfinite(call.out).all())
                 else:  # only sent entries can be non-finite
-                    note_sent(state, call.out, indices)
+                    note_sent(context, call.out, indices)
             return call.out
 
         return accumulate
@@ -192,10 +192,10 @@ def decode_alone(packed: Packed, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def note_sent(state, out: torch.Tensor, index_rows: torch.Tensor) -> None:
+def note_sent(context, out: torch.Tensor, index_rows: torch.Tensor) -> None:
     """Tell the step journal whether the reduced bucket holds an Inf/NaN, reading only the
     entries some rank sent (a sent Inf/NaN, or a sum that overflowed: nothing else can be)."""
-    state.journal.note_reduced(~torch.isfinite(out.index_select(0, index_rows.reshape(-1).long())).all())
+    context.journal.note_reduced(~torch.isfinite(out.index_select(0, index_rows.reshape(-1).long())).all())
 
 
 def _selector(config, ks, numels):

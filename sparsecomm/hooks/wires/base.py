@@ -14,6 +14,13 @@ Plus what the plan and ``exchange="auto"`` ask before anything is touched:
 density that would go sparse, for the warning) and :meth:`Wire.modelled_seconds` (its time
 on a link, by the alpha-beta model). Observers and the conservation audit read what was
 sent from :meth:`Wire.sent_dense`.
+
+A wire sees its caller only through a :class:`WireCall` (one bucket: its tensors, sizes and
+group) and the call's :class:`WireContext` (counters, journal, seals, rank, step, transport,
+generator, memories), never a whole hook state: the top-k hook and the averager
+(``sparsecomm.averaging``) run the same wire objects. The memories an exchange keeps besides
+the residual are its own to read and fold: :meth:`Wire.prepare` before encoding,
+:meth:`Wire.follow` after the reduced bucket arrives.
 """
 import torch
 
@@ -41,6 +48,57 @@ class Packed:
     def wire(self) -> torch.Tensor:
         """What goes on the wire: the sealed payload, or the bare one."""
         return self.send if self.sealed is None else self.sealed
+
+
+class WireContext:
+    """What a wire may use of whoever runs it, besides the bucket itself.
+
+    ``count(**increments)`` adds to the caller's counters; ``journal`` (a step journal, or None)
+    hears whether a reduced bucket is finite and may ask for the step to be rolled back;
+    ``seals`` collects the step's sealed buckets (``integrity.StepSeals``); ``rank`` and
+    ``step`` say where the call sits; ``transport`` is the MPI transport (None: c10d);
+    ``generator(device)`` gives the seeded stream of the sampled selector; ``memories`` (the
+    hook's per-parameter memories, or None) and ``unused`` (the record of what was sent, for
+    parameters DDP may drop as unused, or None) are the hook's."""
+
+    __slots__ = ("caller", "count", "journal", "seals", "rank", "step", "transport", "generator", "memories",
+                 "unused")
+
+    def __init__(self, *, caller: str, count, seals, rank: int, step: int, journal=None, transport=None,
+                 generator=None, memories=None, unused=None):
+        self.caller = caller  # who runs the wire, for its errors: "topk_hook", "SparseDeltaAverager"
+        self.count, self.journal, self.seals, self.rank, self.step = count, journal, seals, rank, step
+        self.transport, self.generator, self.memories, self.unused = transport, generator, memories, unused
+
+
+class WireCall:
+    """One bucket as a wire sees it. ``grad`` is where acc is formed (the bucket buffer, a
+    float32 copy of it, or the averager's delta); ``out`` receives the reduced result; ``k``
+    (and ``ks`` per parameter) the entries to send; ``fusable``: nothing needs acc written, so a
+    kernel may form it in the same pass as the selection, as ``grad / divisor + residual`` (the
+    hook divides by the world size; the averager, which averages after the sum, by 1).
+    ``owner_memory``, ``mask_memory``
+    (rate, age) and ``audit`` are set by :meth:`Wire.prepare` and ``verify_conservation``."""
+
+    __slots__ = ("context", "index", "names", "numels", "group", "world_size", "divisor", "grad", "out", "ks", "k",
+                 "value_dtype", "fusable", "wire", "owner_memory", "mask_memory", "audit")
+
+    def __init__(self, context: WireContext, index: int, names, numels, group, world_size: int):
+        self.context, self.index, self.names, self.numels = context, index, names, numels
+        self.group, self.world_size = group, world_size
+        self.divisor = float(world_size)  # grad / divisor + residual: the hook averages before it sends
+        self.owner_memory = self.mask_memory = self.audit = None
+        self.fusable = False
+
+    def emit(self, stage, dense, step=None, **tensors) -> None:
+        """Tell the caller's observers (none here)."""
+
+
+def kernel_arguments(divisor: float, residual: torch.Tensor | None, fused: bool) -> tuple[float, bool]:
+    """(divisor, add_residual) for a kernel that takes ``grad``: fused, it forms
+    ``acc = grad / divisor + residual`` itself in the same pass as the selection;
+    otherwise ``grad`` already holds acc (compensated in place), to be taken as it is."""
+    return (divisor, residual is not None) if fused else (1.0, False)
 
 
 class Wire:
@@ -83,6 +141,22 @@ class Wire:
 
     # ----- the hook body's steps --------------------------------------------------------------
 
+    def prepare(self, call: WireCall, residual) -> list[torch.Tensor]:
+        """Before encoding: read the memories this exchange keeps besides the residual into
+        ``call`` and return them (the step journal records them for a rollback). Default: an
+        owner memory left from the owner exchange (``exchange="auto"`` may send a bucket
+        another way, a dense step owns nothing) moves into the residual, which sends it on."""
+        memories = call.context.memories
+        if residual is None or memories is None or not len(memories.owner_residuals):
+            return []
+        call.owner_memory = owner_residual(call, residual, (0, 0))
+        return [call.owner_memory]
+
+    def follow(self, call: WireCall, fut: torch.futures.Future, indices) -> torch.futures.Future:
+        """After the exchange: what the memories of :meth:`prepare` learn from the reduced bucket
+        (``indices``: what was sent; None for a dense bucket). Default: nothing."""
+        return fut
+
     def fuses_compensation(self, call) -> bool:
         """Does :meth:`encode` form acc itself (the fused kernel), so step 2 is skipped?"""
         return False
@@ -106,3 +180,26 @@ class Wire:
     def sent_dense(self, packed: Packed, like: torch.Tensor) -> torch.Tensor:
         """The dense tensor this rank's packed entries decode to (the conservation audit)."""
         raise NotImplementedError
+
+
+def owner_residual(call: WireCall, residual: torch.Tensor, owned: tuple[int, int]) -> torch.Tensor:
+    """This rank's owner residual of the bucket (flat, bucket-sized; from the hook's
+    per-parameter memories), after folding what lies outside ``owned`` (start, length: the range
+    this rank owns now) into the worker ``residual``. A bucket whose layout, owned range or world
+    size changed since the last fold (DDP's rebuild, a restore) is folded again."""
+    memories = call.context.memories
+    memory = memories.owner_residuals.bucket_tensor(call.index, call.names, call.numels, residual)
+    key = (call.names, call.numels, owned, call.world_size)
+    if memories.owner_ranges.get(call.index) != key:
+        fold_foreign(memory, residual, owned)
+        memories.owner_ranges[call.index] = key
+    return memory
+
+
+def fold_foreign(memory: torch.Tensor, residual: torch.Tensor, owned: tuple[int, int]) -> None:
+    """Move the owner residual outside this rank's range ``owned`` into the worker residual."""
+    start, length = owned
+    for part in (slice(0, start), slice(start + length, memory.numel())):
+        if part.stop > part.start:
+            residual[part].add_(memory[part])
+            memory[part].zero_()

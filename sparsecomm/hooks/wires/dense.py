@@ -8,13 +8,13 @@ rows; there is no residual.
 import torch
 
 from sparsecomm.comm import allreduce_future, link_model
-from sparsecomm.hooks.pipeline import acc
-from sparsecomm.hooks.unused_parameters import SentRecord
+from sparsecomm.hooks.state.unused_parameters import SentRecord
+from sparsecomm.hooks.wires import shared_mask
 from sparsecomm.hooks.wires.base import Wire
 
 
 class DenseWire(Wire):
-    """Steps 2-6 in one: compensate, allreduce, note whether the sum is finite."""
+    """Steps 3-6 in one: allreduce the compensated bucket, note whether the sum is finite."""
 
     dense = True
 
@@ -29,10 +29,18 @@ class DenseWire(Wire):
         return link_model.ring_allreduce_seconds(numel * buffer_dtype.itemsize, self.world_size,
                                                  rate_bytes_per_s=link.bytes_per_s, alpha_s=link.latency_s)
 
+    def prepare(self, call, residual) -> list[torch.Tensor]:
+        kept = super().prepare(call, residual)
+        if self.config.exchange == "shared-mask":  # its mask learns from every reduced bucket, dense ones too
+            kept += shared_mask.read_memories(call)
+        return kept
+
+    def follow(self, call, fut, indices):
+        return fut if call.mask_memory is None else fut.then(shared_mask.follow_reduced(*call.mask_memory, None))
+
     def reduce(self, call, velocity, residual) -> torch.futures.Future:
-        """Allreduce the compensated bucket; any residual is sent in full and cleared."""
-        state, grad, out = call.state, call.grad, call.out
-        acc.compensate(call, velocity, residual)
+        """Allreduce the bucket, compensated (steps 2-6 in one); any residual is sent in full and cleared."""
+        context, grad, out = call.context, call.grad, call.out
         if velocity is not None and not bool(torch.isfinite(grad).all()):
             velocity.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if grad is not out:  # memories wider than the bucket: the wire carries the bucket's dtype
@@ -41,11 +49,11 @@ class DenseWire(Wire):
                 residual.copy_(grad).sub_(out).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         elif residual is not None:
             residual.zero_()
-        if state.unused is not None and residual is not None:
-            state.unused.record(call.index, SentRecord(call.names, call.numels, dense=out.clone()))
+        if context.unused is not None and residual is not None:
+            context.unused.record(call.index, SentRecord(call.names, call.numels, dense=out.clone()))
         call.emit("packed", True, acc=grad, residual=residual, indices=None, payload=out)
         nbytes = out.numel() * out.element_size()
-        state.count(
+        context.count(
             **{"warmup_calls" if self.warmup else "fallback_calls": 1},
             elements_total=out.numel(),
             bytes_dense=nbytes,
@@ -53,21 +61,21 @@ class DenseWire(Wire):
             bytes_received=link_model.ring_allreduce_bytes(nbytes, call.world_size),
         )
         fut = allreduce_future(out, call.group)
-        if state.journal is None:
+        if context.journal is None:
             return fut
 
         def note(done: torch.futures.Future) -> torch.Tensor:
             reduced = done.value()
-            state.journal.note_reduced(~torch.isfinite(reduced).all())
+            context.journal.note_reduced(~torch.isfinite(reduced).all())
             return reduced
 
         return fut.then(note)
 
 
-def reduce_sparse_gradients(state, buffer, group, world_size) -> torch.futures.Future:
+def reduce_sparse_gradients(context, buffer, group, world_size) -> torch.futures.Future:
     """A bucket of sparse (COO) gradients, averaged as DDP's default hook does."""
     buffer.div_(world_size)
     nbytes = buffer._values().numel() * buffer.element_size() + buffer._indices().numel() * 8
-    state.count(sparse_gradient_calls=1, elements_total=buffer.numel(), bytes_sent=nbytes,
+    context.count(sparse_gradient_calls=1, elements_total=buffer.numel(), bytes_sent=nbytes,
                 bytes_dense=buffer.numel() * buffer.element_size(), bytes_received=(world_size - 1) * nbytes)
     return allreduce_future(buffer, group)

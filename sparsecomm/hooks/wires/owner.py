@@ -30,7 +30,7 @@ The owner residual is a per-parameter memory like the worker residual (a full-si
 tensor per rank, non-zero only on the rank's own ranges), so it is checkpointed by
 parameter name. When the bucket layout changes (DDP's rebuild, another world size after a
 restore), a rank may stop owning entries whose owner residual it holds: those values move
-into its worker residual (``fold_foreign``), which sends them on to their new owner through
+into its worker residual (``base.fold_foreign``), which sends them on to their new owner through
 the ordinary path. Nothing is lost; the sum of all memories is unchanged up to one
 rounding per moved entry.
 """
@@ -42,9 +42,9 @@ from sparsecomm import ops
 from sparsecomm.comm import link_model
 from sparsecomm.comm.collectives import all_to_all_bytes, allgather_future
 from sparsecomm.compress import payload_seal
-from sparsecomm.hooks.conservation import check_owner_conservation
-from sparsecomm.hooks.pipeline import acc, integrity
-from sparsecomm.hooks.wires.base import Packed, Wire
+from sparsecomm.hooks.state.conservation import check_owner_conservation
+from sparsecomm.hooks.wires import integrity
+from sparsecomm.hooks.wires.base import Packed, Wire, kernel_arguments, owner_residual
 
 
 class OwnerWire(Wire):
@@ -71,13 +71,21 @@ class OwnerWire(Wire):
         return link_model.owner_exchange_seconds(self.world_size * self.layout.slot_nbytes, self.world_size,
                                                  rate_bytes_per_s=link.bytes_per_s, alpha_s=link.latency_s)
 
+    def prepare(self, call, residual) -> list[torch.Tensor]:
+        """The owner residual of this rank's range (what its re-selection did not send on),
+        after moving what it no longer owns into the worker residual (``fold_foreign``)."""
+        if residual is None:
+            return []
+        call.owner_memory = owner_residual(call, residual, self.layout.ranges[call.context.rank])
+        return [call.owner_memory]
+
     def fuses_compensation(self, call) -> bool:
-        return acc.fused(call.state) and ops.dispatch.native_chunk_encode(call.grad, self.layout)
+        return call.fusable and ops.dispatch.native_chunk_encode(call.grad, self.layout)
 
     def _buffers(self, call, memory_dtype) -> "OwnerBuffers":
         cached = self.buffers
         if cached is None or cached.send.device != call.out.device or cached.total.dtype != memory_dtype:
-            cached = self.buffers = OwnerBuffers(self.layout, call.state.rank_and_world_size()[0], memory_dtype,
+            cached = self.buffers = OwnerBuffers(self.layout, call.context.rank, memory_dtype,
                                                  call.out.device)
         return cached
 
@@ -86,7 +94,7 @@ class OwnerWire(Wire):
         as it is written (``wire_checksum``)."""
         layout = self.layout
         send = self._buffers(call, call.grad.dtype if residual is None else residual.dtype).send
-        divisor, add_residual = acc.kernel_arguments(call.world_size, residual, fused)
+        divisor, add_residual = kernel_arguments(call.divisor, residual, fused)
         parts = []
         for owner, part, section in layout.sections():
             parts.append(ops.dispatch.chunk_encode(call.grad[section], None if residual is None else residual[section],
@@ -97,26 +105,26 @@ class OwnerWire(Wire):
 
     def bytes_sent(self, call, packed) -> int:
         """Its messages to the other owners, then its reply."""
-        rank = call.state.rank_and_world_size()[0]
+        rank = call.context.rank
         return self.layout.nbytes - self.layout.message_nbytes[rank] + self.layout.slot_nbytes
 
     def bytes_received(self, call, packed) -> int:
-        rank = call.state.rank_and_world_size()[0]
+        rank = call.context.rank
         return (self.world_size - 1) * (self.layout.message_nbytes[rank] + self.layout.slot_nbytes)
 
     def exchange(self, call, packed) -> torch.futures.Future:
         """Steps 2-4 (the gather issued, not waited for); counts the owner's own reduce time."""
-        state, layout, bufs = call.state, self.layout, self.buffers
-        rank = state.rank_and_world_size()[0]
+        context, layout, bufs = call.context, self.layout, self.buffers
+        rank = context.rank
         mine, message, slot = layout.part_nbytes[rank], layout.message_nbytes[rank], layout.slot_nbytes
         started = time.perf_counter()
-        mpi = state.mpi_transport() if self.config.transport == "mpi" else None
+        mpi = context.transport
         if mpi is not None:  # the same bytes as c10d, so the same result bit for bit
             mpi.alltoallv(packed.send, bufs.received, layout.message_nbytes, [message] * layout.world_size)
         else:
             all_to_all_bytes(bufs.received, packed.send, layout.message_nbytes, [message] * layout.world_size,
                              call.group)
-        state.count(seconds_owner_scatter=time.perf_counter() - started)
+        context.count(seconds_owner_scatter=time.perf_counter() - started)
         status = payload_seal.STATUS_OK
         part = layout.parts[rank]
         received = bufs.received if part is None else bufs.received.view(layout.world_size, message)[:, :mine]
@@ -124,7 +132,7 @@ class OwnerWire(Wire):
             started = time.perf_counter()
             bad = integrity.bad_rows(bufs.received.view(layout.world_size, message))
             status = bad[0] + 1 if bad else status  # 1 + the lowest sender whose message failed
-            state.count(seconds_wire_checksum=time.perf_counter() - started)
+            context.count(seconds_wire_checksum=time.perf_counter() - started)
         started = time.perf_counter()
         if part is None or status != payload_seal.STATUS_OK:
             bufs.reply.zero_()  # nothing owned, or nothing to trust: no sum, the owner residual untouched
@@ -137,10 +145,10 @@ class OwnerWire(Wire):
             bufs.reply[mine:].zero_()
             if call.audit is not None:
                 check_owner_conservation(part, received, old_memory, bufs.reply[:mine], memory, call.index,
-                                         state.step)
+                                         context.step)
         if layout.trailer:
             integrity.seal(bufs.reply, status)
-        state.count(seconds_owner_reduce=time.perf_counter() - started)
+        context.count(seconds_owner_reduce=time.perf_counter() - started)
         if mpi is not None:
             return mpi.allgatherv(bufs.reply, bufs.replies, [slot] * layout.world_size)
         return allgather_future(bufs.replies, bufs.reply, call.group)
@@ -148,14 +156,14 @@ class OwnerWire(Wire):
     def accumulate(self, call, packed):
         """Every owner's reply checked (``wire_checksum``: its checksum, and its status, which
         reports a bad message the owner received), then decoded into its range of the bucket."""
-        state, step, seals, layout = call.state, call.state.step, call.state.seals, self.layout
+        context, step, seals, layout = call.context, call.context.step, call.context.seals, self.layout
 
         def decode(fut: torch.futures.Future) -> torch.Tensor:
             replies = fut.value()
             if layout.trailer:
                 started = time.perf_counter()
                 faults = check_replies(replies.view(layout.world_size, layout.slot_nbytes))
-                state.count(seconds_wire_checksum=time.perf_counter() - started)
+                context.count(seconds_wire_checksum=time.perf_counter() - started)
                 if faults:
                     return integrity.refused(call, step, seals, faults)
             started = time.perf_counter()
@@ -166,9 +174,9 @@ class OwnerWire(Wire):
                     continue
                 slot = replies[owner * layout.slot_nbytes : owner * layout.slot_nbytes + part.nbytes]
                 ops.dispatch.chunk_decode_add(slot, part, call.out[start : start + length], True)
-            state.count(seconds_unpack=time.perf_counter() - started)
-            if state.journal is not None:
-                state.journal.note_reduced(~torch.isfinite(call.out).all())
+            context.count(seconds_unpack=time.perf_counter() - started)
+            if context.journal is not None:
+                context.journal.note_reduced(~torch.isfinite(call.out).all())
             return call.out
 
         return decode
@@ -194,37 +202,10 @@ class OwnerBuffers:
         self.replies = torch.empty(layout.world_size * layout.slot_nbytes, dtype=torch.uint8, device=device)
 
 
-def owner_residual(call, residual: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's owner residual of the bucket (flat, bucket-sized; None without error
-    feedback or before the first owner step), after folding what it no longer owns into the
-    worker ``residual``. A dense call (warm-up, fallback), or one that ``exchange="auto"``
-    sent another way, owns nothing: it sends all of it."""
-    memories = call.state.memories
-    owns = isinstance(call.wire, OwnerWire)
-    if residual is None or (not owns and not len(memories.owner_residuals)):
-        return None
-    memory = memories.owner_residuals.bucket_tensor(call.index, call.names, call.numels, residual)
-    owned = call.wire.layout.ranges[call.state.rank_and_world_size()[0]] if owns else (0, 0)
-    key = (call.names, call.numels, owned, call.world_size)
-    if memories.owner_ranges.get(call.index) != key:
-        fold_foreign(memory, residual, owned)
-        memories.owner_ranges[call.index] = key
-    return memory
-
-
-def fold_foreign(memory: torch.Tensor, residual: torch.Tensor, owned: tuple[int, int]) -> None:
-    """Move the owner residual outside this rank's range ``owned`` into the worker residual."""
-    start, length = owned
-    for part in (slice(0, start), slice(start + length, memory.numel())):
-        if part.stop > part.start:
-            residual[part].add_(memory[part])
-            memory[part].zero_()
-
-
 def check_replies(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     """The faults the owners' replies (rows of ``slots``) show, as (kind, owner, sender): a reply
     that fails its checksum, or an intact one whose status reports a message that failed the
     owner's check."""
-    intact, status = payload_seal.check(slots)
+    intact, status = payload_seal.check(slots, ops.dispatch.crc32c)
     return [(integrity.REPLY, owner, 0) if not ok else (integrity.REPORTED, owner, reported - 1)
             for owner, (ok, reported) in enumerate(zip(intact, status)) if not ok or reported != payload_seal.STATUS_OK]

@@ -28,7 +28,7 @@ from sparsecomm import compress
 from sparsecomm.comm import allreduce_future, link_model
 from sparsecomm.compress import index_codecs
 from sparsecomm.compress.chunking import ChunkGeometry, chunk_topk
-from sparsecomm.hooks.pipeline import acc, integrity
+from sparsecomm.hooks.wires import integrity
 from sparsecomm.hooks.wires.base import Packed, Wire
 
 
@@ -76,10 +76,10 @@ class RandomKWire(AllreducedValues):
     parameter name, so the same indices whatever the bucket layout), allreduced."""
 
     def encode(self, call, residual, fused: bool) -> Packed:
-        state, config = call.state, self.config
+        context, config = call.context, self.config
         offsets = [0, *itertools.accumulate(call.numels)]
         indices = torch.cat([
-            compress.random_indices(n, k_part, seed=config.seed, step=state.step, stream=zlib.crc32(name.encode()))
+            compress.random_indices(n, k_part, seed=config.seed, step=context.step, stream=zlib.crc32(name.encode()))
             + offset
             for name, n, k_part, offset in zip(call.names, call.numels, call.ks, offsets)
         ]).to(call.grad.device)
@@ -146,12 +146,12 @@ class SharedIndexWire(AllreducedValues):
         """(bucket-relative indices int64, this rank led, verdict): the verdict (``wire_checksum``;
         else None) is a 0-d tensor, 1 if this rank's copy failed its check (the indices are
         then stand-ins), else 0."""
-        state, config, shape, nbytes = call.state, self.config, self.geometry, self.index_nbytes
+        context, config, shape, nbytes = call.context, self.config, self.geometry, self.index_nbytes
         if self.index_buffer is None or self.index_buffer.device != call.out.device:
             self.index_buffer = torch.empty(self.broadcast_nbytes, dtype=torch.uint8, device=call.out.device)
         buffer = self.index_buffer
-        rank = state.rank_and_world_size()[0]
-        lead = leader(state.step, call.index, call.world_size)
+        rank = context.rank
+        lead = leader(context.step, call.index, call.world_size)
         if rank == lead:
             buffer[:nbytes].copy_(index_codecs.encode(config.index_codec, chunk_topk(call.grad, shape), shape))
             if config.wire_checksum:
@@ -159,13 +159,13 @@ class SharedIndexWire(AllreducedValues):
         started = time.perf_counter()
         source = lead if call.group is dist.group.WORLD else dist.get_global_rank(call.group, lead)
         dist.broadcast(buffer, src=source, group=call.group)
-        state.count(seconds_index_broadcast=time.perf_counter() - started)
+        context.count(seconds_index_broadcast=time.perf_counter() - started)
         verdict = None
         if config.wire_checksum:
             started = time.perf_counter()
             failed = bool(integrity.bad_rows(buffer.view(1, -1)))
             verdict = torch.tensor(float(failed), device=call.out.device)
-            state.count(seconds_wire_checksum=time.perf_counter() - started)
+            context.count(seconds_wire_checksum=time.perf_counter() - started)
             if failed:
                 return torch.arange(shape.selected, device=call.out.device), rank == lead, verdict
         indices = index_codecs.decode(config.index_codec, buffer[:nbytes], shape).to(call.out.device)
@@ -174,7 +174,7 @@ class SharedIndexWire(AllreducedValues):
     def accumulate(self, call, packed):
         """With a verdict element, raise on every rank if any rank's copy of the index broadcast
         failed its check; then scatter the sums."""
-        state, step = call.state, call.state.step
+        step = call.context.step
         lead = leader(step, call.index, call.world_size)
         scatter = scatter_values(call, packed.indices)
         _, checked = packed.extra
@@ -221,12 +221,12 @@ def shared_values(call, residual, indices: torch.Tensor) -> Packed:
 
 def scatter_values(call, indices):
     """The callback of the values allreduce: the summed values at the shared indices."""
-    state = call.state
+    context = call.context
 
     def scatter(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[: indices.numel()]  # (the shared-index exchange sums one more element)
-        if state.journal is not None:
-            state.journal.note_reduced(~torch.isfinite(reduced).all())
+        if context.journal is not None:
+            context.journal.note_reduced(~torch.isfinite(reduced).all())
         call.out.zero_()
         call.out[indices] = reduced.to(call.out.dtype)
         return call.out

@@ -91,12 +91,28 @@ def follow_reduced(rate: torch.Tensor, age: torch.Tensor, indices: torch.Tensor 
     return fold
 
 
+def read_memories(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the mask is derived from, the same on every rank: the bucket's synced rates and ages
+    (``call.mask_memory``). Every reduced bucket is folded into them, dense ones too (the dense
+    wire reads them under this exchange), by :func:`follow_reduced`."""
+    memories = call.context.memories
+    call.mask_memory = tuple(memory.bucket_tensor(call.index, call.names, call.numels, call.grad, torch.float32)
+                             for memory in (memories.mask_rates, memories.mask_ages))
+    return call.mask_memory
+
+
 class SharedMaskWire(AllreducedValues):
     """The values of acc at the shared mask, allreduced: no index bytes, no broadcast."""
 
     name = "shared_mask"
 
+    def prepare(self, call, residual) -> list[torch.Tensor]:
+        return [*super().prepare(call, residual), *read_memories(call)]
+
+    def follow(self, call, fut, indices):
+        return fut.then(follow_reduced(*call.mask_memory, indices))
+
     def encode(self, call, residual, fused: bool):
         rate, age = call.mask_memory
-        indices = shared_mask(priority(rate, age), call.state.step, self.k, self.config.mask_refresh)
+        indices = shared_mask(priority(rate, age), call.context.step, self.k, self.config.mask_refresh)
         return shared_values(call, residual, indices.to(call.grad.device))

@@ -15,9 +15,9 @@ from sparsecomm import ops
 from sparsecomm.compress.error_feedback import divide_
 from sparsecomm.compress.layout import PayloadLayout
 from sparsecomm.compress.sampled_threshold import sample_positions, sample_size, threshold_of_sample
-from sparsecomm.hooks.pipeline import acc, integrity
+from sparsecomm.hooks.wires import integrity
 from sparsecomm.hooks.wires.allgather import AllgatherWire, note_sent, seal
-from sparsecomm.hooks.wires.base import Packed
+from sparsecomm.hooks.wires.base import Packed, kernel_arguments
 
 
 class VariableAllgatherWire(AllgatherWire):
@@ -25,15 +25,15 @@ class VariableAllgatherWire(AllgatherWire):
     send k); what travels is each rank's own count."""
 
     def fuses_compensation(self, call) -> bool:
-        return acc.fused(call.state)  # the threshold pack forms acc itself
+        return call.fusable  # the threshold pack forms acc itself
 
     def encode(self, call, residual, fused: bool) -> Packed:
-        state, k, value_dtype, grad = call.state, call.k, call.value_dtype, call.grad
+        context, k, value_dtype, grad = call.context, call.k, call.value_dtype, call.grad
         buffer, gathered = self.buffers(call.out.device)
         payload = buffer[: self.layout.nbytes]
-        divisor, add_residual = acc.kernel_arguments(call.world_size, residual, fused)
+        divisor, add_residual = kernel_arguments(call.divisor, residual, fused)
         threshold = _sampled_threshold(grad, residual if add_residual else None, divisor, k,
-                                       state.generator(grad.device))
+                                       context.generator(grad.device))
         index_view = self.layout.payload_views(payload)[0]
         # Scratch for the values: the front of this bucket's gather buffer, idle until the
         # all-gather is issued (the last step's unpack has finished), so no allocation.
@@ -55,11 +55,11 @@ class VariableAllgatherWire(AllgatherWire):
     def exchange(self, call, packed) -> torch.futures.Future:
         """The sizes first (blocking, here in the hook body), then the payloads back to back
         in rank order; ``packed.extra`` keeps the entries per rank."""
-        state = call.state
-        mpi = state.mpi_transport()
+        context = call.context
+        mpi = context.transport
         started = time.perf_counter()
         counts = packed.extra = mpi.allgather_counts(packed.count)
-        state.count(seconds_count_exchange=time.perf_counter() - started)
+        context.count(seconds_count_exchange=time.perf_counter() - started)
         _, gathered = self.buffers(call.out.device)
         return mpi.allgatherv(packed.wire, gathered, self._byte_counts(counts))
 
@@ -71,7 +71,7 @@ class VariableAllgatherWire(AllgatherWire):
 
     def accumulate(self, call, packed):
         """Check every sealed payload (``wire_checksum``, as the fixed all-gather), then add them."""
-        state, step, seals, counts, value_dtype = call.state, call.state.step, call.state.seals, packed.extra, \
+        context, step, seals, counts, value_dtype = call.context, call.context.step, call.context.seals, packed.extra, \
             self.layout.value_dtype
         trailer = self.trailer
 
@@ -85,14 +85,14 @@ class VariableAllgatherWire(AllgatherWire):
                     if integrity.bad_rows(gathered[offset : offset + sealed].view(1, -1)):
                         bad.append(rank)
                     offset += sealed
-                state.count(seconds_wire_checksum=time.perf_counter() - started)
+                context.count(seconds_wire_checksum=time.perf_counter() - started)
                 if bad:
                     return integrity.refused(call, step, seals, [(integrity.PAYLOAD, sender, 0) for sender in bad])
             started = time.perf_counter()
             out = unpack_variable(gathered, counts, call.out, value_dtype, trailer)
-            state.count(seconds_unpack=time.perf_counter() - started)
-            if state.journal is not None:
-                note_sent(state, out, variable_indices(gathered, counts, value_dtype, trailer))
+            context.count(seconds_unpack=time.perf_counter() - started)
+            if context.journal is not None:
+                note_sent(context, out, variable_indices(gathered, counts, value_dtype, trailer))
             return out
 
         return accumulate

@@ -1,11 +1,36 @@
-"""The top-k hook's settings: one frozen, validated object (``TopKState.config``).
+"""The top-k hook's settings, in one module: the checks, the option table, the density schedule
+and the frozen config they make (``TopKState.config``).
 
-Every setting is checked here, when the state is built, so that bad input fails with an
-error naming the argument and the accepted range before DDP issues any collective. The
-object never changes afterwards: a state that should behave differently is a new state.
+* **Checks** (``check_real``, ``check_int``, ...): each names the argument and the accepted range.
+  They run when a state is built, so bad input fails before DDP issues any collective; the
+  averager, the optimizers and the FSDP hook use them too.
+* **The option table**: every ``TopKState`` setting written once, as a field of
+  :class:`TopKConfig` with an :class:`Option` in its metadata. From the table come: the
+  validation of each simple setting (:meth:`Option.check`), what the ranks compare at the first
+  hook call (``rank_agreement``), what a checkpoint must match (``TopKConfig.checkpoint_dict``),
+  the options a lab arm may set (``lab.experiment.arm_spec.TOPK_OPTIONS``), and the options
+  table of the docs (:func:`markdown_table`; ``docs/options.md``, written by
+  ``scripts/options_table.py`` and checked against it by a test).
+* **Density schedules** (:class:`DensitySchedule`): how the fraction of each bucket that is sent
+  changes over steps. Starting sparse from step one hurts quality most early in training, when
+  gradients change fastest; DGC (Lin et al., ICLR 2018, section 3.3 "warm-up training")
+  therefore raises sparsity in stages: 75%, 93.75%, 98.4375%, 99.6%, then the target 99.9%,
+  i.e. each stage sends about a quarter of the previous one. :meth:`DensitySchedule.exponential`
+  makes ``stages`` equal stages over ``steps`` steps with densities ``target ** ((i + 1) /
+  (stages + 1))`` (for target 0.001 and 4 stages exactly DGC's 0.25, 0.0625, 0.0156, 0.0039);
+  :meth:`DensitySchedule.piecewise` takes a user list of ``(first_step, density)`` pairs.
+  Densities are piecewise constant, so the hook's payload buffers are reallocated only when a
+  stage changes (a few times), not every step.
+* **The config** (:class:`TopKConfig`): every setting checked here, when the state is built; the
+  object never changes afterwards: a state that should behave differently is a new state.
 """
+
+import bisect
 import dataclasses
+import importlib.util
 import math
+import numbers
+import zlib
 
 import torch
 
@@ -13,10 +38,256 @@ from sparsecomm.compress.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.value_codecs import FLOAT_CODECS, VALUE_CODECS
 from sparsecomm.comm.mpi_allgatherv import TRANSPORTS
-from sparsecomm.hooks.density_schedule import DensitySchedule
-from sparsecomm.hooks.options import option, options
-from sparsecomm.hooks.validation import check_choice, check_real, check_transport, check_value_dtype
 from sparsecomm.links.spec import parse_link
+
+
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_real(name: str, value, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
+    """``value`` as a float inside the interval, else TypeError/ValueError naming ``name``."""
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in {interval}, got {type(value).__name__} {value!r}")
+    value = float(value)
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if math.isnan(value) or too_low or too_high:
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high] (high None: unbounded), else TypeError/ValueError naming ``name``."""
+    accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer {accepted}, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer {accepted}, got {value}")
+    return int(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple) -> object:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_value_dtype(value, name: str = "value_dtype") -> torch.dtype | None:
+    if value is None or value in VALUE_DTYPES:
+        return value
+    allowed = ", ".join(["None"] + [str(d) for d in VALUE_DTYPES])
+    raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
+
+
+def check_transport(transport, selector: str) -> str:
+    """``transport`` if it is usable here with ``selector``, else ValueError naming it.
+
+    Only what needs no process group and does not start MPI is checked here; the first
+    hook call checks the MPI world against the process group (see TopKState).
+    """
+    from sparsecomm.comm import TRANSPORTS
+
+    check_choice("transport", transport, TRANSPORTS)
+    if transport != "mpi":
+        return transport
+    if importlib.util.find_spec("mpi4py") is None:
+        raise ValueError(
+            "transport='mpi' needs mpi4py, which is not installed (pip install mpi4py mpich, or "
+            f"sparsecomm[mpi]); transport must be one of {', '.join(map(repr, TRANSPORTS))}"
+        )
+    if selector == "random":
+        raise ValueError(
+            "transport='mpi' all-gathers sparse payloads, but selector='random' allreduces its values over "
+            "the process group and would never use it: use transport='c10d' with selector='random'"
+        )
+    return transport
+
+DTYPE_CHOICES = (None, *VALUE_DTYPES)  # a wire or memory dtype, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One setting: how it is checked, what it means, and where it matters.
+
+    ``kind``: "real" (in ``low``..``high``, each end open or closed), "int" (>= ``low``,
+    <= ``high`` if given), "bool", "choice" (one of ``choices``), "dtype" (None or one of
+    the wire's float dtypes), or "custom" (checked by ``TopKConfig.build`` itself;
+    ``accepted`` says what it takes). A "choice" whose ``accepted`` is set is resolved by
+    ``TopKConfig.build`` too (it depends on other settings). ``agree``: compared
+    across ranks at the first hook call. ``arm``: a lab arm may set it. ``checkpoint``:
+    "always", "wire" (with ``selector="chunk"`` or a compact wire), "if-set" (when not the
+    default), or "never" (what travels, not what the memories hold).
+    """
+
+    doc: str
+    kind: str = "custom"
+    choices: tuple = ()
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    accepted: str = ""
+    condition: str = ""  # what else the value needs, as the docs say it after the range
+    agree: bool = True
+    arm: bool = True
+    checkpoint: str = "always"
+
+    def check(self, name: str, value):
+        """``value`` checked (TypeError/ValueError naming ``name`` and the accepted range)."""
+        if self.kind == "real":
+            return check_real(name, value, self.low, self.high, low_open=self.low_open, high_open=self.high_open)
+        if self.kind == "int":
+            return check_int(name, value, int(self.low), None if self.high is None else int(self.high))
+        if self.kind == "bool":
+            return check_bool(name, value)
+        if self.kind == "choice":
+            return check_choice(name, value, self.choices)
+        if self.kind == "dtype":
+            return check_value_dtype(value, name=name)
+        raise TypeError(f"{name} is checked by TopKConfig.build, not by its option")
+
+    def accepted_text(self) -> str:
+        """The accepted range as the docs show it (and what else it needs)."""
+        return self._range_text() + (f"; {self.condition}" if self.condition else "")
+
+    def _range_text(self) -> str:
+        if self.accepted:
+            return self.accepted
+        if self.kind == "real":
+            high = "inf" if self.high == math.inf else f"{self.high:g}"
+            return f"a number in {'(' if self.low_open else '['}{self.low:g}, {high}{')' if self.high_open else ']'}"
+        if self.kind == "int":
+            return f"an integer >= {int(self.low)}" if self.high is None else \
+                f"an integer in [{int(self.low)}, {int(self.high)}]"
+        if self.kind == "bool":
+            return "`True`, `False`"
+        if self.kind == "choice":
+            return ", ".join(_code(c) for c in self.choices)
+        return ", ".join(_code(c) for c in DTYPE_CHOICES)
+
+
+def _code(value) -> str:
+    """A value as the docs show it: ``None``, ``"text"``, ``torch.float32``."""
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value}`"
+
+
+def option(default, doc: str, **spec):
+    """A TopKConfig field whose metadata is its :class:`Option`."""
+    return dataclasses.field(default=default, metadata={"option": Option(doc, **spec)})
+
+
+def options(config_class) -> dict[str, Option]:
+    """name -> Option of every field of ``config_class``, in field order."""
+    return {f.name: f.metadata["option"] for f in dataclasses.fields(config_class)}
+
+
+def fingerprint(value) -> float:
+    """A value no float64 holds (a list, a name) as one: the CRC-32 of its repr, equal on two
+    ranks exactly when the values are (but for a collision, 1 in 2**32)."""
+    return float(zlib.crc32(repr(value).encode()))
+
+
+def agreement_value(name: str, spec: Option, value) -> float:
+    """A setting as one float64 that is equal on two ranks exactly when the settings are."""
+    if spec.kind in ("choice", "dtype"):
+        return float(_choices(spec).index(value))
+    if spec.kind == "custom":
+        if name == "local_clip_norm":
+            return -1.0 if value is None else float(value)
+        to_list = getattr(value, "to_list", None)  # a density schedule; else a link name or None
+        return fingerprint(to_list() if to_list is not None else value)
+    return float(value)
+
+
+def shown_value(name: str, spec: Option, value: float):
+    """How an agreement value is shown in the error that names a setting the ranks disagree on."""
+    if spec.kind in ("choice", "dtype"):
+        choice = _choices(spec)[int(value)]
+        return None if choice is None else str(choice) if spec.kind == "dtype" else choice
+    if spec.kind == "custom":
+        if name == "local_clip_norm":
+            return None if value == -1.0 else int(value) if value.is_integer() else value
+        return f"{name.replace('_', ' ')} #{int(value):08x}"
+    return value if spec.kind == "real" else int(value)
+
+
+def _choices(spec: Option) -> tuple:
+    return DTYPE_CHOICES if spec.kind == "dtype" else spec.choices
+
+
+def markdown_table(config_class) -> str:
+    """The options table of the docs, one row per setting: name | default | accepted | meaning."""
+    rows = ["| name | default | accepted | meaning |", "|---|---|---|---|"]
+    for field in dataclasses.fields(config_class):
+        spec = field.metadata["option"]
+        rows.append(f"| `{field.name}` | {_code(field.default)} | {spec.accepted_text()} | {spec.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class DensitySchedule:
+    """Piecewise-constant density by step: ``density(step)`` is the value of the last
+    ``(first_step, density)`` pair with ``first_step <= step``; the last pair is the target."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self):
+        if not self.points:
+            raise ValueError("density schedule: needs at least one (first_step, density) pair, got none")
+        for pair in self.points:
+            if len(pair) != 2:
+                raise ValueError(f"density schedule: entries must be (first_step, density) pairs, got {pair!r}")
+            check_int("density schedule step", pair[0], 0)
+            check_real("density schedule density", pair[1], 0.0, 1.0, low_open=True, high_open=False)
+        steps = [step for step, _ in self.points]
+        if steps[0] != 0:
+            raise ValueError(f"density schedule: the first pair must start at step 0, got {steps[0]}")
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"density schedule: first steps must increase strictly, got {steps}")
+
+    @classmethod
+    def constant(cls, density: float) -> "DensitySchedule":
+        return cls(((0, density),))
+
+    @classmethod
+    def exponential(cls, target: float, steps: int, stages: int = 4) -> "DensitySchedule":
+        """DGC's warm-up: ``stages`` equal stages over ``steps`` steps, then ``target``."""
+        check_real("target density", target, 0.0, 1.0, low_open=True, high_open=False)
+        check_int("steps", steps, 1)
+        check_int("stages", stages, 1)
+        if stages > steps:
+            raise ValueError(f"stages must be <= steps ({steps}), got {stages}")
+        points = [(steps * i // stages, target ** ((i + 1) / (stages + 1))) for i in range(stages)]
+        return cls((*points, (steps, target)))
+
+    @classmethod
+    def piecewise(cls, points, target: float) -> "DensitySchedule":
+        """A user list of ``(first_step, density)``; it must end at ``target``."""
+        points = tuple(tuple(pair) for pair in points)
+        schedule = cls(points)
+        if points[-1][1] != target:
+            raise ValueError(
+                f"density schedule must end at the target density {target}, but its last pair is {points[-1]}"
+            )
+        return schedule
+
+    def __call__(self, step: int) -> float:
+        index = bisect.bisect_right([s for s, _ in self.points], step) - 1
+        return self.points[max(index, 0)][1]
+
+    @property
+    def target(self) -> float:
+        return self.points[-1][1]
+
+    def to_list(self) -> list[list]:
+        return [[step, density] for step, density in self.points]
 
 SELECTOR_CHOICES = ("exact", "sampled", "random", "chunk")
 K_SCOPES = ("bucket", "parameter")
