@@ -18,6 +18,7 @@ package runs on any CPU of its architecture, whichever machine built it (csrc/RE
 """
 import glob
 import os
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
@@ -27,6 +28,38 @@ LAB_REQUIRES = ["scipy", "matplotlib", "scikit-learn", "submitit>=1.5"]
 
 def _say(message: str) -> None:
     print(f"sparsecomm setup: {message}", flush=True)
+
+
+# Every CPU kernel file (csrc/cpu/<op>.cpp) is compiled once per level, each time as a
+# translation unit of its own that names the level and the file and includes
+# csrc/cpu/isa/compile_level.h. The levels are csrc/cpu/cpu_levels.h's, lowest first.
+CPU_LEVELS = ("default", "avx2", "avx512")
+CPU_LEVEL_UNITS = "cpu_levels"  # the folder of those units, inside the build's temporary folder
+
+
+def cpu_kernel_files() -> list[str]:
+    """The CPU kernel files: every csrc/cpu/*.cpp (the operators, csrc/cpu/dispatch/, are not)."""
+    return sorted(glob.glob("csrc/cpu/*.cpp"))
+
+
+def write_cpu_level_units(folder: str) -> list[str]:
+    """One translation unit per CPU kernel file and level, written into ``folder`` (a file is
+    rewritten only when its text changes, so an incremental build recompiles nothing):
+    their paths, to compile in place of the kernel files."""
+    units = []
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for kernel in cpu_kernel_files():
+        op = Path(kernel).stem
+        for level in CPU_LEVELS:
+            unit = Path(folder, f"{op}_{level}.cpp")
+            text = (f"// {op} compiled for the CPU level {level}: written by setup.py (csrc/cpu/isa/compile_level.h).\n"
+                    f"#define SPARSECOMM_CPU_LEVEL SPARSECOMM_CPU_{level.upper()}\n"
+                    f'#define SPARSECOMM_CPU_KERNEL "../{op}.cpp"\n'
+                    f'#include "compile_level.h"\n')
+            if not unit.exists() or unit.read_text() != text:
+                unit.write_text(text)
+            units.append(str(unit))
+    return units
 
 
 def _native_extension() -> dict:
@@ -48,23 +81,30 @@ def _native_extension() -> dict:
     use_cuda = os.environ.get("USE_CUDA")
     with_cuda = use_cuda == "1" or (use_cuda is None and torch.version.cuda is not None and CUDA_HOME is not None)
     cxx = ["-O0", "-g"] if debug else ["-O3"]
-    # No -march: each CPU kernel is compiled once per level (csrc/cpu/isa/*.cpp) and the
+    # No -march: each CPU kernel is compiled once per level (write_cpu_level_units) and the
     # running CPU picks one. No FMA contraction either: it would round differently at the
     # levels that have FMA, and the kernels are bit-exact at every level.
     cxx += ["-fopenmp", "-ffp-contract=off"]
-    # csrc/cpu/*.cpp are the kernel bodies, compiled through csrc/cpu/isa/ only.
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/dispatch/*.cpp")) \
-        + sorted(glob.glob("csrc/cpu/isa/*.cpp"))
+    # The CPU kernel files are compiled through their per-level units only, which the build
+    # writes (BuildOrFallBack.build_extensions) and adds to these sources.
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/dispatch/*.cpp"))
     extra = {"cxx": cxx}
     extension_class = CppExtension
     if with_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         extra["nvcc"] = (["-O0", "-g"] if debug else ["-O3"]) + ["--expt-relaxed-constexpr", "-lineinfo"]
         extension_class = CUDAExtension
-    _say(f"building sparsecomm._C ({'CPU + CUDA' if with_cuda else 'CPU'}: {len(sources)} sources)")
+    _say(f"building sparsecomm._C ({'CPU + CUDA' if with_cuda else 'CPU'}: {len(sources)} sources and "
+         f"{len(cpu_kernel_files())} CPU kernels x {len(CPU_LEVELS)} levels)")
 
     class BuildOrFallBack(BuildExtension):
         """Build the extension; if that fails, say why and install without it (unless forced)."""
+
+        def build_extensions(self):
+            units = write_cpu_level_units(os.path.join(self.build_temp, CPU_LEVEL_UNITS))
+            for extension in self.extensions:
+                extension.sources = [*extension.sources, *units]
+            super().build_extensions()
 
         def run(self):
             try:
@@ -78,7 +118,7 @@ def _native_extension() -> dict:
 
     module = extension_class(
         "sparsecomm._C", sources, extra_compile_args=extra, extra_link_args=["-fopenmp"],
-        include_dirs=[os.path.abspath("csrc/cpu")],
+        include_dirs=[os.path.abspath("csrc/cpu"), os.path.abspath("csrc/cpu/isa")],  # isa/: compile_level.h
     )
     return {"ext_modules": [module], "cmdclass": {"build_ext": BuildOrFallBack}}
 

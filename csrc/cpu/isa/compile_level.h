@@ -1,6 +1,7 @@
-// Compiles one kernel file for one CPU level (cpu_levels.h). Included by
-// isa/<op>_<level>.cpp, which first defines SPARSECOMM_CPU_LEVEL (a level) and
-// SPARSECOMM_CPU_KERNEL (the kernel file, relative to this directory).
+// Compiles one kernel file for one CPU level (cpu_levels.h). Included by the translation
+// unit <op>_<level>.cpp that setup.py writes for every kernel file and level (into the
+// build's temporary folder; write_cpu_level_units), which first defines SPARSECOMM_CPU_LEVEL
+// (a level) and SPARSECOMM_CPU_KERNEL (the kernel file, relative to this directory).
 //
 // The headers from outside sparsecomm (dependencies.h) come first, before the switch to the
 // level's instruction set: their inline functions and templates exist, under the same

@@ -1,4 +1,0 @@
-// ef_threshold_pack for CPUs with AVX2 (see compile_level.h).
-#define SPARSECOMM_CPU_LEVEL SPARSECOMM_CPU_AVX2
-#define SPARSECOMM_CPU_KERNEL "../ef_threshold_pack.cpp"
-#include "compile_level.h"

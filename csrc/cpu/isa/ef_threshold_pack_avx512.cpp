@@ -1,4 +1,0 @@
-// ef_threshold_pack for CPUs with AVX-512 (see compile_level.h).
-#define SPARSECOMM_CPU_LEVEL SPARSECOMM_CPU_AVX512
-#define SPARSECOMM_CPU_KERNEL "../ef_threshold_pack.cpp"
-#include "compile_level.h"

@@ -1,4 +1,0 @@
-// ef_topk_pack for CPUs with AVX-512 (see compile_level.h).
-#define SPARSECOMM_CPU_LEVEL SPARSECOMM_CPU_AVX512
-#define SPARSECOMM_CPU_KERNEL "../ef_topk_pack.cpp"
-#include "compile_level.h"

@@ -1,4 +1,0 @@
-// unpack_add for the baseline instruction set (see compile_level.h).
-#define SPARSECOMM_CPU_LEVEL SPARSECOMM_CPU_DEFAULT
-#define SPARSECOMM_CPU_KERNEL "../unpack_add.cpp"
-#include "compile_level.h"
