@@ -34,7 +34,7 @@ from sparsecomm.lab.experiment.runner import _git_commit, run_experiment
 from sparsecomm.links import parse_link
 from sparsecomm.links.netns import check_emulation_possible, maybe_emulated
 from sparsecomm.links.probe import stream_throughput
-from sparsecomm.lab.target import DENSE_ARM
+from sparsecomm.lab.results.target import DENSE_ARM
 
 DEFAULT_ARMS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-dgc")
 

@@ -70,7 +70,7 @@ from sparsecomm.monitor import (
 )
 from sparsecomm.monitor.gradient_agreement import DEFAULT_EVERY as VOTE_EVERY
 from sparsecomm.monitor.replica_digest import DEFAULT_EVERY as REPLICA_EVERY
-from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results.policy import Policy
 from sparsecomm.lab.tasks import get_task
 
 from cpu_info import describe_cpu  # experiments/cpu_info.py, beside this script

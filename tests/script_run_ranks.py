@@ -1,4 +1,4 @@
-"""Rank functions for tests/multiprocess.py's run_on_ranks that drive sparsecomm.lab.script_run
+"""Rank functions for tests/multiprocess.py's run_on_ranks that drive sparsecomm.lab.experiment.script_run
 directly (a run's script, minus the launch)."""
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.lab.experiment.config import ExperimentConfig
-from sparsecomm.lab.script_run import Run
+from sparsecomm.lab.experiment.script_run import Run
 
 
 def finish_without_the_metric(rank: int, world_size: int, script: str, run_dir: str):

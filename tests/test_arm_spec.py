@@ -10,7 +10,7 @@ import sparsecomm
 
 from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.arms import make_arm_hook
-from sparsecomm.lab.experiment.compare import parse_arms
+from sparsecomm.lab.compare import parse_arms
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.named import digits_quick, pydoc_gpt
 from sparsecomm.lab.experiment.worker import make_optimizer
@@ -132,7 +132,7 @@ def _script_config(tmp_path, definitions) -> ExperimentConfig:
 
 
 def test_a_scripts_arm_changes_the_scripts_own_optimizer_in_place(tmp_path):
-    from sparsecomm.lab.script_run import adapt_optimizer
+    from sparsecomm.lab.experiment.script_run import adapt_optimizer
 
     config = _script_config(tmp_path, {"dgc": {"reducer": "topk", "options": {"momentum": 0.9},
                                                "optimizer": {"lr": 0.5, "weight_decay": 0.01}},
@@ -236,7 +236,7 @@ def test_an_optimizer_momentum_the_arm_cannot_apply_is_refused_naming_arm_and_op
 
 
 def test_an_optimizer_momentum_the_arm_can_apply_reaches_its_optimizer(tmp_path):
-    from sparsecomm.lab.script_run import adapt_optimizer
+    from sparsecomm.lab.experiment.script_run import adapt_optimizer
 
     config = dataclasses.replace(digits_quick(), arms=("dense", "m"),
                                  arm_definitions={"m": {"reducer": "topk", "optimizer": {"momentum": 0.5}}})
@@ -254,7 +254,7 @@ def test_an_optimizer_momentum_the_arm_can_apply_reaches_its_optimizer(tmp_path)
 
 
 def test_an_arms_beta2_reaches_adamw_and_adams_and_is_refused_elsewhere(tmp_path):
-    from sparsecomm.lab.script_run import adapt_optimizer
+    from sparsecomm.lab.experiment.script_run import adapt_optimizer
 
     definitions = {"s": {"reducer": "allreduce", "optimizer": {"optimizer": "adams", "beta2": 0.95}},
                    "w": {"reducer": "allreduce", "optimizer": {"optimizer": "adamw", "beta2": 0.98}},

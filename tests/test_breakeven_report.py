@@ -17,7 +17,7 @@ import pytest
 
 from run_dir_fixture import write_run_dir
 from sparsecomm.lab.costmodel.breakeven_report import break_even_lines, link_just_below
-from sparsecomm.lab.text import REPORT_WIDTH
+from sparsecomm.lab.results.text import REPORT_WIDTH
 from sparsecomm.links import parse_link
 
 SEEDS = (0, 1, 2, 3)

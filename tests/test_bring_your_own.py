@@ -29,7 +29,7 @@ import torch
 
 from deadline import run_with_deadline
 from sparsecomm.lab.results import load_runs, load_steps
-from sparsecomm.lab.target import Target
+from sparsecomm.lab.results.target import Target
 from sparsecomm.lab.tasks import load_user_task
 from sparsecomm.lab.tolerance import equivalence
 
@@ -343,7 +343,7 @@ def test_a_script_logging_a_non_finite_or_tensor_metric_is_measured_not_failed(t
     (True, "run.log: val_loss must be a real number or a one-element tensor, got True"),
 ])
 def test_a_metric_that_is_not_one_number_is_refused_when_logged(value, message):
-    from sparsecomm.lab.script_run import Run
+    from sparsecomm.lab.experiment.script_run import Run
 
     run = Run(arm="dense", seed=0)  # standalone: log() checks the same way
     with pytest.raises(ValueError, match=message):

@@ -11,7 +11,7 @@ from sparsecomm.lab import cli
 from sparsecomm.lab.experiment import runner
 from sparsecomm.lab.experiment.config import MAX_SEED, task_train_samples
 from sparsecomm.lab.experiment.named import digits_quick
-from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results.policy import Policy
 
 
 def test_help_lists_every_command(capsys):

@@ -20,9 +20,9 @@ import pytest
 from lab_processes import REPO, finish, processes_mentioning, start_command, survivors_after, sweep, wait_for  # noqa: F401
 from sparsecomm.lab.cluster.arguments import cluster_from_arguments
 from sparsecomm.lab.cluster.executors import sbatch_script
-from sparsecomm.lab.cluster.settings import ClusterSettings
+from sparsecomm.lab.experiment.cluster_settings import ClusterSettings
 from sparsecomm.lab.cluster.submit import core_slots
-from sparsecomm.lab.experiment import compare
+from sparsecomm.lab import compare
 from sparsecomm.lab.experiment.named import digits_quick
 
 pytestmark = pytest.mark.timeout(300)
@@ -293,7 +293,7 @@ from pathlib import Path
 
 import sleeper
 from sparsecomm.lab.cluster.executors import make_executor
-from sparsecomm.lab.cluster.settings import ClusterSettings
+from sparsecomm.lab.experiment.cluster_settings import ClusterSettings
 
 executor = make_executor(ClusterSettings(kind="local"), Path(sys.argv[1]), "orphan", world_size=1, runs=1)
 executor.submit(sleeper.wait_for_sigterm, sys.argv[2])

@@ -11,7 +11,7 @@ from sparsecomm.lab import cli, costmodel
 from sparsecomm.lab.costmodel import (
     falls_back_to_dense, make_scenario, project_arm, read_run, ring_allgather_seconds, ring_allreduce_seconds,
 )
-from sparsecomm.lab.quantity import Quantity
+from sparsecomm.lab.results.quantity import Quantity
 
 # Relative agreement of closed-form sums of a few float terms: rounding is ~1e-16 per
 # operation, so 1e-12 leaves room without hiding a wrong term (those are >= 1e-3 off).

@@ -11,10 +11,10 @@ from scipy import stats
 
 from digits_point import NAME, compare_point
 from sparsecomm.lab import cli, tolerance
-from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment import launch, runner
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.named import EXPERIMENTS, digits_quick
-from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results.policy import Policy
 from sparsecomm.lab.results import load_runs
 from tost_oracle import paired_diffs, scipy_tost_verdict
 
@@ -66,7 +66,7 @@ def test_run_hash_ignores_report_only_fields_but_not_training_fields():
 
 
 def _fake_launch(monkeypatch, code: str):
-    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", code])
+    monkeypatch.setattr(launch, "torchrun_command", lambda *args: [sys.executable, "-c", code])
 
 
 def test_a_crashing_run_is_recorded_as_failed_with_its_error(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import digits_point
-from sparsecomm.lab.experiment import compare
+from sparsecomm.lab import compare
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.lab.results import load_runs
 
@@ -142,7 +142,7 @@ def test_a_script_that_does_not_shard_under_hsdp_is_told_what_to_do(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
 
     from sparsecomm.lab.experiment.config import ExperimentConfig
-    from sparsecomm.lab.script_run import Run
+    from sparsecomm.lab.experiment.script_run import Run
 
     (tmp_path / "train.py").write_text(HSDP_SCRIPT)
     config = ExperimentConfig(name="s", script=str(tmp_path / "train.py"), arms=("dense", "topk-ef"), seeds=(0,),

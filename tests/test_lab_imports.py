@@ -73,9 +73,49 @@ def test_no_lab_module_imports_one_that_imports_it_back():
 
 def test_the_text_helpers_are_a_leaf_and_the_plots_do_not_read_the_ledger():
     graph = _import_graph()
-    assert graph["sparsecomm.lab.text"] == set()
-    assert "sparsecomm.lab.ledger" not in graph["sparsecomm.lab.plots"]
+    assert graph["sparsecomm.lab.results.text"] == set()
+    assert not any(name.split(".")[:3] == ["sparsecomm", "lab", "ledger"] for name in graph["sparsecomm.lab.plots"])
     assert {"sparsecomm.lab.ledger", "sparsecomm.lab.plots", "sparsecomm.lab.tolerance"} <= graph["sparsecomm.lab.report"]
+
+
+def _folder(name: str, paths: dict[str, Path]) -> str:
+    """The folder a module's file is in, as a dotted name (a package's own __init__: its folder)."""
+    return ".".join(["sparsecomm", "lab", *paths[name].parent.relative_to(LAB).parts])
+
+
+def test_no_two_lab_folders_import_each_other():
+    """The folders point down only (docs/architecture.md): of two folders, at most one imports the
+    other (a folder and its subfolder count as two)."""
+    paths = {_module_name(p): p for p in LAB.rglob("*.py")}
+    edges = {(_folder(a, paths), _folder(b, paths)) for a, imported in _import_graph().items() for b in imported}
+    assert sorted((a, b) for a, b in edges if a < b and (b, a) in edges) == []
+
+
+def test_no_lab_module_uses_a_private_name_of_another():
+    """What one module offers another is public: no ``from m import _x``, no ``m._x`` on an
+    imported lab module, no import of a module whose name starts with one underscore."""
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    modules = {_module_name(p) for p in LAB.rglob("*.py")}
+    found = []
+    for path in sorted(LAB.rglob("*.py")):
+        aliases = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparsecomm.lab"):
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    if name in modules:
+                        aliases[alias.asname or alias.name] = name
+                    if private(alias.name) or any(private(part) for part in node.module.split(".")):
+                        found.append(f"{path.relative_to(LAB)}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                if private(node.attr):
+                    found.append(f"{path.relative_to(LAB)}: {aliases[node.value.id]}.{node.attr}")
+    assert found == []
 
 
 @pytest.mark.parametrize("first", ["ledger", "tolerance", "plots", "report"])

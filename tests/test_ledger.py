@@ -7,7 +7,7 @@ import pytest
 from run_dir_fixture import write_run_dir
 from sparsecomm.lab import ledger
 from sparsecomm.lab.ledger import build_ledger, format_ledger, step_cost_to_target
-from sparsecomm.lab.quantity import BoundaryError, Quantity, format_value
+from sparsecomm.lab.results.quantity import BoundaryError, Quantity, format_value
 
 
 def test_adding_figures_of_different_boundaries_raises():

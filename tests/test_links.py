@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment import launch, runner
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.links import parse_link
@@ -208,7 +208,7 @@ def _tiny_config(tmp_path, **overrides) -> ExperimentConfig:
 
 @needs_emulation
 def test_a_failing_rank_inside_the_network_is_recorded_and_the_network_removed(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "_worker_arguments",
+    monkeypatch.setattr(launch, "_worker_arguments",
                         lambda *args: ["-c", "import os, sys; print('RuntimeError: rank', os.environ['RANK']); "
                                              "sys.exit(3 if os.environ['RANK'] == '1' else 0)"])
     before = _ours()

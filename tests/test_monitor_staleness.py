@@ -14,7 +14,7 @@ import sparsecomm
 from multiprocess import run_on_ranks
 from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import StalenessExceeded, StalenessMonitor
-from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results.policy import Policy
 
 
 def _events(step, residual, indices, dense=False, names=("a", "b"), numels=(2, 3), bucket=0, gradient=None):

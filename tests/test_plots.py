@@ -7,7 +7,7 @@ import pytest
 from run_dir_fixture import write_run_dir
 from sparsecomm.lab import plot_command, plots
 from sparsecomm.lab.results import load_experiment, load_runs
-from sparsecomm.lab.target import Target, resolve_target
+from sparsecomm.lab.results.target import Target, resolve_target
 
 ARMS = ("dense", "topk-ef", "powersgd")
 SEEDS = (0, 1, 2)
@@ -187,12 +187,12 @@ def test_the_ledger_of_a_run_dir_draws_the_unreached_arm_at_its_budget(tmp_path)
     items = ledger_items_for_plot(run_dir)
     assert items["topk-ef"]["target_reached"] is False and items["dense"]["target_reached"] is True
     seen = []
-    save = plots._save
-    plots._save = lambda fig, path, on_figure: (seen.append(fig), save(fig, path, on_figure))[1]
+    save = plots.save_figure
+    plots.save_figure = lambda fig, path, on_figure: (seen.append(fig), save(fig, path, on_figure))[1]
     try:
         plots.plot_run_dir(run_dir, tmp_path / "plots", items)
     finally:
-        plots._save = save
+        plots.save_figure = save
     ax = seen[-1].axes[0]
     (budget_bar,) = [p for p in ax.patches if p.get_gid() == plots.NOT_REACHED_GID]
     assert budget_bar.get_width() == pytest.approx(0.05 * 50)  # step x the configured 50 steps
@@ -212,9 +212,9 @@ def test_plot_run_dir_with_and_without_ledger(run_dir, tmp_path):
 
 def test_wall_clock_plots_name_the_link(tmp_path, monkeypatch):
     titles = []
-    save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, path, on_figure: (titles.append(fig.axes[0].get_title()),
-                                                                     save(fig, path, on_figure))[1])
+    save = plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, on_figure: (titles.append(fig.axes[0].get_title()),
+                                                                           save(fig, path, on_figure))[1])
     run_dir = write_run_dir(tmp_path / "linked", _curves(), link="1gbit")
     plots.plot_run_dir(run_dir, tmp_path / "out", ledger_items={"dense": {"setup": 1.0, "step x steps": 2.0}})
     time_to_loss, loss_vs_step, ledger = titles

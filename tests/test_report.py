@@ -1,10 +1,10 @@
 """The report sparsecomm compare prints: verdicts first (one line per arm), then the ledger,
 then the plots; every line within 100 columns; exit 4 without a finished dense run."""
 from run_dir_fixture import write_run_dir
-from sparsecomm.lab.experiment import compare
-from sparsecomm.lab.policy import format_policy
+from sparsecomm.lab import compare
+from sparsecomm.lab.results.policy import format_policy
 from sparsecomm.lab.report import EXIT_NO_DENSE, report
-from sparsecomm.lab.text import CONTINUATION, REPORT_WIDTH, fold, fold_lines
+from sparsecomm.lab.results.text import CONTINUATION, REPORT_WIDTH, fold, fold_lines
 
 SEEDS = (0, 1, 2, 3)
 

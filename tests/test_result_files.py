@@ -212,12 +212,12 @@ def test_an_interrupted_run_is_counted_and_its_status_shown_everywhere(tmp_path,
     assert "failed runs 2 (1 interrupted, 1 failed)" in report
     assert "topk-ef seed 2: interrupted: stopped by SIGTERM at step 12" in report
     seen = []
-    save = plots._save
-    plots._save = lambda fig, path, on_figure: (seen.append(fig), save(fig, path, on_figure))[1]
+    save = plots.save_figure
+    plots.save_figure = lambda fig, path, on_figure: (seen.append(fig), save(fig, path, on_figure))[1]
     try:
         plots.plot_run_dir(run_dir, tmp_path / "plots", ledger.ledger_items_for_plot(run_dir))
     finally:
-        plots._save = save
+        plots.save_figure = save
     assert len(seen) == 3
     for fig in seen:
         texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sparsecomm.lab import cli
-from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment import launch, runner
 from sparsecomm.lab.experiment.files import RunDirectoryError
 from sparsecomm.lab.experiment.named import digits_quick
 
@@ -23,7 +23,7 @@ CONFIG = digits_quick().with_overrides(arms=("dense",), seeds=(0,))
 @pytest.fixture
 def fake_launch(monkeypatch):
     """A launch that ends at once (nothing trains): only the run directory's handling is tested."""
-    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", "raise SystemExit(1)"])
+    monkeypatch.setattr(launch, "torchrun_command", lambda *args: [sys.executable, "-c", "raise SystemExit(1)"])
 
 
 def _victim(tmp_path) -> Path:

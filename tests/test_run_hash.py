@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment import launch, runner
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.run_sources import script_code, task_code
 
@@ -149,7 +149,7 @@ def test_declared_sources_are_covered_and_what_reading_cannot_see_is_named(tmp_p
         _hash(task="digits-mlp", sources=("data",))
 
     # The runner says what is covered and warns about the rest before the first run.
-    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", "raise SystemExit(1)"])
+    monkeypatch.setattr(launch, "torchrun_command", lambda *args: [sys.executable, "-c", "raise SystemExit(1)"])
     lines = []
     config = ExperimentConfig(name="x", script="train.py", arms=("dense",), seeds=(0,))
     runner.run_experiment(config, tmp_path / "runs", progress=lines.append)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsecomm.lab.experiment import runner
+from sparsecomm.lab.experiment import launch, run_records, runner
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.lab.results import load_runs, load_steps
 from lab_processes import REPO, finish, start_command, wait_for, processes_mentioning, survivors_after, sweep  # noqa: F401
@@ -56,11 +56,11 @@ def _latest_checkpoint(run_dir: Path) -> int:
 DRIVER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from sparsecomm.lab.experiment import runner
+    from sparsecomm.lab.experiment import launch, runner
     from sparsecomm.lab.experiment.config import ExperimentConfig
     from sparsecomm.lab.experiment.runner import ExperimentInterrupted, run_experiment
     if len(sys.argv) > 3:
-        runner._torchrun_command = lambda *args: json.loads(sys.argv[3])
+        launch.torchrun_command = lambda *args: json.loads(sys.argv[3])
     config = ExperimentConfig.from_dict(json.loads(Path(sys.argv[1]).read_text()))
     try:
         run_experiment(config, Path(sys.argv[2]), progress=lambda line: print(line, flush=True))
@@ -173,14 +173,14 @@ def _fake_tree(monkeypatch, child_code: str):
     """Stands in for torchrun: a launcher that starts one 'rank' in a session of its own (as
     torchrun does) and sleeps; the rank runs ``child_code`` with OUT set to the run directory."""
 
-    def command(config, experiment_dir, arm, seed, out_dir, nodes=None):
+    def command(config, arm, seed, out_dir, nodes=None):
         child = f"OUT = {str(out_dir)!r}\n" + textwrap.dedent(child_code)
         launcher = ("import subprocess, sys, time\n"
                     f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"
                     "time.sleep(120)\n")
         return [sys.executable, "-c", launcher]
 
-    monkeypatch.setattr(runner, "_torchrun_command", command)
+    monkeypatch.setattr(launch, "torchrun_command", command)
 
 
 def test_a_stalled_run_is_killed_whole_and_never_turns_ok(sweep, monkeypatch):
@@ -220,9 +220,9 @@ subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", {mark!r}
 RUNNER_WITH_COMMAND = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from sparsecomm.lab.experiment import runner
+    from sparsecomm.lab.experiment import launch, runner
     from sparsecomm.lab.experiment.config import ExperimentConfig
-    runner._torchrun_command = lambda *args: json.loads(sys.argv[3])
+    launch.torchrun_command = lambda *args: json.loads(sys.argv[3])
     config = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
     runner.run_experiment(config, Path(sys.argv[2]), progress=lambda line: print(line, flush=True))
 """)
@@ -242,7 +242,7 @@ def test_a_process_that_hid_from_the_run_ends_with_it(sweep, monkeypatch, how):
         os.kill(driver.pid, signal.SIGKILL)
         finish(driver, 30)
     else:
-        monkeypatch.setattr(runner, "_torchrun_command", lambda *args: launcher)
+        monkeypatch.setattr(launch, "torchrun_command", lambda *args: launcher)
         runner.run_experiment(config, sweep / "out", progress=lambda line: None)
     assert survivors_after(mark, 10.0) == []
 
@@ -371,7 +371,7 @@ def test_steps_log_drops_a_torn_last_line_and_a_resume_point_needs_every_step(tm
     assert rows_up_to(rows, 20) == rows[:21] and rows_up_to(rows, 31) is None
     assert rows_up_to([r for r in rows if r["step"] != 7], 20) is None  # a gap
     assert rows_up_to(rows[:5] + rows[4:], 20) is None  # a repeated step
-    runner._mend_steps(tmp_path)
+    run_records.mend_steps(tmp_path)
     assert (tmp_path / "steps.jsonl").read_text() == text
     (tmp_path / "steps.jsonl").write_text(text + '{"kind": "nonsense"\n' + text)
     with pytest.raises(ValueError, match="steps.jsonl:32: not a steps.jsonl line"):
@@ -387,7 +387,7 @@ def test_checkpoints_without_the_steps_before_them_are_set_aside_not_resumed(tmp
     step_dir.mkdir(parents=True)
     (step_dir / "manifest.json").write_text(json.dumps({"config_hash": config.run_hash("dense", 0), "step": 20}))
     (out_dir / "steps.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in (1, 2)))
-    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(1)"])
+    monkeypatch.setattr(launch, "torchrun_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(1)"])
     lines = []
     runner.run_experiment(config, tmp_path, progress=lines.append)
     assert any("does not hold every step up to its checkpoint at step 20: set aside in discarded-" in line
@@ -407,7 +407,7 @@ def test_a_summary_of_another_config_is_not_finished_and_is_kept_aside(tmp_path,
     foreign = {"arm": "dense", "seed": 0, "status": "ok", "config_hash": "0123456789ab", "evals": [[40, 1.0, 0.3]]}
     (out_dir / "summary.json").write_text(json.dumps(foreign))
     assert not runner.finished_ok(out_dir) and not runner.finished_ok(out_dir, config.run_hash("dense", 0))
-    monkeypatch.setattr(runner, "_torchrun_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(2)"])
+    monkeypatch.setattr(launch, "torchrun_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(2)"])
     lines = []
     runner.run_experiment(config, tmp_path, progress=lines.append)
     assert any("records config hash 0123456789ab, not this run's" in line and "set aside in foreign-" in line
@@ -448,7 +448,7 @@ def test_a_run_another_process_holds_is_skipped_then_waited_for_and_its_lock_die
 
     killer = threading.Thread(target=kill_holder_when_finished, daemon=True)
     killer.start()
-    monkeypatch.setattr(runner, "_torchrun_command",
+    monkeypatch.setattr(launch, "torchrun_command",
                         lambda *args: [sys.executable, "-c", "import sys; sys.exit('launched')"])
     lines = []
     runner.run_experiment(config, sweep, progress=lines.append)

@@ -3,8 +3,8 @@
 Installed with ``pip install 'sparsecomm[lab]'`` (scipy, matplotlib, scikit-learn on top of
 the library's torch and numpy). It holds the experiment runner (:mod:`.experiment`), the
 built-in tasks (:mod:`.tasks`), the time-to-quality ledger (:mod:`.ledger`), the
-tolerance checker (:mod:`.tolerance`), plots, the frontier sweep, the cost model and the
-``sparsecomm`` command (:mod:`.cli`).
+tolerance checker (:mod:`.tolerance`), plots, the frontier and scaling sweeps, the cost model,
+what they all read (:mod:`.results`) and the ``sparsecomm`` command (:mod:`.cli`).
 
 A training script of your own joins an experiment with :func:`init` (see
 ``docs/bring_your_own.md``)::
@@ -18,7 +18,7 @@ A training script of your own joins an experiment with :func:`init` (see
 def __getattr__(name):
     # Imported on first use: reading results must not import torch.
     if name in ("init", "Run"):
-        from sparsecomm.lab import script_run
+        from sparsecomm.lab.experiment import script_run
 
         return getattr(script_run, name)
     raise AttributeError(f"module 'sparsecomm.lab' has no attribute {name!r}")

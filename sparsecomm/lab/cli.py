@@ -3,7 +3,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "compare": ("sparsecomm.lab.experiment.compare", "run a paired dense-vs-sparse experiment; print ledger, verdicts, plots"),
+    "compare": ("sparsecomm.lab.compare", "run a paired dense-vs-sparse experiment; print ledger, verdicts, plots"),
     "ledger": ("sparsecomm.lab.ledger", "print the time-to-quality ledger of a run directory"),
     "check": ("sparsecomm.lab.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
     "plot": ("sparsecomm.lab.plot_command", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),

@@ -14,6 +14,7 @@ from pathlib import Path
 from sparsecomm.lab.ledger import ledger_items_for_plot
 from sparsecomm.lab.plots import plot_run_dir
 from sparsecomm.lab.results import ResultFileError, load_experiment, load_runs, load_steps, warnings_to_stderr
+from sparsecomm.lab.results.layout import STEPS_FILE
 
 DEFAULT_PLOTS_ROOT = Path("plots")
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plot(run_dir: Path, out_dir: Path | None) -> list[Path]:
     experiment = load_experiment(run_dir)
     for run in load_runs(run_dir):  # a bad result file stops here, before any figure is written
-        if run.finished and (Path(run.path) / "steps.jsonl").is_file():
+        if run.finished and (Path(run.path) / STEPS_FILE).is_file():
             load_steps(run.path)
     if out_dir is None:
         out_dir = DEFAULT_PLOTS_ROOT / experiment["config"]["name"]

@@ -46,7 +46,8 @@ from sparsecomm.lab.results import (
     load_steps,
     status_counts,
 )
-from sparsecomm.lab.target import DENSE_ARM, Target, resolve_target
+from sparsecomm.lab.results.layout import STEPS_FILE
+from sparsecomm.lab.results.target import DENSE_ARM, Target, resolve_target
 
 OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
 PREFERRED_ARM_ORDER = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc", "sparseloco",
@@ -175,13 +176,15 @@ def _draw_note(fig: Figure, note: str) -> None:
         fig.text(0.01, 1.0, textwrap.fill(note, 150), ha="left", va="bottom", fontsize=7, color="0.25")
 
 
-def _new_axes(figsize=(8.0, 5.0)):
+def new_axes(figsize=(8.0, 5.0)):
+    """A figure of the lab's (no pyplot state; drawn by the Agg canvas) and its one axes."""
     fig = Figure(figsize=figsize, layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()
 
 
-def _save(fig: Figure, path, on_figure: Callable[[Figure], None] | None) -> Path:
+def save_figure(fig: Figure, path, on_figure: Callable[[Figure], None] | None = None) -> Path:
+    """Write ``fig`` to ``path`` as a PNG (``on_figure`` sees it first); returns the path."""
     if on_figure is not None:
         on_figure(fig)
     path = Path(path)
@@ -229,7 +232,7 @@ def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *, li
     """
     groups = _by_arm(runs)
     styles = arm_styles(groups)
-    fig, ax = _new_axes()
+    fig, ax = new_axes()
     drawn = set()
     for arm, group in groups.items():
         if not group["ok"]:
@@ -246,7 +249,7 @@ def plot_time_to_loss(runs: list[RunSummary], target: Target | None, path, *, li
     band = Patch(facecolor="0.5", alpha=0.3, label="shaded: min to max over seeds")
     _finish_legend(ax, groups, styles, drawn, [band])
     _draw_note(fig, note)
-    return _save(fig, path, on_figure)
+    return save_figure(fig, path, on_figure)
 
 
 def _metric_axis_label(target: Target | None) -> str:
@@ -258,7 +261,7 @@ def _train_curve(runs: list[RunSummary]) -> tuple[np.ndarray, np.ndarray] | None
     """Seed-mean training loss over the steps every seed logged, or None without logs."""
     per_seed = []
     for run in runs:
-        if not (Path(run.path) / "steps.jsonl").is_file():
+        if not (Path(run.path) / STEPS_FILE).is_file():
             continue
         rows = load_steps(run.path)
         # A step logged twice (resumed run) keeps its last value.
@@ -279,7 +282,7 @@ def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *, no
     """Validation loss against step (seed mean and min-max band) plus the smoothed train loss."""
     groups = _by_arm(runs)
     styles = arm_styles(groups)
-    fig, ax = _new_axes()
+    fig, ax = new_axes()
     drawn = set()
     any_train = False
     for arm, group in groups.items():
@@ -311,7 +314,7 @@ def plot_loss_vs_step(runs: list[RunSummary], target: Target | None, path, *, no
         extra.append(Line2D([], [], color="0.3", linewidth=0.8, alpha=0.5, label="faint: train loss, seed mean, moving avg"))
     _finish_legend(ax, groups, styles, drawn, extra)
     _draw_note(fig, note)
-    return _save(fig, path, on_figure)
+    return save_figure(fig, path, on_figure)
 
 
 def _missing(value) -> bool:
@@ -365,7 +368,7 @@ def plot_ledger_items(items: dict[str, dict[str, float | int | bool | None]], pa
     """
     arms = arm_order(items)
     segments = _segments(items)
-    fig, ax = _new_axes(figsize=(8.0, 1.6 + 0.55 * max(1, len(arms))))
+    fig, ax = new_axes(figsize=(8.0, 1.6 + 0.55 * max(1, len(arms))))
     totals = {arm: _draw_bar(ax, index, items[arm], segments) for index, arm in enumerate(arms)}
     widest = max(totals.values(), default=0.0)
     for arm_index, arm in enumerate(arms):
@@ -388,7 +391,7 @@ def plot_ledger_items(items: dict[str, dict[str, float | int | bool | None]], pa
         handles.append(Patch(**NOT_REACHED_BAR, label=NOT_REACHED_LABEL))
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=min(4, len(handles)), frameon=False)
     _draw_note(fig, note)
-    return _save(fig, path, on_figure)
+    return save_figure(fig, path, on_figure)
 
 
 def _draw_bar(ax, arm_index: int, values: dict, segments: list[str]) -> float:

@@ -8,7 +8,7 @@
 5. where compression pays: each equivalent arm's modelled break-even link rate against dense
    (:func:`sparsecomm.lab.costmodel.breakeven_report.break_even_lines`).
 
-Every line fits in :data:`sparsecomm.lab.text.REPORT_WIDTH` columns (:func:`sparsecomm.lab.text.fold`
+Every line fits in :data:`sparsecomm.lab.results.text.REPORT_WIDTH` columns (:func:`sparsecomm.lab.results.text.fold`
 cuts longer ones; the ledger and the verdicts use it too). With no finished dense run there is
 nothing to compare against: the report says so, lists the runs that did not finish, draws what
 it can and returns :data:`EXIT_NO_DENSE`.
@@ -21,7 +21,7 @@ from sparsecomm.lab import ledger, plots, tolerance
 from sparsecomm.lab.costmodel.breakeven_report import break_even_lines
 from sparsecomm.lab.experiment.arm_spec import ArmSpec
 from sparsecomm.lab.results import load_experiment, load_runs
-from sparsecomm.lab.text import fold_lines
+from sparsecomm.lab.results.text import fold_lines
 
 EXIT_NO_DENSE = 4
 

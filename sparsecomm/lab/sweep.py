@@ -40,7 +40,7 @@ def run_point(config, out_root: Path) -> PointOutcome:
     """Run what is missing of ``config``'s experiment under ``out_root`` (finished runs are
     reused, as ``compare`` reuses them) and read its runs, ledger and verdicts."""
     from sparsecomm.lab import ledger, tolerance
-    from sparsecomm.lab.experiment.run_where import run_experiment
+    from sparsecomm.lab.run_where import run_experiment
     from sparsecomm.lab.results import describe_counts, load_experiment, load_runs, status_counts
 
     run_dir = run_experiment(config, out_root)
@@ -64,7 +64,7 @@ def run_and_read(prog: str, work):
     (what was kept printed), 2 when a result file could not be read, a run directory was
     refused or sbatch failed (named on stderr)."""
     from sparsecomm.lab.cluster.sbatch import SubmissionError
-    from sparsecomm.lab.experiment.compare import stop_on_interrupt
+    from sparsecomm.lab.compare import stop_on_interrupt
     from sparsecomm.lab.experiment.files import RunDirectoryError
     from sparsecomm.lab.experiment.runner import ExperimentInterrupted
     from sparsecomm.lab.results import ResultFileError, warnings_to_stderr

@@ -1,8 +1,8 @@
 """The command line's cluster arguments (``compare``, ``frontier``, ``scale``), merged into
-the config's ``cluster`` field (:mod:`sparsecomm.lab.cluster.settings`)."""
+the config's ``cluster`` field (:mod:`sparsecomm.lab.experiment.cluster_settings`)."""
 import argparse
 
-from sparsecomm.lab.cluster.settings import KINDS, MAX_TIME_MIN, slurm_option_problem
+from sparsecomm.lab.experiment.cluster_settings import KINDS, MAX_TIME_MIN, slurm_option_problem
 
 FIELDS = {"parallel": "parallel", "nodes": "nodes", "tasks_per_node": "tasks_per_node",
           "gpus_per_node": "gpus_per_node", "partition": "partition", "time": "time_min"}

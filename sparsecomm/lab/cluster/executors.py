@@ -22,9 +22,9 @@ from submitit.local import local as submitit_local
 from submitit.slurm import slurm as submitit_slurm
 
 from sparsecomm.lab.cluster import sbatch
-from sparsecomm.lab.cluster.settings import ClusterSettings
+from sparsecomm.lab.experiment.cluster_settings import ClusterSettings
 from sparsecomm.lab.experiment.process_tree import death_signal_preexec
-from sparsecomm.lab.experiment.runner import JOBS_DIR
+from sparsecomm.lab.results.layout import JOBS_DIR
 
 REQUEUE_LIMIT = 3
 """How often a job that reaches its time limit (or is preempted) is requeued."""

@@ -1,7 +1,7 @@
 """One (arm, seed) run as a job: what a submitit job executes, on this machine or a node.
 
-The job trains the run exactly as the one-by-one runner does (:func:`runner._run_job`):
-the run directory's lock (a run is trained once, even when two commands submit it), the
+The job trains the run exactly as the one-by-one runner does
+(:func:`sparsecomm.lab.experiment.runner.run_one`): the run directory's lock (a run is trained once, even when two commands submit it), the
 checks of what a directory already holds, resumption from the run's latest checkpoint, the
 launch under a supervisor, and the run's summary, "failed" with the rank's own error when it
 fails. The job returns that summary; the submitting command reads the run directory.
@@ -28,10 +28,14 @@ from pathlib import Path
 import submitit
 
 from sparsecomm.lab.cluster.node_group import NodeGroup
-from sparsecomm.lab.experiment import launch_supervisor, runner
+from sparsecomm.lab.experiment import launch_supervisor
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals
+from sparsecomm.lab.experiment.launch import launch_marks, torchrun_command
 from sparsecomm.lab.experiment.process_tree import death_signal_preexec
+from sparsecomm.lab.experiment.run_records import finished_ok, read_summary, run_directory
+from sparsecomm.lab.experiment.runner import RunState, run_one
+from sparsecomm.lab.results.layout import RUN_CONFIG, node_launch_log
 
 FOLLOWER_WAIT_S = 600.0
 """How long a node other than the first waits for the first to start the run."""
@@ -57,7 +61,7 @@ class RunJob(submitit.helpers.Checkpointable):
             os.sched_setaffinity(0, self.cores)  # inherited by the launch and every rank
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the one-by-one runner: identical results
         nodes = _node_group(config, settings)
-        out_dir = runner.run_directory(config, root, self.arm, self.seed)
+        out_dir = run_directory(config, root, self.arm, self.seed)
         if nodes is not None and nodes.node != 0:
             return _follow(config, self.arm, self.seed, out_dir, nodes)
         signals = InterruptSignals()
@@ -66,14 +70,14 @@ class RunJob(submitit.helpers.Checkpointable):
         signals.install((signal.SIGINT,) if settings.kind == "slurm" else (signal.SIGINT, signal.SIGTERM))
         _on_usr2(signals, requeued)  # SIGUSR2 requeues the job, then stops the run here
         try:
-            runner._run_job(config, root, root / config.name, self.number, self.total, self.arm, self.seed, None,
-                            _print, signals, runner._State(), wait=True, nodes=nodes)
+            run_one(config, root, self.number, self.total, self.arm, self.seed, progress=_print, signals=signals,
+                    state=RunState(), wait=True, nodes=nodes)
         except Interrupt:
             if requeued:
                 raise requeued[0]  # submitit's exit: the job is requeued and resumes from the run's checkpoint
         finally:
             signals.restore()
-        return runner._read_summary(out_dir)
+        return read_summary(out_dir)
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """Requeue as is: the run's own checkpoints (``checkpoint_every``) carry its state."""
@@ -119,26 +123,27 @@ def _follow(config, arm: str, seed: int, out_dir: Path, nodes: NodeGroup) -> Non
     """A node other than the first: its torchrun, once node 0 has started this attempt."""
     deadline = time.monotonic() + FOLLOWER_WAIT_S
     while _launch_in(out_dir) != nodes.run_id:
-        if runner.finished_ok(out_dir, config.run_hash(arm, seed)):
+        if finished_ok(out_dir, config.run_hash(arm, seed)):
             return None  # finished earlier: node 0 skipped it
         if time.monotonic() > deadline:
             raise RuntimeError(f"node {nodes.node}: node 0 did not start run {out_dir.name} within "
                                f"{FOLLOWER_WAIT_S:g} s")
         time.sleep(1.0)
-    argv = runner._torchrun_command(config, out_dir.parent.parent, arm, seed, out_dir, nodes)
-    env = {**os.environ, **runner.launch_marks(nodes.run_id, out_dir)}
-    with open(out_dir / f"launch-node{nodes.node}.log", "w") as log:
+    argv = torchrun_command(config, arm, seed, out_dir, nodes)
+    env = {**os.environ, **launch_marks(nodes.run_id, out_dir)}
+    log_path = out_dir / node_launch_log(nodes.node)
+    with open(log_path, "w") as log:
         process = subprocess.Popen(launch_supervisor.command(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                                    preexec_fn=death_signal_preexec())
         code = process.wait()
     if code != 0:
-        raise RuntimeError(f"node {nodes.node}: torchrun exited with {code} (see {out_dir}/launch-node{nodes.node}.log)")
+        raise RuntimeError(f"node {nodes.node}: torchrun exited with {code} (see {log_path})")
     return None
 
 
 def _launch_in(out_dir: Path) -> str | None:
     """The launch id node 0 wrote for the attempt it started (None before it did)."""
     try:
-        return json.loads((out_dir / runner.RUN_CONFIG).read_text()).get("launch_id")
+        return json.loads((out_dir / RUN_CONFIG).read_text()).get("launch_id")
     except (OSError, ValueError, AttributeError):
         return None

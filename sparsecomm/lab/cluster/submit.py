@@ -28,13 +28,17 @@ from pathlib import Path
 
 from sparsecomm.lab.cluster import executors
 from sparsecomm.lab.cluster.run_job import RunJob
-from sparsecomm.lab.experiment import run_sources, runner
+from sparsecomm.lab.experiment import run_sources
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.files import private_directory
 from sparsecomm.lab.experiment.interrupt_signals import Interrupt, InterruptSignals, signal_name
+from sparsecomm.lab.experiment.launch import kill_leftovers
 from sparsecomm.lab.experiment.progress import RunProgress
 from sparsecomm.lab.experiment.run_locks import RunLock, hold_experiment
+from sparsecomm.lab.experiment.run_records import finished_ok, log_tail, read_summary, record, run_directory
+from sparsecomm.lab.experiment.runner import ExperimentInterrupted, check_run_directories, report_lines, write_snapshot
 from sparsecomm.lab.experiment.worker import result_line
+from sparsecomm.lab.results.layout import JOBS_DIR, STEPS_FILE, SUMMARY_FILE
 
 POLL_S = 1.0
 CANCEL_GRACE_S = 60.0
@@ -63,7 +67,7 @@ class _Submitted:
         self.job, self.kind, self.number, self.arm, self.seed = job, kind, number, arm, seed
         self.out_dir, self.slot = out_dir, slot
         self.submitted = time.time()
-        self.progress = RunProgress(f"{arm} seed {seed}", out_dir / runner.STEPS_FILE, steps, is_terminal=False)
+        self.progress = RunProgress(f"{arm} seed {seed}", out_dir / STEPS_FILE, steps, is_terminal=False)
 
     def done(self, force: bool = False) -> bool:
         return self.job.done(force_check=force)
@@ -71,8 +75,8 @@ class _Submitted:
     def recorded(self) -> bool:
         """Whether the run's summary was written since this job was submitted (by the job, or by
         the command for it), not left from an earlier attempt."""
-        path = self.out_dir / "summary.json"
-        return runner._read_summary(self.out_dir) is not None and path.stat().st_mtime >= self.submitted - 1
+        path = self.out_dir / SUMMARY_FILE
+        return read_summary(self.out_dir) is not None and path.stat().st_mtime >= self.submitted - 1
 
 
 def _left_the_queue(in_flight: list) -> set[str]:
@@ -99,24 +103,24 @@ def run_on_cluster(config: ExperimentConfig, root: Path, *, progress=print) -> P
     signals.install()
     in_flight: list[_Submitted] = []
     try:
-        runner.check_run_directories(config, root)
+        check_run_directories(config, root)
         if config.code is not None:
             for line in run_sources.describe(config.code):
                 progress(line)
         hold_experiment(config, root, progress)
-        experiment_dir = runner.write_snapshot(config, root)
+        experiment_dir = write_snapshot(config, root)
         record = {"config": config.to_dict(), "directory": str(Path.cwd()),
                   "code": config.code.to_record() if config.code is not None else None}
         todo = []
         for number, (arm, seed) in enumerate(runs, start=1):
-            out_dir = runner.run_directory(config, root, arm, seed)
-            if runner.finished_ok(out_dir, config.run_hash(arm, seed)):
+            out_dir = run_directory(config, root, arm, seed)
+            if finished_ok(out_dir, config.run_hash(arm, seed)):
                 progress(f"[{number}/{len(runs)}] {arm} seed {seed}: finished earlier, skipped ({out_dir.name})")
             else:
                 private_directory(out_dir, root)  # where its job's outcome is recorded, whatever happens to the job
                 todo.append((number, arm, seed, out_dir))
         if todo:
-            jobs_dir = private_directory(experiment_dir / runner.JOBS_DIR, root)  # the pickles its jobs unpickle
+            jobs_dir = private_directory(experiment_dir / JOBS_DIR, root)  # the pickles its jobs unpickle
             executor = executors.make_executor(settings, experiment_dir, config.name, config.world_size, len(todo))
             jobs = [RunJob(record, str(root), arm, seed, number, len(runs)) for number, arm, seed, _ in todo]
             where = (f"SLURM job array, at most {settings.parallel or len(todo)} at once" if settings.kind == "slurm"
@@ -130,7 +134,7 @@ def run_on_cluster(config: ExperimentConfig, root: Path, *, progress=print) -> P
         name = signal_name(stop)
         with signals.deferred():
             cancelled = _cancel(in_flight, settings.kind, config, progress)
-        raise runner.ExperimentInterrupted(_interrupt_report(config, root, runs, name, cancelled), name) from None
+        raise ExperimentInterrupted(_interrupt_report(config, root, runs, name, cancelled), name) from None
     finally:
         signals.restore()
     return experiment_dir
@@ -203,7 +207,7 @@ def _wait_for_one(in_flight: list, config, progress, free: list, watch: _Watch) 
 def _report_end(item: _Submitted, config, progress) -> None:
     label = f"[{item.number}/{len(config.seeds) * len(config.arms)}] {item.arm} seed {item.seed}"
     took = time.time() - item.submitted
-    summary = runner._read_summary(item.out_dir) if item.recorded() else _record_lost_job(item, config)
+    summary = read_summary(item.out_dir) if item.recorded() else _record_lost_job(item, config)
     if summary is None:
         progress(f"{label}: its job {item.job.job_id} ended; another process holds the run, which records it")
     elif summary.get("status") == "ok":
@@ -220,24 +224,21 @@ def _record_lost_job(item: _Submitted, config) -> dict | None:
     if not lock.acquire():
         return None
     try:
-        if runner.finished_ok(item.out_dir, config.run_hash(item.arm, item.seed)):
-            return runner._read_summary(item.out_dir)  # a job of another command finished it
+        if finished_ok(item.out_dir, config.run_hash(item.arm, item.seed)):
+            return read_summary(item.out_dir)  # a job of another command finished it
         log = _job_log_tail(item.job)
-        return runner._record(config, item.arm, item.seed, item.out_dir, "none", exit_code=None,
-                              error=f"its job {item.job.job_id} ended without recording the run: {log}",
-                              stop=None, survivors=[])
+        return record(config, item.arm, item.seed, item.out_dir, "none", exit_code=None,
+                      error=f"its job {item.job.job_id} ended without recording the run: {log}",
+                      stop=None, survivors=[])
     finally:
         lock.release()
 
 
 def _job_log_tail(job, num_lines: int = 8) -> str:
     try:
-        text = job.paths.stdout.read_text(errors="replace")
+        return log_tail(job.paths.stdout.read_text(errors="replace"), num_lines)
     except OSError:
         return "(no job log)"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return " | ".join((errors or lines)[-num_lines:])[:2000]
 
 
 def _cancel(in_flight: list, kind: str, config: ExperimentConfig, progress) -> int:
@@ -282,10 +283,10 @@ def _record_if_lost(item: _Submitted, config: ExperimentConfig) -> None:
     if not lock.acquire():
         return  # another process trains it now, and records it
     try:
-        runner._kill_leftovers(item.out_dir)
-        if not runner.finished_ok(item.out_dir, config.run_hash(item.arm, item.seed)):
-            runner._record(config, item.arm, item.seed, item.out_dir, "none", exit_code=None, error=None,
-                           stop=f"the cancellation of job {item.job.job_id}", survivors=[])
+        kill_leftovers(item.out_dir)
+        if not finished_ok(item.out_dir, config.run_hash(item.arm, item.seed)):
+            record(config, item.arm, item.seed, item.out_dir, "none", exit_code=None, error=None,
+                   stop=f"the cancellation of job {item.job.job_id}", survivors=[])
     finally:
         lock.release()
 
@@ -296,10 +297,10 @@ def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str, can
     lines = [f"stopped by {name}: experiment {config.name} in {Path(root) / config.name}; {jobs}"]
     finished, interrupted, other = [], [], []
     for arm, seed in runs:
-        out_dir = runner.run_directory(config, root, arm, seed)
-        summary = runner._read_summary(out_dir) or {}
+        out_dir = run_directory(config, root, arm, seed)
+        summary = read_summary(out_dir) or {}
         label = f"{arm} seed {seed}"
-        if runner.finished_ok(out_dir, config.run_hash(arm, seed)):
+        if finished_ok(out_dir, config.run_hash(arm, seed)):
             finished.append(label)
         elif summary.get("status") == "interrupted":
             resume = summary.get("resume_from_step")
@@ -309,4 +310,4 @@ def _interrupt_report(config: ExperimentConfig, root: Path, runs, name: str, can
             other.append(f"{label} ({summary.get('status')})")
         else:
             other.append(f"{label} (not run)")
-    return runner.report_lines(lines, finished, [("interrupted", interrupted), ("not finished", other)])
+    return report_lines(lines, finished, [("interrupted", interrupted), ("not finished", other)])

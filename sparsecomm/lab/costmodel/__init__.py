@@ -2,7 +2,7 @@
 
 Every figure this package prints is MODELLED, labelled ``[modelled, boundary: ...]``; the
 measured inputs it starts from are printed beside it, labelled ``[measured]``. A modelled
-figure is a :class:`sparsecomm.lab.quantity.Quantity` of kind ``modelled`` (:data:`Modelled`
+figure is a :class:`sparsecomm.lab.results.quantity.Quantity` of kind ``modelled`` (:data:`Modelled`
 makes one); the ledger's figures are of kind ``measured``, and the class refuses to add or
 divide the two kinds.
 
@@ -39,7 +39,7 @@ The model (p workers, link rate B bytes/s per rank each way, alpha seconds per m
 Inputs measured per arm (medians over the arm's finished seeds): compute seconds
 (step - hook - comm wait: forward, backward, optimizer), compress seconds (host time
 inside the hook), bytes sent and dense bytes per step, steps-to-target (first evaluation
-reaching the target of :mod:`sparsecomm.lab.target`), the run's world size. The run's own
+reaching the target of :mod:`sparsecomm.lab.results.target`), the run's world size. The run's own
 comm wait is never used: it is the communication of the link the run was measured on
 (on ``loopback`` its rate is unknown), and for the top-k hook it also holds the unpack,
 which is modelled separately. Assumptions: per-worker compute and compress do not change
@@ -101,7 +101,7 @@ from sparsecomm.lab.costmodel.scenario import (
     make_scenario,
 )
 from sparsecomm.lab.costmodel.validation import Validation, ValidationRow, validate
-from sparsecomm.lab.quantity import MODEL_BOUNDARIES, Quantity
+from sparsecomm.lab.results.quantity import MODEL_BOUNDARIES, Quantity
 
 Modelled = Quantity.modelled  # a modelled figure: Modelled(0.04, "s", "step")
 

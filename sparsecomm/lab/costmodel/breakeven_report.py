@@ -25,10 +25,10 @@ from sparsecomm.lab.costmodel.breakeven import BreakEven, break_even_rate
 from sparsecomm.lab.costmodel.inputs import ArmInputs, RunInputs, read_run
 from sparsecomm.lab.costmodel.projection import project_arm
 from sparsecomm.lab.costmodel.scenario import Scenario, format_rate, make_scenario
-from sparsecomm.lab.quantity import Quantity, format_value
+from sparsecomm.lab.results.quantity import Quantity, format_value
 from sparsecomm.lab.results import load_experiment
-from sparsecomm.lab.target import DENSE_ARM
-from sparsecomm.lab.text import CONTINUATION, REPORT_WIDTH, fold, fold_lines
+from sparsecomm.lab.results.target import DENSE_ARM
+from sparsecomm.lab.results.text import CONTINUATION, REPORT_WIDTH, fold, fold_lines
 from sparsecomm.links.spec import RATE_RANGE_BITS, link_name, parse_link
 
 BOUNDARY = "time_to_target"
@@ -38,7 +38,7 @@ HEADER = f"where compression pays {LABEL}: the link rate per rank below which an
 
 
 def break_even_lines(run_dir: str | Path) -> list[str]:
-    """The section's lines, each within :data:`~sparsecomm.lab.text.REPORT_WIDTH` columns."""
+    """The section's lines, each within :data:`~sparsecomm.lab.results.text.REPORT_WIDTH` columns."""
     arms = [a.arm for a in tolerance.check(run_dir).arms if a.equivalence.no_loss]
     if not arms:
         return fold_lines([HEADER, "  no arm is equivalent to dense (or better), so no break-even is printed: "

@@ -3,8 +3,8 @@
 from sparsecomm.lab.costmodel.run_projection import Projection, assumptions
 from sparsecomm.lab.costmodel.scenario import format_rate
 from sparsecomm.lab.costmodel.validation import Validation
-from sparsecomm.lab.quantity import Quantity, format_value
-from sparsecomm.lab.target import DENSE_ARM
+from sparsecomm.lab.results.quantity import Quantity, format_value
+from sparsecomm.lab.results.target import DENSE_ARM
 
 
 def _measured_json(value, unit: str, boundary: str, link: str) -> dict:

@@ -3,7 +3,7 @@
 Medians over each arm's finished seeds: compute seconds (step - hook - comm wait: forward,
 backward, optimizer), compress seconds (host time inside the hook), bytes sent and dense
 bytes per step, the top-k hook's unpack rate and bucket count (from its ``hook_stats``),
-steps-to-target (first evaluation reaching the target of :mod:`sparsecomm.lab.target`), and
+steps-to-target (first evaluation reaching the target of :mod:`sparsecomm.lab.results.target`), and
 the run's world size. The run's own comm wait is read but never projected: it is the
 communication of the link the run was measured on (on ``loopback`` its rate is unknown).
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsecomm.comm.link_model import unpack_seconds
-from sparsecomm.lab.ledger import arm_ledger
+from sparsecomm.lab.ledger.items import arm_ledger
 from sparsecomm.lab.results import RunSummary, arms_configured_first, experiment_link, load_experiment, load_runs
-from sparsecomm.lab.target import Target, resolve_target
+from sparsecomm.lab.results.target import Target, resolve_target
 
 PAYLOAD_ELEMENT_BYTES = 8  # fp32 value + int32 index, when the run recorded no hook_stats
 GRAD_ELEMENT_BYTES = 4  # fp32 gradients, likewise

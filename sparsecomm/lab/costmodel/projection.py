@@ -1,6 +1,6 @@
 """One arm's step (and time to target) projected to a scenario: the alpha-beta formulas of
 :mod:`sparsecomm.comm.link_model`, the hook's dense-fallback rule, and the measured compute
-and compress. Every figure out of here is a modelled :class:`~sparsecomm.lab.quantity.Quantity`."""
+and compress. Every figure out of here is a modelled :class:`~sparsecomm.lab.results.quantity.Quantity`."""
 from dataclasses import dataclass
 
 from sparsecomm.comm.link_model import (
@@ -11,7 +11,7 @@ from sparsecomm.comm.link_model import (
 )
 from sparsecomm.lab.costmodel.inputs import ArmInputs, RunInputs
 from sparsecomm.lab.costmodel.scenario import Scenario
-from sparsecomm.lab.quantity import Quantity, format_value
+from sparsecomm.lab.results.quantity import Quantity, format_value
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from sparsecomm.lab.costmodel.breakeven import break_even_density, break_even_ra
 from sparsecomm.lab.costmodel.inputs import RunInputs
 from sparsecomm.lab.costmodel.projection import ArmProjection, project_arm
 from sparsecomm.lab.costmodel.scenario import Scenario
-from sparsecomm.lab.quantity import MODEL_BOUNDARIES
-from sparsecomm.lab.target import DENSE_ARM
+from sparsecomm.lab.results.quantity import MODEL_BOUNDARIES
+from sparsecomm.lab.results.target import DENSE_ARM
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 from sparsecomm.lab.costmodel.inputs import RunInputs, measured_alpha_s, read_run
 from sparsecomm.lab.costmodel.projection import project_arm
 from sparsecomm.lab.costmodel.scenario import Scenario, make_scenario
-from sparsecomm.lab.quantity import Quantity
+from sparsecomm.lab.results.quantity import Quantity
 from sparsecomm.links.spec import parse_link
 
 

@@ -42,8 +42,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from sparsecomm.hooks.config import TopKConfig
-from sparsecomm.hooks.options import options
+from sparsecomm.hooks.state.settings import TopKConfig
+from sparsecomm.hooks.state.settings import options
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 HOOK_PRESETS = ("dense", "dense-bf16", "powersgd", "topk-ef", "topk-noef", "topk-dgc")
@@ -103,7 +103,7 @@ BETA2_DEFAULT = 0.999
 """AdamW's and AdamS's second beta where an arm does not set ``beta2``: torch's default."""
 ARM_OPTIMIZERS = ("adamw", "sgd", "signsgd", "adams")
 """An arm's optimizer: the experiment's three (adamw, sgd, adams: ``sparsecomm.optim.AdamS``), or
-sign-SGD (the sign mode: ``sparsecomm.hooks.sign_sgd``)."""
+sign-SGD (the sign mode: ``sparsecomm.optim.sign_sgd``)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """``value_dtype`` / ``residual_dtype`` are written as these names (a JSON value cannot hold a torch.dtype)."""
 OPTIONS = {"allreduce": (), "fp16": (), "bf16": (), "powersgd": POWERSGD_OPTIONS, "topk": TOPK_OPTIONS,
@@ -263,7 +263,7 @@ def _check_topk(name: str, options: dict) -> None:
     """Check a topk arm's options by the hook's own validation, and write down the budget they
     resolve to (the hook's default is "model" where it applies), so that the stored arm says
     it and a run of another budget is never taken for this one."""
-    from sparsecomm.hooks.config import TopKConfig
+    from sparsecomm.hooks.state.settings import TopKConfig
 
     for key in ("value_dtype", "residual_dtype"):
         if options.get(key) is not None and options[key] not in DTYPE_NAMES:

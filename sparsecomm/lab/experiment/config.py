@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.arm_spec import HOOK_PRESETS, UNREAD_FIELDS, PRESETS as ARM_NAMES
-from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results.policy import Policy
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 from sparsecomm.lab.tasks import TASK_ACCEPTED, TASK_NAMES, is_user_task, load_user_task
 from sparsecomm.links.spec import ACCEPTED as LINK_ACCEPTED, parse_link
@@ -96,7 +96,7 @@ WIRE_DEFAULTS = {"selector": "exact", "chunk_size": 4096, "index_codec": "int32"
 
 def _check_wire(config) -> None:
     """The top-k arms' wire settings, checked by the hook's own validation (same errors)."""
-    from sparsecomm.hooks.config import TopKConfig
+    from sparsecomm.hooks.state.settings import TopKConfig
 
     _check(config.selector in ("exact", "chunk"), "selector", "'exact' or 'chunk'", config.selector)
     try:
@@ -136,7 +136,7 @@ class ExperimentConfig:
     mpiexec a script joins with :func:`sparsecomm.dist.init_distributed`."""
     cluster: dict | None = None
     """Where the runs execute: None, one after another on this machine; or a JSON object of
-    :class:`sparsecomm.lab.cluster.settings.ClusterSettings` fields, e.g. {"kind": "local",
+    :class:`sparsecomm.lab.experiment.cluster_settings.ClusterSettings` fields, e.g. {"kind": "local",
     "parallel": 2} or {"kind": "slurm", "nodes": 2, "gpus_per_node": 8, "partition": "gpu"}
     (docs/cluster.md). Not part of the run hash: it changes where a run trains, not what."""
     arms: tuple[str, ...] = HOOK_PRESETS
@@ -332,7 +332,7 @@ class ExperimentConfig:
             else:
                 _check(self.max_restarts >= 1 and self.checkpoint_every >= 1, "fault",
                        "used with max_restarts >= 1 and checkpoint_every >= 1 (otherwise nothing recovers)", self.fault)
-        _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.lab.policy.Policy", self.policy)
+        _check(isinstance(self.policy, Policy), "policy", "a sparsecomm.lab.results.policy.Policy", self.policy)
         for name in self.arms:  # last: an arm resolves against the fields checked above
             self.arm(name)  # every arm's options are checked before anything runs
         if self.parallelism != "ddp":
@@ -380,7 +380,7 @@ class ExperimentConfig:
     @property
     def cluster_settings(self):
         """The ``cluster`` field as :class:`ClusterSettings` (None: runs one by one here)."""
-        from sparsecomm.lab.cluster.settings import ClusterSettings
+        from sparsecomm.lab.experiment.cluster_settings import ClusterSettings
 
         return ClusterSettings.from_dict(self.cluster) if self.cluster is not None else None
 

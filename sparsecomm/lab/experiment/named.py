@@ -5,7 +5,7 @@ Each is a function returning an :class:`ExperimentConfig`; read them before addi
 from pathlib import Path
 
 from sparsecomm.lab.experiment.config import ExperimentConfig
-from sparsecomm.lab.policy import Policy
+from sparsecomm.lab.results.policy import Policy
 
 
 def pydoc_gpt() -> ExperimentConfig:

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from sparsecomm.dist import discover
 from sparsecomm.lab.experiment.files import write_json_atomically
 from sparsecomm.lab.experiment.process_tree import LAUNCH_ENV
+from sparsecomm.lab.results.layout import RANK_ERROR_GLOB, rank_error_file
 
 
 def rank_error_path(out_dir: Path, rank: int) -> Path:
-    return out_dir / f"error-rank{rank}.json"
+    return out_dir / rank_error_file(rank)
 
 
 def _this_rank() -> int | None:
@@ -65,7 +66,7 @@ def first_rank_error(out_dir: Path, launch_id: str | None = None) -> dict | None
     """The first error a rank of this launch recorded (error-rank<r>.json): of its last
     torchrun attempt, the earliest. None when no rank recorded one."""
     errors = []
-    for path in out_dir.glob("error-rank*.json"):
+    for path in out_dir.glob(RANK_ERROR_GLOB):
         try:
             error = json.loads(path.read_text())
         except (OSError, ValueError):

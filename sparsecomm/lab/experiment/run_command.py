@@ -23,14 +23,13 @@ records a failing rank's own error in ``error-rank<r>.json``.
 """
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from sparsecomm.lab.experiment.compare import add_experiment_source, experiment_from_source
 from sparsecomm.lab.experiment.config import ARM_NAMES
+from sparsecomm.lab.experiment.config_source import add_experiment_source, experiment_from_source
 from sparsecomm.lab.experiment.files import RunDirectoryError, private_directory
 from sparsecomm.lab.experiment.named import EXPERIMENTS
 
@@ -78,38 +77,46 @@ def main(argv: list[str] | None = None) -> int:
                              "compare, not under an external launcher; set link to 'loopback'")
     except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
         parser.error(str(error))
-    from sparsecomm.lab.experiment import runner
+    # Imported once the arguments are good: training needs torch.
+    from sparsecomm.lab.experiment.run_locks import RunLock, hold_experiment
+    from sparsecomm.lab.experiment.run_records import (
+        finished_ok,
+        keep_summary_aside,
+        prepare_run_directory,
+        read_summary,
+        run_directory,
+    )
+    from sparsecomm.lab.experiment.runner import check_run_directories, write_snapshot
     from sparsecomm.lab.experiment.worker import run_rank
 
-    out_dir = runner.run_directory(config, args.out, args.arm, args.seed)
+    out_dir = run_directory(config, args.out, args.arm, args.seed)
     expected = config.run_hash(args.arm, args.seed)
-    if runner.finished_ok(out_dir, expected):
+    if finished_ok(out_dir, expected):
         if info.rank == 0:
             print(f"{args.arm} seed {args.seed}: finished earlier, skipped ({out_dir})")
         return 0
     try:
-        runner.check_run_directories(config, args.out)
+        check_run_directories(config, args.out)
         private_directory(out_dir, args.out)
     except RunDirectoryError as error:
         parser.error(str(error))
-    lock = runner.RunLock(out_dir)
+    lock = RunLock(out_dir)
 
     def claim() -> tuple[int, str] | None:
         """Rank 0, once every rank has joined: the run directory is ours for the run, or why not."""
-        if not runner.hold_experiment(config, args.out, wait=False):
+        if not hold_experiment(config, args.out, wait=False):
             return 1, (f"sparsecomm run: error: another process is running experiment {config.name} with a different "
                        f"configuration in {args.out / config.name}; wait for it to finish")
         if not lock.acquire():
             return 1, (f"sparsecomm run: error: another process (pid {lock.holder()}) is running {args.arm} seed "
                        f"{args.seed} in {out_dir}")
-        if runner.finished_ok(out_dir, expected):  # finished while we were starting
+        if finished_ok(out_dir, expected):  # finished while we were starting
             return 0, f"{args.arm} seed {args.seed}: finished by another process meanwhile, skipped ({out_dir})"
-        summary = runner._read_summary(out_dir)
+        summary = read_summary(out_dir)
         if summary is not None:  # not this run's, or not finished: kept beside the new one
-            reason = "foreign" if summary.get("status") == "ok" else "failed"
-            os.replace(out_dir / "summary.json", out_dir / f"{reason}-{runner._stamp()}.json")
-        resume, notes = runner.prepare_run_directory(out_dir, expected)
-        runner.write_snapshot(config, args.out)
+            keep_summary_aside(out_dir, "foreign" if summary.get("status") == "ok" else "failed")
+        resume, notes = prepare_run_directory(out_dir, expected)
+        write_snapshot(config, args.out)
         for note in notes:
             print(f"{args.arm} seed {args.seed}: {note}")
         print(f"sparsecomm run: {args.arm} seed {args.seed}, {info.world_size} ranks ({info.launcher}) -> {out_dir}"

@@ -16,9 +16,7 @@ from pathlib import Path
 
 from sparsecomm.lab.experiment.config import ExperimentConfig
 from sparsecomm.lab.experiment.files import open_no_follow, private_directory
-
-RUN_LOCK = "run.lock"
-"""In the run directory: flock'ed by the process that trains the run; holds its pid."""
+from sparsecomm.lab.results.layout import LOCKS_DIR, RUN_LOCK
 
 
 class RunLock:
@@ -99,7 +97,7 @@ def hold_experiment(config: ExperimentConfig, root: Path, progress=print, *, wai
     it for another config, wait (or return False with ``wait=False``). Two configs under one
     name would otherwise rewrite each other's experiment.json, which every report reads."""
     experiment_dir = Path(root) / config.name
-    locks = private_directory(experiment_dir / ".locks", root)
+    locks = private_directory(experiment_dir / LOCKS_DIR, root)
     key, mine = str(experiment_dir.resolve()), _config_id(config)
     held = _HELD_EXPERIMENTS.get(key)
     if held is not None and held[0] == mine:

@@ -6,7 +6,7 @@ under ``python SCRIPT ARGS...`` (``__name__ == "__main__"``, ``sys.argv``, its d
 first on ``sys.path``), and however it ends, the run's record says what it did:
 
 - it returns, or calls ``sys.exit()`` / ``sys.exit(0)``: a run it did not finish is
-  finished (:meth:`sparsecomm.lab.script_run.Run.finish`; it needs no process group, so
+  finished (:meth:`sparsecomm.lab.experiment.script_run.Run.finish`; it needs no process group, so
   a script may have destroyed it), unless the run lacks what a finished run needs: then
   the rank records what the script did and what is missing ("the script returned after
   sparsecomm.lab.init() and 0 optimizer steps, but run.apply(...) was never called");
@@ -24,7 +24,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from sparsecomm.lab import script_run
+from sparsecomm.lab.experiment import script_run
 from sparsecomm.lab.experiment.process_tree import RUN_DIR_ENV, die_with_parent
 from sparsecomm.lab.experiment.rank_errors import write_rank_error
 

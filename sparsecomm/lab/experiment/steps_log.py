@@ -14,8 +14,7 @@ from pathlib import Path
 
 from sparsecomm.lab.experiment.files import open_no_follow, write_bytes_atomically
 from sparsecomm.lab.results import ResultFileWarning, load_steps
-
-STEPS_FILE = "steps.jsonl"
+from sparsecomm.lab.results.layout import STEPS_FILE
 
 
 def read_steps(out_dir: Path) -> list[dict]:

@@ -40,13 +40,11 @@ from sparsecomm.lab.experiment.process_tree import LAUNCH_ENV, die_with_parent
 from sparsecomm.lab.experiment.rank_errors import write_rank_error
 from sparsecomm.lab.experiment.steps_log import STEPS_FILE, StepLog, read_steps, rows_up_to, write_steps_atomically
 from sparsecomm.hooks import TopKState, dgc_optimizer
-from sparsecomm.hooks.sign_sgd import SignSGD
+from sparsecomm.optim.sign_sgd import SignSGD
 from sparsecomm.optim import AdamS
 from sparsecomm.monitor import CorruptionDetected, ReplicaDigestMonitor, StalenessMonitor, flip_bit
+from sparsecomm.lab.results.layout import CHECKPOINTS_DIR, FAULT_FILE, RESULT_FILE, SUMMARY_FILE
 from sparsecomm.lab.tasks import get_task
-
-RESULT_FILE = "result.json"
-"""Where a rank started by the runner writes its summary; the runner promotes it to summary.json."""
 
 
 # Large odd multiplier so that (seed, step) pairs never share a sample stream.
@@ -119,13 +117,12 @@ def _resume(checkpoints: CheckpointManager, out_dir: Path | None, rank: int) -> 
     return loaded.step, counters, rows, evals
 
 
-FAULT_RECORD = "fault.json"  # in the run directory: the injected fault and when it struck
 
 
 def _read_fault_record(out_dir: Path | None) -> dict | None:
     """The injected fault's record, if this run has one (written once, atomically, by the
     rank the fault struck: safe to read from any rank)."""
-    path = out_dir / FAULT_RECORD if out_dir is not None else None
+    path = out_dir / FAULT_FILE if out_dir is not None else None
     return json.loads(path.read_text()) if path is not None and path.exists() else None
 
 
@@ -145,7 +142,7 @@ def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path 
         return
     _FAULT_FIRED.append(step)
     if out_dir is not None:
-        write_json_atomically(out_dir / FAULT_RECORD, {**fault, "wall_time": time.time()})
+        write_json_atomically(out_dir / FAULT_FILE, {**fault, "wall_time": time.time()})
     if fault["kind"] == "bitflip":
         flip_bit(next(model.parameters()).data, 0, 30)  # an exponent bit: a silent, large change
     if fault["kind"] == "kill":
@@ -155,7 +152,7 @@ def _inject_fault(config: ExperimentConfig, rank: int, step: int, out_dir: Path 
 
 
 def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | None, launch_wall_time: float, *,
-              summary_name: str = "summary.json") -> dict:
+              summary_name: str = SUMMARY_FILE) -> dict:
     """Train one run on an initialised process group; returns the summary (all ranks).
 
     With ``checkpoint_every`` a verified checkpoint is saved every N steps under
@@ -188,7 +185,7 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     start_step, counters, rows, evals = 0, {}, [], []
     if config.checkpoint_every and out_dir is not None:
         checkpoints = CheckpointManager(
-            out_dir / "checkpoints", model=ddp, optimizer=optimizer,
+            out_dir / CHECKPOINTS_DIR, model=ddp, optimizer=optimizer,
             hook_state=arm_hook.checkpoint_state,
             probe=_probe(task, config), config_hash=config.run_hash(arm, seed), keep=config.keep_checkpoints,
         )
@@ -439,7 +436,7 @@ def _init_process_group(config: ExperimentConfig) -> None:
 
 
 def run_rank(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, launch_wall_time: float, *,
-             announce: bool = False, summary_name: str = "summary.json", claim=None) -> None:
+             announce: bool = False, summary_name: str = SUMMARY_FILE, claim=None) -> None:
     """This process's part of one run: join the group, train, leave; never returns (see below).
 
     ``announce``: rank 0 prints the run's final validation loss and step time.

@@ -26,7 +26,6 @@ printed); 130 / 143 stopped by Ctrl-C / SIGTERM (what was kept is printed).
 """
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -35,8 +34,9 @@ from pathlib import Path
 from sparsecomm.lab.cluster.arguments import add_cluster_arguments, cluster_from_arguments
 from sparsecomm.lab.experiment import arm_spec
 from sparsecomm.lab.experiment.config import ARM_NAMES, PARALLELISM_FORM, ExperimentConfig, hsdp_shape_of
+from sparsecomm.lab.experiment.config_source import add_experiment_source, experiment_from_source
 from sparsecomm.lab.experiment.files import RunDirectoryError
-from sparsecomm.lab.experiment.named import DEFAULT_EXPERIMENT, EXPERIMENTS, bring_your_own
+from sparsecomm.lab.experiment.named import EXPERIMENTS
 from sparsecomm.lab.results import NAME_ACCEPTED, is_safe_name
 
 LOCAL_RANKS_PER_CORE = 4
@@ -87,15 +87,6 @@ def add_job_arguments(p: argparse.ArgumentParser, *, world_size: bool = True) ->
     add_cluster_arguments(p)
 
 
-def add_experiment_source(parser: argparse.ArgumentParser) -> None:
-    """--experiment NAME | --config FILE (shared by the commands that run experiments)."""
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--experiment", choices=sorted(EXPERIMENTS),
-                        help=f"named experiment (default: {DEFAULT_EXPERIMENT}; with --task or --script alone: 2 arms "
-                             "x 3 seeds x 200 steps, no checkpoints or faults)")
-    source.add_argument("--config", type=Path, help="JSON file with ExperimentConfig fields")
-
-
 def add_link_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=lambda text: text.strip().lower(),
                         help="link between the ranks: loopback (default), or emulated, e.g. 1gbit, 10gbit, 100mbit "
@@ -122,45 +113,6 @@ def check_link_possible(config: ExperimentConfig) -> None:
     from sparsecomm.links.netns import check_emulation_possible
 
     check_emulation_possible(parse_link(config.link))
-
-
-def experiment_from_source(args: argparse.Namespace) -> ExperimentConfig:
-    """The named experiment, or the --config file's, or for a --task / --script given alone
-    the bring-your-own base; a bad file raises ValueError naming it and the field."""
-    task, script = getattr(args, "task", None), getattr(args, "script", None)
-    if task is not None and script is not None:
-        raise ValueError("arguments --task and --script: give one of them (a task or a script), not both")
-    if args.config is None and args.experiment is None and (task or script):
-        return bring_your_own(task or script, script=script is not None)
-    if args.config is None:
-        return EXPERIMENTS[args.experiment or DEFAULT_EXPERIMENT]()
-    path = args.config
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError:
-        raise ValueError(f"argument --config: {path}: not a JSON text file (not UTF-8)") from None
-    except OSError as error:
-        raise ValueError(f"argument --config: {path}: {error.strerror or error}") from None
-    try:
-        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"argument --config: {path}: not valid JSON ({error.msg} at line {error.lineno} column "
-                         f"{error.colno}{'; truncated?' if error.pos >= len(text.rstrip()) else ''})") from None
-    except ValueError as error:  # a key given twice
-        raise ValueError(f"argument --config: {path}: {error}") from None
-    try:
-        return ExperimentConfig.from_dict(raw)
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"argument --config: {path}: {error}") from None
-
-
-def _refuse_duplicate_keys(pairs: list) -> dict:
-    """A JSON object whose key appears twice: refused (json would keep the last one silently)."""
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ValueError(f"key {twice[0]!r} appears twice in one JSON object; give each setting once")
-    return dict(pairs)
 
 
 def load_config(args: argparse.Namespace) -> ExperimentConfig:
@@ -237,7 +189,7 @@ def check_launcher_possible(config: ExperimentConfig) -> None:
         return
     import importlib.util
 
-    from sparsecomm.lab.experiment.runner import find_mpiexec
+    from sparsecomm.lab.experiment.launch import find_mpiexec
 
     if find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None:
         raise RuntimeError("launcher mpiexec needs an mpiexec (beside the Python interpreter or on PATH) and mpi4py: "
@@ -301,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         check_launcher_possible(config)
         check_writable_directory(args.out / config.name, "--out")
         check_writable_directory(args.plots / config.name, "--plots")
-        from sparsecomm.lab.experiment.run_where import run_experiment
+        from sparsecomm.lab.run_where import run_experiment
         from sparsecomm.lab.experiment.runner import ExperimentInterrupted, check_run_directories
 
         check_run_directories(config, args.out)

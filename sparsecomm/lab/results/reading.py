@@ -36,21 +36,22 @@ not parse is a write torn by a crash; it is dropped with a :class:`ResultFileWar
 import contextlib
 import json
 import math
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@-]{0,127}")
-NAME_ACCEPTED = "1 to 128 characters from A-Z a-z 0-9 . _ + @ -, starting with a letter or digit"
-RUN_NAME_PATTERN = re.compile(r"(?P<arm>[A-Za-z0-9][A-Za-z0-9._+@-]*?)-seed(?P<seed>[0-9]+)-(?P<hash>[0-9a-f]+)")
+from sparsecomm.lab.results.layout import (
+    EXPERIMENT_FILE,
+    NAME_ACCEPTED,
+    RUN_NAME_PATTERN,
+    RUNS_DIR,
+    STEPS_FILE,
+    SUMMARY_FILE,
+    is_safe_name,
+)
+
 INVALID = "invalid"  # status of a summary excluded because it is not the run its directory names
-
-
-def is_safe_name(name) -> bool:
-    """Whether ``name`` can name a directory: no separator, no NUL, not ``.`` or ``..``."""
-    return isinstance(name, str) and NAME_PATTERN.fullmatch(name) is not None
 
 
 class ResultFileError(ValueError):
@@ -246,10 +247,10 @@ def _validate_experiment(path: Path, raw) -> dict:
 
 def load_experiment(run_dir: str | Path) -> dict:
     """The ``experiment.json`` snapshot (config, policy, environment), checked to be ours."""
-    path = Path(run_dir) / "experiment.json"
+    path = Path(run_dir) / EXPERIMENT_FILE
     if not path.is_file():
         hint = ""
-        if (Path(run_dir) / "summary.json").is_file():
+        if (Path(run_dir) / SUMMARY_FILE).is_file():
             hint = " (this looks like one run's directory: give the experiment directory two levels up)"
         raise FileNotFoundError(f"{run_dir} is not an experiment run directory: {path} is missing{hint}")
     return _validate_experiment(path, _read_json(path, "sparsecomm experiment.json"))
@@ -348,24 +349,24 @@ def load_runs(run_dir: str | Path) -> list[RunSummary]:
     run_dir = Path(run_dir)
     listed = load_experiment(run_dir).get("runs")
     if listed is None:  # before experiment.json listed its runs: every run directory there
-        names = sorted(p.parent.name for p in run_dir.glob("runs/*/summary.json"))
+        names = sorted(p.parent.name for p in run_dir.glob(f"{RUNS_DIR}/*/{SUMMARY_FILE}"))
         for name in names:
             if RUN_NAME_PATTERN.fullmatch(name) is None:
-                raise ResultFileError(run_dir / "runs" / name, "not a run directory: the name is not "
+                raise ResultFileError(run_dir / RUNS_DIR / name, "not a run directory: the name is not "
                                       "<arm>-seed<seed>-<hash>")
         seen: dict[tuple[str, int], str] = {}
         for name in names:
             match = RUN_NAME_PATTERN.fullmatch(name)
             key = (match["arm"], int(match["seed"]))
             if key in seen:
-                raise ResultFileError(run_dir / "experiment.json", f"lists no runs, and {seen[key]} and {name} are "
+                raise ResultFileError(run_dir / EXPERIMENT_FILE, f"lists no runs, and {seen[key]} and {name} are "
                                       f"both {key[0]} seed {key[1]}: which one belongs to this experiment is unknown")
             seen[key] = name
     else:
         names = list(listed.values())
     runs = []
     for name in names:
-        path = run_dir / "runs" / name / "summary.json"
+        path = run_dir / RUNS_DIR / name / SUMMARY_FILE
         if path.is_file():
             match = RUN_NAME_PATTERN.fullmatch(name)
             runs.append(_checked_summary(path, match["arm"], int(match["seed"]), match["hash"]))
@@ -384,7 +385,7 @@ def load_steps(run_path: str | Path) -> list[dict]:
     torn last line (not newline-terminated, not parseable: a crash mid-write), which is
     dropped with a :class:`ResultFileWarning`.
     """
-    path = Path(run_path) / "steps.jsonl"
+    path = Path(run_path) / STEPS_FILE
     try:
         text = path.read_text()
     except UnicodeDecodeError:

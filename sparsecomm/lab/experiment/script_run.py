@@ -194,7 +194,7 @@ class Run:
         summary = self._summary()
         if self._rank == 0:
             from sparsecomm.lab.experiment.files import write_json_atomically
-            from sparsecomm.lab.experiment.worker import RESULT_FILE
+            from sparsecomm.lab.results.layout import RESULT_FILE
 
             write_json_atomically(self.run_dir / RESULT_FILE, summary)
         return summary

@@ -6,7 +6,7 @@ quality tolerance (for a metric where higher is better, ``mode="max"``: minus th
 import statistics
 from dataclasses import dataclass
 
-from sparsecomm.lab.results import RunSummary
+from sparsecomm.lab.results.reading import RunSummary
 
 DENSE_ARM = "dense"
 
