@@ -43,6 +43,9 @@ MOVED = {
     "sparsecomm.lab.experiment.compare": "sparsecomm.lab.compare",
     "sparsecomm.lab.experiment.run_where": "sparsecomm.lab.run_where",
     "sparsecomm.lab.cluster.settings": "sparsecomm.lab.experiment.cluster_settings",
+    "sparsecomm.monitor._consensus": "sparsecomm.monitor.consensus",
+    "sparsecomm.monitor._layout": "sparsecomm.monitor.payload_view",
+    "sparsecomm.integrations._common": "sparsecomm.integrations.common",
 }
 
 

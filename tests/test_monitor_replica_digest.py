@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sparsecomm
 from multiprocess import run_on_ranks
 from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, ReplicaDigestMonitor, flip_bit, parameter_digest
-from sparsecomm.monitor._consensus import suspects
+from sparsecomm.monitor.consensus import suspects
 from sparsecomm.monitor.replica_digest import tensors_digest
 
 

@@ -52,7 +52,7 @@ from sparsecomm.compress.value_codecs import FLOAT_CODECS
 from sparsecomm.fsdp.fsdp_modules import is_fsdp_module
 from sparsecomm.hooks.state.settings import TopKConfig
 from sparsecomm.hooks.local_gradient import local_gradient_hook
-from sparsecomm.hooks import wires
+from sparsecomm.hooks.pipeline import steps
 from sparsecomm.hooks.wires.base import WireCall, WireContext
 from sparsecomm.hooks.wires.integrity import StepSeals
 from sparsecomm.hooks.state.settings import check_choice, check_int, check_real
@@ -212,7 +212,7 @@ class SparseDeltaAverager:
             self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
             self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)  # the owners' second level
         else:  # the hook's wire for one bucket of the model's size: its kernels, checksums and byte counts
-            self.wire = wires.build(wire_config, exchange, numel, self.density,
+            self.wire = steps.build(wire_config, exchange, numel, self.density,
                                     compress.num_selected(numel, self.density), self.value_dtype,
                                     dist.get_world_size(process_group))
             if exchange == "owner":

@@ -30,7 +30,7 @@ from sparsecomm.compress.chunk_layout import ChunkLayout
 
 
 # Entries per value scale when an owner's range is one chunk (exact top-k per range), as
-# for exact top-k on the compact wire (hooks/wires/__init__.py, payload_layout).
+# for exact top-k on the compact wire (hooks/pipeline/steps.py, payload_layout).
 EXACT_SCALE_GROUP = 64
 
 

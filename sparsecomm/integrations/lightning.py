@@ -34,7 +34,7 @@ import torch
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.state.settings import check_bool
 from sparsecomm.hooks.topk import TopKState
-from sparsecomm.integrations._common import check_state_options, gather_state_dicts, import_framework
+from sparsecomm.integrations.common import check_state_options, gather_state_dicts, import_framework
 from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover
 
 pl = import_framework("lightning.pytorch", "lightning", "lightning")

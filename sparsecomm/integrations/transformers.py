@@ -60,7 +60,7 @@ import torch.distributed as dist
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.hooks.state.settings import check_bool
-from sparsecomm.integrations._common import _to_cpu, check_state_options, import_framework
+from sparsecomm.integrations.common import to_cpu, check_state_options, import_framework
 from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover, unwrap
 
 transformers = import_framework("transformers", "transformers", "transformers")
@@ -300,7 +300,7 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
         if not callable(getattr(self.state, "state_dict", None)):
             return None
         state_dict = self.state.state_dict()
-        return _to_cpu(state_dict) if isinstance(self.state, TopKState) else state_dict
+        return to_cpu(state_dict) if isinstance(self.state, TopKState) else state_dict
 
     def _load_hook_state(self, path: Path, state_dict) -> None:
         if state_dict is None or not callable(getattr(self.state, "load_state_dict", None)):

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from sparsecomm.monitor._layout import locate, offset_of, payload_layout
+from sparsecomm.monitor.payload_view import locate, offset_of, payload_layout
 
 TARGETS = ("parameter", "gradient", "payload", "residual", "reduced")
 _STAGE = {"gradient": "gradient", "residual": "packed", "payload": "packed", "reduced": "reduced"}

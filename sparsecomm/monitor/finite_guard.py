@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from sparsecomm.monitor._layout import locate, payload_layout
+from sparsecomm.monitor.payload_view import locate, payload_layout
 from sparsecomm.monitor.errors import NonFiniteError
 
 ACTIONS = ("raise", "record")

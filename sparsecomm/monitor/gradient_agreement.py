@@ -48,7 +48,7 @@ modulo 2**64. A window of one step is that step's digest itself.
 import torch
 
 from sparsecomm.hooks.state.settings import check_int
-from sparsecomm.monitor._consensus import compare_across_ranks
+from sparsecomm.monitor.consensus import compare_across_ranks
 from sparsecomm.monitor import replica_digest
 from sparsecomm.monitor.replica_digest import tensors_digest
 

@@ -40,7 +40,7 @@ by 32 MiB whatever the model size.
 import torch
 
 from sparsecomm.hooks.state.settings import check_int
-from sparsecomm.monitor._consensus import compare_across_ranks
+from sparsecomm.monitor.consensus import compare_across_ranks
 
 DEFAULT_EVERY = 10  # steps between checks
 _CHUNK = 1 << 16  # words per chunk: bounds the cached weight vector to 512 KiB

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from sparsecomm.monitor._layout import locate
+from sparsecomm.monitor.payload_view import locate
 from sparsecomm.monitor.errors import StalenessExceeded
 
 ACTIONS = ("record", "raise")

@@ -17,6 +17,7 @@ train alike (owner adds a second compression, shared-index sends the leader's
 selection), so compare them on quality with the runner before trusting ``auto``.
 """
 from sparsecomm.hooks import wires
+from sparsecomm.hooks.pipeline import steps  # (steps imports this module too: used at call time only)
 from sparsecomm.links.spec import parse_link
 
 DEFAULT_LINK = "10gbit@50us"  # what "auto" assumes when no link is given
@@ -37,7 +38,7 @@ def modelled_seconds(config, numel: int, density: float, buffer_dtype, value_dty
     """Modelled seconds of every allowed exchange (and dense) for one bucket: each candidate
     wire's own :meth:`~sparsecomm.hooks.wires.Wire.modelled_seconds`."""
     link = parse_link(config.link or DEFAULT_LINK)
-    costs = {exchange: wires.build(config, exchange, numel, density, k, value_dtype, world_size)
+    costs = {exchange: steps.build(config, exchange, numel, density, k, value_dtype, world_size)
              .modelled_seconds(numel, buffer_dtype, link) for exchange in candidates(config)}
     if config.allow_dense_fallback:
         costs["dense"] = wires.DenseWire(config, world_size, warmup=False).modelled_seconds(numel, buffer_dtype, link)

@@ -25,7 +25,14 @@ import torch
 
 from sparsecomm import compress
 from sparsecomm.hooks import wires
+from sparsecomm.compress.chunk_layout import ChunkLayout
+from sparsecomm.compress.layout import PayloadLayout
+# EXACT_SCALE_GROUP: entries per value scale of exact top-k on the compact wire (consecutive
+# in index order): a bf16 scale costs 2 bytes per 64 entries, 0.25 bits each.
+from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP, OwnerLayout
+from sparsecomm.compress.value_codecs import FLOAT_CODECS, codec_of_dtype
 from sparsecomm.hooks.wires.base import WireCall
+from sparsecomm.hooks.wires.integrity import trailer_bytes
 from sparsecomm.hooks.pipeline import exchange_choice
 from sparsecomm.hooks.state.unused_parameters import SentRecord
 
@@ -121,7 +128,7 @@ def plan_wire(state, call: BucketCall, exchange: str, numel: int, density: float
     with ``allow_dense_fallback``, where the sparse wire would not move fewer bytes."""
     config = state.config
     if not call.warmup and exchange != "dense":
-        wire = wires.build(config, exchange, numel, density, call.k, call.value_dtype, call.world_size)
+        wire = build(config, exchange, numel, density, call.k, call.value_dtype, call.world_size)
         if not (config.allow_dense_fallback and not wire.smaller_than_dense(numel, buffer_dtype)):
             return wire, None
         return wires.DenseWire(config, call.world_size, False), wire.density_bound(buffer_dtype)
@@ -138,6 +145,46 @@ def selection_sizes(config, density: float, numels: tuple[int, ...]) -> tuple[tu
     if config.k_scope == "parameter" or config.selector == "random":
         return ks, sum(ks)
     return ks, compress.num_selected(sum(numels), density)
+
+
+def build(config, exchange: str, numel: int, density: float, k: int, value_dtype: torch.dtype,
+          world_size: int) -> wires.Wire:
+    """The sparse wire of a bucket of ``numel`` entries sending ``k`` of them (the plan's k;
+    the wire's own ``capacity`` may round it to its geometry) over ``exchange``."""
+    if config.selector == "random":
+        return wires.RandomKWire(config, k, value_dtype, world_size)
+    if exchange == "shared-index":
+        return wires.SharedIndexWire(config, numel, density, value_dtype, world_size)
+    if exchange == "shared-mask":
+        return wires.SharedMaskWire(config, k, value_dtype, world_size)
+    layout = payload_layout(config, density, numel, k, value_dtype, world_size, exchange)
+    if exchange == "owner":
+        return wires.OwnerWire(config, layout, world_size)
+    if config.transport == "mpi" and config.selector == "sampled" and config.k_scope == "bucket":
+        return wires.VariableAllgatherWire(config, layout, world_size)
+    return wires.AllgatherWire(config, layout, world_size)
+
+
+def payload_layout(config, density: float, numel: int, k: int, value_dtype: torch.dtype, world_size: int = 1,
+                   exchange: str = "allgather"):
+    """The layout of a bucket's sparse payload: None for random-k and the shared-index
+    and shared-mask exchanges (bare values); an OwnerLayout (the messages for every range owner) for the
+    owner exchange; else int32 + float entries, or a chunked / compact ChunkLayout."""
+    if config.selector == "random" or exchange in ("shared-index", "shared-mask"):
+        return None
+    if exchange != "owner" and config.selector != "chunk" and not config.compact_wire:
+        return PayloadLayout(k, value_dtype)
+    if config.value_codec is None and value_dtype not in FLOAT_CODECS.values():
+        raise ValueError(f"a chunked or compact payload writes values with a value codec; a {value_dtype} bucket needs "
+                         f"one: pass value_codec (e.g. 'fp32') or value_dtype=torch.float32")
+    value_codec = config.value_codec or codec_of_dtype(value_dtype)
+    if exchange == "owner":  # chunk_size 0: exact top-k inside each owner's range
+        return OwnerLayout(numel, config.chunk_size if config.selector == "chunk" else 0, density,
+                           config.index_codec, value_codec, world_size, trailer_bytes(config))
+    if config.selector == "chunk":
+        return ChunkLayout(numel, config.chunk_size, density, config.index_codec, value_codec)
+    # Exact top-k on the compact wire: the whole bucket is one chunk; scales per EXACT_SCALE_GROUP entries.
+    return ChunkLayout(numel, numel, density, config.index_codec, value_codec, scale_group=EXACT_SCALE_GROUP)
 
 
 class PlanCache:

@@ -1,7 +1,7 @@
 """Where an entry of a flat bucket lives, and how a sparse payload is laid out.
 
 Shared by the guards (to name the parameter holding a bad entry) and the fault injector
-(to hit a chosen parameter or payload value). Private: the public API is the monitors.
+(to hit a chosen parameter or payload value). Internal to the monitors: users call the monitors.
 """
 import bisect
 import itertools

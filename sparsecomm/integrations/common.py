@@ -47,7 +47,7 @@ def check_state_options(owner: str, options: dict) -> dict:
     return options
 
 
-def _to_cpu(state_dict: dict) -> dict:
+def to_cpu(state_dict: dict) -> dict:
     # Pickled CUDA tensors would be unpickled on the sender's device index on rank 0.
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
 
@@ -78,7 +78,7 @@ def gather_state_dicts(state: TopKState) -> dict:
     must call this at the same point, between steps.
     """
     group = state.process_group or dist.group.WORLD
-    own = _to_cpu(state.state_dict())
+    own = to_cpu(state.state_dict())
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(own, gathered, dst=dist.get_global_rank(group, 0), group=group)
