@@ -437,16 +437,18 @@ def test_a_quantized_shared_index_sync_goes_through_the_owners_and_conserves_at_
         assert torch.equal(synced[0], want)
         assert sync == 0 or any(bool(o.abs().sum() > 0) for o in new_owned)
         anchor, errors, owned = synced[0], new_errors, new_owned
-    # Bytes, by hand: an owner slice of n int8 values is a 2-byte scale + n bytes (n < 64 here);
-    # the leader's int32 index region is 4 k bytes; each reply travels at its own size.
+    # Bytes, by hand: an owner slice of n int8 values is a 2-byte scale + n bytes (n < 64 here)
+    # and its seal; the leader's int32 index region is 4 k bytes and its seal; each reply
+    # travels at its own size.
     k = k_per_chunk * numel // CHUNK
     for rank, result in enumerate(results):
         sent = received = 0
         for sync in range(4):
-            sizes = [2 * -(-n // 64) + n for s_, _, n in counts if s_ == sync]
+            sizes = [2 * -(-n // 64) + n + TRAILER_BYTES for s_, _, n in counts if s_ == sync]
             led = sync % world_size == rank
-            sent += sum(sizes) + (4 * k if led else 0)
-            received += (world_size - 1) * sizes[rank] + sum(sizes) - sizes[rank] + (0 if led else 4 * k)
+            index_set = 4 * k + TRAILER_BYTES
+            sent += sum(sizes) + (index_set if led else 0)
+            received += (world_size - 1) * sizes[rank] + sum(sizes) - sizes[rank] + (0 if led else index_set)
         stats = result["stats"]
         assert (stats["bytes_sent"], stats["bytes_received"], stats["elements_sent"]) == (sent, received, 4 * k)
 

@@ -1,13 +1,14 @@
 """The averager's outer sync travels on the hook's own wires: the native kernels, and every payload
 sealed and checked (``wire_checksum``), on every exchange; a payload corrupted after its seal is
-refused on every rank and the sync changes nothing."""
+refused on every rank and the sync changes nothing (the owner exchange, and the shared index whose
+quantized values go through the owners)."""
 import pytest
 import torch
 
 from multiprocess import run_on_ranks
 from sparsecomm import SparseDeltaAverager, WireIntegrityError
 from sparsecomm.ops import native
-from test_averager import SPARSE, _model, _train
+from test_averager import QUANTIZED, SPARSE, _model, _train
 
 needs_native = pytest.mark.skipif(not native.load()[0], reason="the native extension is not built")
 
@@ -67,9 +68,10 @@ def test_the_shared_index_sync_seals_the_leaders_broadcast():
     assert leader_seals_and_checks >= 2 and all(count >= 1 for count in others_check)
 
 
-def _corrupt_one_owner_message(rank, world_size, settings):
-    from sparsecomm.hooks.wires import owner
+def _corrupt_one_owner_message(rank, world_size, settings, wire_module):
+    import importlib
 
+    owner = importlib.import_module(wire_module)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     averager = SparseDeltaAverager(model, **settings)
@@ -95,9 +97,13 @@ def _corrupt_one_owner_message(rank, world_size, settings):
     return str(raised.value), unchanged, averager.optimizer_steps
 
 
-def test_an_owner_message_corrupted_after_its_seal_is_refused_on_every_rank_and_changes_nothing():
-    settings = {**SPARSE, "exchange": "owner"}
-    results = run_on_ranks(_corrupt_one_owner_message, settings, world_size=3, timeout=120)
+@pytest.mark.parametrize("settings,wire_module", [
+    ({**SPARSE, "exchange": "owner"}, "sparsecomm.hooks.wires.owner"),
+    ({**QUANTIZED}, "sparsecomm.hooks.wires.shared_index_owners"),
+], ids=["owner", "shared-index-int8"])
+def test_an_owner_message_corrupted_after_its_seal_is_refused_on_every_rank_and_changes_nothing(settings,
+                                                                                                wire_module):
+    results = run_on_ranks(_corrupt_one_owner_message, settings, wire_module, world_size=3, timeout=120)
     messages = {message for message, _, _ in results}
     assert len(messages) == 1, messages  # every rank raises the same error
     (message,) = messages

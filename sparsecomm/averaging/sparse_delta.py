@@ -45,7 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsecomm import compress
 from sparsecomm.averaging import rank_agreement, sharded_model, state_check
 from sparsecomm.averaging.sharded_model import local_tensor
-from sparsecomm.averaging.shared_index_sync import SharedIndexSync
 from sparsecomm.averaging.sync_guard import all_finite, refusal
 from sparsecomm.comm.collectives import allgather_future
 from sparsecomm.compress.value_codecs import FLOAT_CODECS
@@ -55,6 +54,7 @@ from sparsecomm.hooks.local_gradient import local_gradient_hook
 from sparsecomm.hooks.pipeline import steps
 from sparsecomm.hooks.wires.base import WireCall, WireContext
 from sparsecomm.hooks.wires.integrity import StepSeals
+from sparsecomm.hooks.wires.shared_index_owners import SharedIndexOwnersWire
 from sparsecomm.hooks.state.settings import check_choice, check_int, check_real
 
 STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
@@ -105,7 +105,7 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
 
 def is_quantized(value_codec: str | None) -> bool:
     """Values written with a scale (int8 ... sign), which the shared-index exchange sums through the
-    owners (:mod:`~sparsecomm.averaging.shared_index_sync`) instead of one allreduce."""
+    owners (:mod:`~sparsecomm.hooks.wires.shared_index_owners`) instead of one allreduce."""
     return value_codec is not None and value_codec not in FLOAT_CODECS
 
 
@@ -208,15 +208,15 @@ class SparseDeltaAverager:
         self.owner_residual = None  # the owner exchange's second-level error feedback (sum over ranks)
         # The wire's value dtype: a float codec's; the scaled codecs decode to float32.
         self.value_dtype = wire_config.value_dtype or FLOAT_CODECS.get(value_codec, torch.float32)
-        if exchange == "shared-index" and is_quantized(value_codec):
-            self.wire = SharedIndexSync(wire_config, numel, self.density, process_group)
-            self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)  # the owners' second level
-        else:  # the hook's wire for one bucket of the model's size: its kernels, checksums and byte counts
+        # The hook's wire for one bucket of the model's size: its kernels, checksums and byte counts.
+        if exchange == "shared-index" and is_quantized(value_codec):  # (a wire the hook's settings refuse)
+            self.wire = SharedIndexOwnersWire(wire_config, numel, self.density, dist.get_world_size(process_group))
+        else:
             self.wire = steps.build(wire_config, exchange, numel, self.density,
                                     compress.num_selected(numel, self.density), self.value_dtype,
                                     dist.get_world_size(process_group))
-            if exchange == "owner":
-                self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        if exchange == "owner" or isinstance(self.wire, SharedIndexOwnersWire):  # the owners' second level
+            self.owner_residual = torch.zeros(numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             self.anchor = self._flat_weights()  # replicas are equal here: DDP broadcast rank 0's weights
         if sharded:
@@ -307,11 +307,7 @@ class SparseDeltaAverager:
         started = time.perf_counter()
         weights = self._flat_weights()
         new_error = self.error * self.ef_decay
-        if isinstance(self.wire, SharedIndexSync):
-            new_error += self.anchor - weights
-            sync = self._start_quantized_shared_index(step, new_error)
-        else:
-            sync = self._start_on_wire(step, weights, new_error)
+        sync = self._start_on_wire(step, weights, new_error)
         sync.weights = weights if self.overlap else None
         sync.counts["seconds_encode"] = time.perf_counter() - started
         return sync
@@ -368,31 +364,6 @@ class SparseDeltaAverager:
         call.ks = (call.k,)
         call.fusable = True  # nothing reads acc: a kernel may form it in its own pass
         return call
-
-    def _start_quantized_shared_index(self, step: int, new_error: torch.Tensor) -> "StartedSync":
-        """The leader's indices, every rank's quantized values there summed through the owners
-        (:mod:`~sparsecomm.averaging.shared_index_sync`)."""
-        number = step // self.period - 1  # this sync's number, the same on every rank
-        wire = self.wire
-        indices = torch.sort(wire.indices(new_error, number)).values
-        new_owner_residual = self.owner_residual.clone()
-        sent, future, summed_of, (bytes_sent, bytes_received) = wire.quantized_sum(new_error, indices,
-                                                                                   new_owner_residual)
-        bytes_sent += wire.index_nbytes if wire.led(number) else 0
-        bytes_received += 0 if wire.led(number) else wire.index_nbytes
-
-        def commit():
-            self.owner_residual = new_owner_residual
-
-        def outer_step(result: torch.Tensor) -> torch.Tensor:
-            new_anchor = self.anchor.clone()
-            new_anchor[indices] -= self.outer_lr * (summed_of(result).float() / self.world_size)
-            return new_anchor
-
-        return StartedSync(step, future, new_error, outer_step,
-                           lambda _: self._refusal_naming_senders(bool(torch.isfinite(new_error).all()), step),
-                           commit, dict(bytes_sent=bytes_sent, bytes_received=bytes_received,
-                                        elements_sent=indices.numel()))
 
     @torch.no_grad()
     def _finish(self, sync: "StartedSync") -> None:

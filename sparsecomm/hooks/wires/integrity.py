@@ -34,9 +34,10 @@ from sparsecomm.errors import WireIntegrityError
 TRAILER_BYTES = payload_seal.TRAILER_BYTES
 
 # What a check found: a payload that failed (its sender), an owner's reply that failed (the
-# owner), or an owner's report of a message that failed (the owner, and the sender).
-PAYLOAD, REPLY, REPORTED = range(3)
-_KINDS = 3
+# owner), an owner's report of a message that failed (the owner, and the sender), or an
+# owner's report that its copy of the leader's index broadcast failed (the owner).
+PAYLOAD, REPLY, REPORTED, BROADCAST = range(4)
+_KINDS = 4
 _MAX_BUCKETS = 1 << 16
 
 
@@ -51,9 +52,14 @@ def seal(sealed: torch.Tensor | None, status: int = payload_seal.STATUS_OK) -> N
         payload_seal.seal(sealed, dispatch.crc32c, status)
 
 
+def check(rows: torch.Tensor) -> tuple[list[bool], list[int]]:
+    """(intact, status) of every sealed payload of ``rows`` (uint8 [rows, sealed bytes])."""
+    return payload_seal.check(rows, dispatch.crc32c)
+
+
 def bad_rows(rows: torch.Tensor) -> list[int]:
     """The rows (sealed payloads, uint8 [rows, sealed bytes]) whose CRC-32C does not match."""
-    intact, _ = payload_seal.check(rows, dispatch.crc32c)
+    intact, _ = check(rows)
     return [row for row, ok in enumerate(intact) if not ok]
 
 
@@ -123,7 +129,8 @@ def _fault(key: int, world_size: int) -> tuple[int, str]:
 def describe(kind: int, rank: int, sender: int) -> str:
     return {PAYLOAD: f"the payload from rank {rank} does not match its CRC-32C",
             REPLY: f"the reply of owner {rank} does not match its CRC-32C",
-            REPORTED: f"owner {rank} received a message from rank {sender} that does not match its CRC-32C"}[kind]
+            REPORTED: f"owner {rank} received a message from rank {sender} that does not match its CRC-32C",
+            BROADCAST: f"owner {rank}'s copy of the leader's index broadcast does not match its CRC-32C"}[kind]
 
 
 def error(context, step: int, bucket: int, what: str) -> WireIntegrityError:

@@ -206,6 +206,6 @@ def check_replies(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     """The faults the owners' replies (rows of ``slots``) show, as (kind, owner, sender): a reply
     that fails its checksum, or an intact one whose status reports a message that failed the
     owner's check."""
-    intact, status = payload_seal.check(slots, ops.dispatch.crc32c)
+    intact, status = integrity.check(slots)
     return [(integrity.REPLY, owner, 0) if not ok else (integrity.REPORTED, owner, reported - 1)
             for owner, (ok, reported) in enumerate(zip(intact, status)) if not ok or reported != payload_seal.STATUS_OK]
