@@ -4,8 +4,8 @@
     python scripts/structure_counts.py --bucket-path # also the files one default bucket crosses (2 gloo ranks)
 
 * private uses: a name with one leading underscore (not a dunder) that one module of the package
-  takes from another (``from m import _x``, ``m._x`` on an imported module, or importing a module whose
-  file name starts with ``_``);
+  takes from another (``from m import _x``, ``m._x`` on an imported module, or importing a Python module
+  of the package whose file name starts with ``_``);
 * folder pairs: two folders of the package whose modules import each other (a parent and its subfolder
   count too);
 * library lines: the lines of every ``.py`` file of the package outside ``sparsecomm/lab``;
@@ -80,7 +80,9 @@ def private_uses(modules) -> list[str]:
     for importer, imported, names in _imports(modules):
         if imported == importer:
             continue
-        private_module = [p for p in imported.split(".") if _is_private(p)]
+        # A private module of the package (a compiled extension such as sparsecomm._C has no
+        # Python file and is not counted: its one loader is the module that wraps it).
+        private_module = [p for p in imported.split(".") if _is_private(p)] if imported in modules else []
         if private_module and not names:
             found.append(f"{importer} imports module {imported}")
         found += [f"{importer} uses {imported}.{n}" for n in names if _is_private(n)]
