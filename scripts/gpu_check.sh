@@ -15,13 +15,14 @@
 # Expected runtime on an H200 box (16 cores): build ~2-4 min (nvcc compiles 6 .cu files: the
 # 4 older ops with 9 dtype pairs each, chunk_encode (2 kernels) and chunk_decode_add (3 out
 # dtypes), plus the CPU sources; only sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise),
-# tests ~3-5 min (tests/test_kernels_cuda.py runs its oracle on CPU copies, including a few
-# 2^24-element cases; its chunk section, ~470 cases, runs the pure-torch ChunkLayout reference
-# for every index x value codec pair on 9 geometries, ~1-2 min of it; tests/test_kernels_triton.py
-# compiles Triton kernels; tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one
-# GPU, selector="chunk" included; tests/test_hsdp_cuda.py the FSDP2 hook on its own CUDA
-# stream, on 1 GPU, and on 2 or 4 where the machine has them), benchmark ~1 min. About 7-10
-# minutes in all: leave room for one rerun (or run only tests/test_kernels_cuda.py -k chunk first).
+# tests ~3-5 min (the CUDA and Triton cases of tests/test_op_*.py, one file per op: the CUDA
+# kernels' oracle runs on CPU copies, including a few 2^24-element cases; chunk_encode's and
+# chunk_decode_add's, ~900 cases, run the pure-torch ChunkLayout reference for every index x
+# value codec pair on 9 geometries, ~1-2 min of it; the Triton cases compile Triton kernels;
+# tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one GPU, selector="chunk"
+# included; tests/test_hsdp_cuda.py the FSDP2 hook on its own CUDA stream, on 1 GPU, and on 2
+# or 4 where the machine has them), benchmark ~1 min. About 7-10 minutes in all: leave room for
+# one rerun (or run only tests/test_op_chunk_encode.py -k cuda first).
 # A failed build stops the script; the benchmark runs even if tests fail; the exit status is
 # non-zero if the build, a test or the benchmark failed, or the tests could not run.
 #
@@ -104,11 +105,14 @@ PY
 
 status=0
 stamp "tests"
-tests=(tests/test_kernels_cuda.py tests/test_kernels_triton.py tests/test_kernels_triton_chunk.py
-       tests/test_kernels_compact.py tests/test_hook_cuda.py tests/test_hsdp_cuda.py)
+# The op tests with CUDA or Triton implementations, and the GPU hooks' tests.
+tests=(tests/test_op_ef_topk_pack.py tests/test_op_unpack_add.py tests/test_op_chunk_encode.py
+       tests/test_op_chunk_decode_add.py tests/test_op_exact_topk_encode.py tests/test_op_exact_topk_decode_add.py
+       tests/test_hook_cuda.py tests/test_hsdp_cuda.py)
 if "$PYTHON" -c "import pytest, pytest_timeout" 2>/dev/null; then
-  # -m "": the tests marked slow too (Triton's 16-bit cases run here only).
-  run "$PYTHON" -m pytest -q -rfEs -m "" --durations=10 "${tests[@]}" || status=$?
+  # -m "": the tests marked slow too (Triton's 16-bit cases); -k: the CUDA and Triton cases
+  # (implementation ids cuda, triton-cuda, triton-interpreter; the hook files all), not the CPU ones.
+  run "$PYTHON" -m pytest -q -rfEs -m "" -k "cuda or triton" --durations=10 "${tests[@]}" || status=$?
 else
   echo "tests SKIPPED: $PYTHON cannot import pytest and pytest_timeout (carry their wheels to run ${tests[*]})"
   status=1

@@ -1,7 +1,72 @@
-"""Inputs shared by the kernel tests of every backend (CPU, CUDA, Triton)."""
+"""Inputs shared by the kernel tests of every implementation (tests/test_op_*.py: CPU, CUDA,
+Triton), and what some of them must give, worked by hand."""
 from fractions import Fraction
 
 import torch
+
+INF, NAN = float("inf"), float("nan")
+
+
+def ef_inputs(n: int, dtype: torch.dtype, seed: int, kind: str = "randn") -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad, residual) of the error-feedback ops, on the CPU in ``dtype``. Kinds: ``randn``
+    (residual 0.1 randn); ``nonfinite``: randn with NaN, +Inf and -Inf at entries 1, n // 2 and
+    n - 2; ``scattered``: randn with three each of NaN, +Inf and -Inf at random entries, residual
+    zero; ``ties``: few distinct magnitudes, both signs, so the k-th is tied (the residual keeps
+    them discrete); ``equal``: one magnitude everywhere; ``zeros``: mostly exact zeros
+    (embedding-like gradients), residual zero; ``special``: NaN, +-Inf, signed zeros, large
+    finite values (no saturation) and tiny ones among randn."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind in ("randn", "nonfinite"):
+        grad = torch.randn(n, generator=gen)
+        residual = torch.randn(n, generator=gen) * 0.1
+        if kind == "nonfinite" and n >= 7:
+            grad[[1, n // 2, n - 2]] = torch.tensor([NAN, INF, -INF])
+    elif kind == "scattered":
+        grad = torch.randn(n, generator=gen)
+        for position, value in zip(torch.randperm(n, generator=gen)[:9].tolist(), [NAN, INF, -INF] * 3):
+            grad[position] = value
+        residual = torch.zeros(n)
+    elif kind == "ties":
+        grad = torch.randint(-4, 5, (n,), generator=gen) * 0.25
+        residual = torch.randint(-2, 3, (n,), generator=gen) * 0.125
+    elif kind == "equal":
+        grad = torch.full((n,), 0.5)
+        residual = torch.full((n,), 0.25)
+    elif kind == "zeros":
+        grad = torch.randn(n, generator=gen)
+        grad[torch.rand(n, generator=gen) < 0.9] = 0.0
+        residual = torch.zeros(n)
+    elif kind == "special":
+        grad = torch.randn(n, generator=gen)
+        grad[5::17] = INF
+        grad[9::17] = -INF
+        grad[3::19] = -0.0
+        grad[7::23] = 0.0
+        grad[11::29] = 6.0e4
+        grad[13::31] = -1.0e-30
+        grad[1::13] = NAN
+        residual = torch.randn(n, generator=gen) * 0.1
+    else:
+        raise ValueError(kind)
+    return grad.to(dtype), residual.to(dtype)
+
+
+def chunk_data(n: int, seed: int, nonfinite: bool) -> torch.Tensor:
+    """A float32 gradient for the chunk ops: randn with zeros, exact ties, subnormals, a run of
+    zeros inside the second 4096-entry chunk, and optionally NaN, +-Inf and -NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator)
+    draw = torch.rand(n, generator=generator)
+    x[draw < 0.05] = 0.0
+    x[(draw >= 0.05) & (draw < 0.07)] = 1.5  # ties with each other, above most of randn
+    x[(draw >= 0.07) & (draw < 0.08)] = -1.5
+    x[(draw >= 0.08) & (draw < 0.09)] = 1e-40  # subnormal
+    x[(draw >= 0.09) & (draw < 0.095)] = -3e-42
+    if n >= 4200:
+        x[4096:4200] = 0.0
+    if nonfinite and n >= 8:
+        x[[1, n // 2, n // 3, n - 1]] = torch.tensor([NAN, INF, -INF, -NAN])
+    return x
 
 # (grad dtype, wire dtype) pairs where the wire's range is narrower than the gradient's.
 NARROW_WIRE_PAIRS = [(torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]

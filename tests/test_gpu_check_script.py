@@ -74,7 +74,7 @@ def test_the_steps_name_files_that_exist(machine):
     _interpreter(bin_dir / "python3", log)
     output = _dry_run(bin_dir).stdout
     tests = re.findall(r"tests/\S+\.py", next(line for line in output.splitlines() if "-m pytest" in line))
-    assert "tests/test_kernels_cuda.py" in tests and "tests/test_hsdp_cuda.py" in tests
+    assert "tests/test_op_ef_topk_pack.py" in tests and "tests/test_hsdp_cuda.py" in tests
     assert len(set(tests)) == len(tests), f"a test file listed twice: {tests}"
     for path in tests + re.findall(r"experiments/\S+\.py", output):
         assert (ROOT / path).is_file(), f"gpu_check.sh names {path}, which does not exist"

@@ -27,10 +27,14 @@ _REFERENCE: dict[str, Callable] = {
     "select_and_pack": compress.select_and_pack,
     **{op: getattr(reference, op) for op in native.OPS},
 }
-# Ops with Triton twins (sparsecomm/ops/triton) chosen by _builtin; the chunk ops' are
-# chosen by _chunk_implementation (they depend on the layout too). ef_threshold_pack has a
-# CPU kernel only: its one caller, the MPI transport's variable-size wire, runs on CPU.
+# Ops with Triton twins (sparsecomm/ops/triton) chosen by _builtin; the chunk ops' (and those
+# of exact top-k on the compact wire) are chosen by _chunk_implementation (they depend on the
+# layout too). ef_threshold_pack has a CPU kernel only: its one caller, the MPI transport's
+# variable-size wire, runs on CPU.
 _TRITON_OPS = ("ef_topk_pack", "unpack_add")
+# The chunk ops run, on a layout of exact top-k on the compact wire (reference.exact_topk_layout),
+# as that wire's own ops.
+_EXACT_TOPK_OPS = {"chunk_encode": "exact_topk_encode", "chunk_decode_add": "exact_topk_decode_add"}
 # (op name, device type) -> implementation registered by the user or a test
 _KERNELS: dict[tuple[str, str], Callable] = {}
 
@@ -103,28 +107,30 @@ _NATIVE_CHUNK_GRAD_DTYPES = (torch.float32,)
 _TRITON_CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
-    """The chunk ops' choice, as :func:`_builtin`'s: on CPU the native kernel; on CUDA the
-    native CUDA kernel, else (or with ``SPARSECOMM_KERNELS=triton``) the Triton kernel; the
-    reference with ``SPARSECOMM_KERNELS=reference``, on other devices, and for what the
-    kernels do not take (every reference gives the same bits): 16-bit gradients (native
-    encoders), a ``scale_group`` on a layout of more than one chunk (all kernels; the hook's
-    exact top-k on the compact wire is one chunk of the whole bucket), a ``scale_group`` on
-    CUDA (the CUDA kernels: Triton takes it), and chunks over 8192 entries without a
-    ``scale_group`` (Triton). A registered kernel wins, as everywhere."""
+def _chunk_implementation(chunk_op: str, tensor: torch.Tensor, layout) -> Callable:
+    """The choice for ``chunk_op`` (chunk_encode or chunk_decode_add) on ``layout``, as
+    :func:`_builtin`'s: a layout of exact top-k on the compact wire runs that wire's op
+    (exact_topk_encode, exact_topk_decode_add), any other the chunk op. On CPU the native
+    kernel; on CUDA the native CUDA kernel, else (or with ``SPARSECOMM_KERNELS=triton``) the
+    Triton kernel; the reference with ``SPARSECOMM_KERNELS=reference``, on other devices, and
+    for what the kernels do not take (every reference gives the same bits): 16-bit gradients
+    (native encoders), a ``scale_group`` on a layout of more than one chunk (all kernels), exact
+    top-k on CUDA (the CUDA kernels: Triton takes it), and chunks over 8192 entries without a
+    ``scale_group`` (Triton). A registered kernel wins, as everywhere: one registered for the
+    exact top-k op, else one registered for the chunk op (which took every layout before the
+    exact top-k ops had names of their own)."""
+    exact = reference.exact_topk_layout(layout)
+    op = _EXACT_TOPK_OPS[chunk_op] if exact else chunk_op
     device_type = tensor.device.type
-    registered = _KERNELS.get((op, device_type))
+    registered = _KERNELS.get((op, device_type)) or _KERNELS.get((chunk_op, device_type))
     if registered is not None:
         return registered
     choice = native.requested_kernels()
-    scale_group = getattr(layout, "scale_group", 0)
-    if (choice == "reference" or device_type not in ("cpu", "cuda")
-            or (scale_group and layout.chunk_size != layout.numel)):
+    if choice == "reference" or device_type not in ("cpu", "cuda") or (getattr(layout, "scale_group", 0) and not exact):
         return _REFERENCE[op]
-    native_takes = op != "chunk_encode" or tensor.dtype in _NATIVE_CHUNK_GRAD_DTYPES
+    native_takes = chunk_op != "chunk_encode" or tensor.dtype in _NATIVE_CHUNK_GRAD_DTYPES
     if device_type == "cpu":
         return _builtin(op, "cpu") if native_takes else _REFERENCE[op]
-    native_takes = native_takes and not scale_group  # the CUDA kernels take one scale per chunk
     loaded, reason = native.load()
     native_cuda = native_takes and loaded and native.has_kernel(op, "CUDA")
     if choice != "native" and (choice == "triton" or not native_cuda):
@@ -135,7 +141,7 @@ def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
             return getattr(triton_ops, op)
     if native_cuda:
         return getattr(native, op)
-    if choice == "native" and native_takes:
+    if choice == "native" and native_takes and not exact:
         raise RuntimeError(f"SPARSECOMM_KERNELS=native but there is no native {op} for cuda: "
                            f"{reason or 'the extension was built without it'}")
     if choice != "native" and why_not:  # no kernel at all (not just this layout): say so once
@@ -146,7 +152,8 @@ def _chunk_implementation(op: str, tensor: torch.Tensor, layout) -> Callable:
 
 def native_chunk_encode(grad: torch.Tensor, layout) -> bool:
     """Whether :func:`chunk_encode` runs a kernel (not the reference) for ``grad`` and ``layout``."""
-    return _chunk_implementation("chunk_encode", grad, layout) is not reference.chunk_encode
+    return _chunk_implementation("chunk_encode", grad, layout) not in (reference.chunk_encode,
+                                                                        reference.exact_topk_encode)
 
 
 def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
@@ -157,6 +164,18 @@ def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
 def chunk_decode_add(gathered: torch.Tensor, layout, out: torch.Tensor, zero_out: bool = True) -> None:
     """Dispatching :func:`sparsecomm.ops.reference.chunk_decode_add`."""
     _chunk_implementation("chunk_decode_add", out, layout)(gathered, layout, out, zero_out)
+
+
+def exact_topk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """Dispatching :func:`sparsecomm.ops.reference.exact_topk_encode`: (indices int64, decoded values)."""
+    reference.check_exact_topk_layout("exact_topk_encode", layout)
+    return chunk_encode(grad, residual, divisor, add_residual, layout, payload)
+
+
+def exact_topk_decode_add(gathered: torch.Tensor, layout, out: torch.Tensor, zero_out: bool = True) -> None:
+    """Dispatching :func:`sparsecomm.ops.reference.exact_topk_decode_add`."""
+    reference.check_exact_topk_layout("exact_topk_decode_add", layout)
+    chunk_decode_add(gathered, layout, out, zero_out)
 
 
 def crc32c(data: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,14 @@ import warnings
 
 import torch
 
-OPS = ("ef_topk_pack", "ef_threshold_pack", "unpack_add", "chunk_encode", "chunk_decode_add", "crc32c")
+from sparsecomm.ops import reference
+
+OPS = ("ef_topk_pack", "ef_threshold_pack", "unpack_add", "chunk_encode", "chunk_decode_add", "exact_topk_encode",
+       "exact_topk_decode_add", "crc32c")
+# The ops of exact top-k on the compact wire run the chunk operators (a layout with a
+# scale_group: csrc/cpu/compact_encode.cpp, compact_decode_add.cpp), on CPU only: the CUDA
+# kernels take one scale per chunk.
+_EXACT_TOPK_OPERATORS = {"exact_topk_encode": "chunk_encode", "exact_topk_decode_add": "chunk_decode_add"}
 KERNELS_ENV = "SPARSECOMM_KERNELS"
 KERNEL_CHOICES = ("auto", "native", "triton", "reference")
 CPU_CAPABILITY_ENV = "SPARSECOMM_CPU_CAPABILITY"
@@ -71,7 +78,9 @@ def warn_unavailable(reason: str) -> None:
 
 
 def has_kernel(op: str, dispatch_key: str) -> bool:
-    """Whether the loaded extension implements ``op`` for ``dispatch_key`` (CPU, CUDA)."""
+    """Whether the loaded extension implements ``op`` (one of :data:`OPS`) for ``dispatch_key`` (CPU, CUDA)."""
+    if op in _EXACT_TOPK_OPERATORS:
+        return dispatch_key == "CPU" and has_kernel(_EXACT_TOPK_OPERATORS[op], dispatch_key)
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsecomm::{op}", dispatch_key)
 
 
@@ -157,6 +166,19 @@ def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
 def chunk_decode_add(gathered, layout, out, zero_out=True) -> None:
     """Decode the payloads of ``gathered`` (back to back, or one per row) and add them into ``out`` in row order."""
     _ops().chunk_decode_add(gathered, *_chunk_geometry(layout), out, zero_out)
+
+
+def exact_topk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """Fused error feedback + exact top-k of the whole bucket + codecs into ``payload``, a scale
+    per scale group (exact top-k on the compact wire); (indices int64, decoded)."""
+    reference.check_exact_topk_layout("exact_topk_encode", layout)
+    return chunk_encode(grad, residual, divisor, add_residual, layout, payload)
+
+
+def exact_topk_decode_add(gathered, layout, out, zero_out=True) -> None:
+    """Decode the payloads of exact top-k on the compact wire in ``gathered`` and add them into ``out`` in row order."""
+    reference.check_exact_topk_layout("exact_topk_decode_add", layout)
+    chunk_decode_add(gathered, layout, out, zero_out)
 
 
 def crc32c(data):

@@ -104,3 +104,36 @@ def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
     (rank) order."""
     indices, values = layout.views(gathered)
     unpack_add(indices, values, out, zero_out)
+
+
+# Exact top-k on the compact wire (the hook's exact top-k with an index or value codec): the
+# layout is one chunk of the whole bucket, with a scale per ``scale_group`` payload entries
+# (a ChunkLayout(numel, numel, density, codecs, scale_group)). The chunk ops take it too; its
+# own ops say what it is, and refuse every other layout.
+
+def exact_topk_layout(layout) -> bool:
+    """Whether ``layout`` (a ChunkLayout) is one of exact top-k on the compact wire."""
+    return bool(getattr(layout, "scale_group", 0)) and layout.chunk_size == layout.numel
+
+
+def check_exact_topk_layout(op: str, layout) -> None:
+    """Raise ValueError unless ``layout`` is one of exact top-k on the compact wire."""
+    if not exact_topk_layout(layout):
+        raise ValueError(f"{op}: the layout must be one chunk of the whole bucket with a scale_group > 0 "
+                         f"(exact top-k on the compact wire), got chunk_size={layout.chunk_size} for "
+                         f"{layout.numel} entries, scale_group={getattr(layout, 'scale_group', 0)}")
+
+
+def exact_topk_encode(grad, residual, divisor, add_residual, layout, payload):
+    """The exact top-k of the compensated acc, encoded by ``layout`` (exact top-k on the compact
+    wire: :func:`exact_topk_layout`) into ``payload``; residual updated. Returns (indices int64,
+    in ascending order, decoded values)."""
+    check_exact_topk_layout("exact_topk_encode", layout)
+    return chunk_encode(grad, residual, divisor, add_residual, layout, payload)
+
+
+def exact_topk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
+    """Decode every payload of exact top-k on the compact wire in ``gathered`` (back to back, or
+    one per row) and add them into ``out`` in row (rank) order."""
+    check_exact_topk_layout("exact_topk_decode_add", layout)
+    chunk_decode_add(gathered, layout, out, zero_out)

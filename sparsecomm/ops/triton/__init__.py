@@ -6,6 +6,8 @@ Same Python signatures as :mod:`sparsecomm.ops.reference` (the oracle)::
     unpack_add(indices, values, out, zero_out=True) -> None
     chunk_encode(grad, residual, divisor, add_residual, layout, payload) -> (indices int64, decoded values)
     chunk_decode_add(gathered, layout, out, zero_out=True) -> None
+    exact_topk_encode(grad, residual, divisor, add_residual, layout, payload) -> (indices int64, decoded values)
+    exact_topk_decode_add(gathered, layout, out, zero_out=True) -> None
 
 None of them synchronises with the host: grid sizes follow from the sizes alone, and every
 data-dependent quantity (histograms, the k-th key, per-program counts, offsets) lives in small
@@ -17,7 +19,8 @@ The chunk kernels (``selector="chunk"``, :mod:`~sparsecomm.ops.triton.chunk_enco
 every value codec and float32/bfloat16/float16 gradients, for layouts with one scale per
 chunk (``scale_group == 0``) and chunks of at most 8192 entries (one program per chunk, the
 chunk in one block), and for exact top-k on the compact wire (a ``scale_group``, one chunk of
-the whole bucket: :mod:`~sparsecomm.ops.triton.compact_encode`); :func:`chunk_unsupported`
+the whole bucket: :mod:`~sparsecomm.ops.triton.exact_topk_encode`, and ``exact_topk_decode_add``
+in :mod:`~sparsecomm.ops.triton.chunk_decode_add`); :func:`chunk_unsupported`
 says why a layout is not taken, and the dispatch sends those layouts to the reference.
 
 Importing this package never fails: without a usable Triton the op functions raise
@@ -27,7 +30,8 @@ imported: ``@triton.jit`` picks compiled or interpreted functions at definition 
 """
 import os
 
-__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_topk_pack", "unpack_add"]
+__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_topk_pack", "exact_topk_decode_add",
+           "exact_topk_encode", "unpack_add"]
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -49,8 +53,9 @@ _CHUNK_IMPORT_ERROR: str | None = _IMPORT_ERROR
 if _CHUNK_IMPORT_ERROR is None:
     try:
         from sparsecomm.ops.triton.chunk_codecs import unsupported as _chunk_layout_unsupported
-        from sparsecomm.ops.triton.chunk_decode_add import chunk_decode_add
+        from sparsecomm.ops.triton.chunk_decode_add import chunk_decode_add, exact_topk_decode_add
         from sparsecomm.ops.triton.chunk_encode import chunk_encode
+        from sparsecomm.ops.triton.exact_topk_encode import exact_topk_encode
     except Exception as error:
         _CHUNK_IMPORT_ERROR = f"the Triton chunk kernels could not be defined ({type(error).__name__}: {error})"
 
@@ -72,6 +77,8 @@ if _IMPORT_ERROR is not None:
 if _CHUNK_IMPORT_ERROR is not None:
     chunk_encode = _unavailable("chunk_encode", _CHUNK_IMPORT_ERROR)
     chunk_decode_add = _unavailable("chunk_decode_add", _CHUNK_IMPORT_ERROR)
+    exact_topk_encode = _unavailable("exact_topk_encode", _CHUNK_IMPORT_ERROR)
+    exact_topk_decode_add = _unavailable("exact_topk_decode_add", _CHUNK_IMPORT_ERROR)
 
 
 def chunk_unsupported(layout) -> str | None:

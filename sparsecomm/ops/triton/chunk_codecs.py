@@ -17,10 +17,12 @@ kernels need (no device tensor is read: the grids and arguments follow from the 
 """
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 
 from sparsecomm.compress import bitpack, index_codecs, value_codecs
+from sparsecomm.ops.triton import radix
 
 # Codec ids (csrc/cpu/chunk_format.h); constexpr, so that jit functions may read them.
 INDEX_INT32, INDEX_CHUNK, INDEX_RICE = (tl.constexpr(i) for i in range(3))
@@ -91,7 +93,7 @@ def layout_numbers(layout) -> LayoutNumbers:
 def unsupported(layout) -> str | None:
     """Why the Triton chunk kernels do not take ``layout`` (None: they do)."""
     if getattr(layout, "scale_group", 0):
-        # Exact top-k on the compact wire: compact_encode.py selects over the whole bucket.
+        # Exact top-k on the compact wire: exact_topk_encode.py selects over the whole bucket.
         if layout.chunk_size != layout.numel:
             return "scale_group > 0 on a layout of more than one chunk"
     elif layout.chunk_size > MAX_CHUNK_SIZE:
@@ -99,6 +101,27 @@ def unsupported(layout) -> str | None:
     if layout.index_codec not in SUPPORTED_INDEX_CODECS:
         return f"index codec {layout.index_codec!r}"
     return None
+
+
+def check_encode_arguments(op: str, grad, residual, add_residual, layout, payload) -> None:
+    """What both encoders (chunk_encode.py, exact_topk_encode.py) check before any work:
+    ValueError naming ``op`` and the argument."""
+    radix.check_vectors(op, grad, residual=residual)
+    if add_residual and residual is None:
+        raise ValueError(f"{op}: add_residual=True needs a residual")
+    why = unsupported(layout)
+    if why is not None:
+        raise ValueError(f"{op}: the Triton kernel does not take this layout: {why}")
+    if layout.numel != grad.numel():
+        raise ValueError(f"{op}: the layout is for {layout.numel} entries, grad has {grad.numel()}")
+    if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1
+            or not payload.is_contiguous() or payload.numel() != layout.nbytes):
+        raise ValueError(f"{op}: payload must be a contiguous 1-D uint8 tensor of {layout.nbytes} bytes")
+    if payload.device != grad.device:
+        raise ValueError(f"{op}: payload is on {payload.device}, grad on {grad.device}")
+    for other in (grad, residual):
+        if other is not None and other.numel() and radix._overlap(payload, other):
+            raise ValueError(f"{op}: payload may not alias grad or residual")
 
 
 def num_warps_for(block: int) -> int:

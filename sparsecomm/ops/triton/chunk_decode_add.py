@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from sparsecomm.compress.chunk_layout import payload_rows
+from sparsecomm.ops.reference import check_exact_topk_layout
 from sparsecomm.ops.triton import chunk_codecs, radix
 from sparsecomm.ops.triton.chunk_codecs import block_min, decode_code, load_field
 from sparsecomm.ops.triton.radix import block_sum, from_f32, to_f32
@@ -175,3 +176,10 @@ def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
                               getattr(layout, "scale_group", 0), f.index_start, f.value_start, f.value_end, INDEX_CODEC=f.index_codec,
                               INDEX_BITS=max(f.index_bits, 1), VALUE_CODEC=f.value_codec, VALUE_BITS=f.value_bits,
                               BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+
+
+def exact_topk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
+    """:func:`chunk_decode_add` of payloads of exact top-k on the compact wire (one chunk of the
+    whole bucket, scales by groups of ``scale_group`` entries), refusing every other layout."""
+    check_exact_topk_layout("exact_topk_decode_add", layout)
+    chunk_decode_add(gathered, layout, out, zero_out)

@@ -7,7 +7,7 @@ the same payload bytes, residual, indices and decoded values (NaN payload bits a
 NaN matches any NaN, as for the other Triton kernels). Grad dtypes float32, bfloat16 and
 float16; index codecs int32, chunk and rice; every value codec; one scale per chunk
 (``scale_group == 0``) and chunks of at most ``MAX_CHUNK_SIZE`` (8192) entries; a layout with
-a ``scale_group`` (one chunk of the whole bucket) goes to :mod:`~sparsecomm.ops.triton.compact_encode`.
+a ``scale_group`` (one chunk of the whole bucket) goes to :mod:`~sparsecomm.ops.triton.exact_topk_encode`.
 The dispatch sends other layouts to the reference.
 
 Kernel sequence (grids follow from the layout; nothing is read back to the host)::
@@ -44,7 +44,8 @@ from sparsecomm.compress import value_codecs
 from sparsecomm.ops.triton import chunk_codecs, radix
 from sparsecomm.ops.triton.chunk_codecs import block_max, block_min, chunk_scale, decode_code, value_code
 from sparsecomm.ops.triton.chunk_pack import PACK_BLOCK, pack_kernel
-from sparsecomm.ops.triton.compact_encode import compact_encode
+from sparsecomm.ops.reference import exact_topk_layout
+from sparsecomm.ops.triton.exact_topk_encode import exact_topk_encode
 from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, from_f32, magnitude_key, to_f32, to_wire
 
 @triton.jit
@@ -149,32 +150,13 @@ def _rice_starts_kernel(icode_ptr, start_ptr, gap_ptr, chunks, k_full, k_last, r
     tl.store(gap_ptr + e, gap, mask=m)
 
 
-def _check(grad, residual, add_residual, layout, payload):
-    radix.check_vectors("chunk_encode", grad, residual=residual)
-    if add_residual and residual is None:
-        raise ValueError("chunk_encode: add_residual=True needs a residual")
-    why = chunk_codecs.unsupported(layout)
-    if why is not None:
-        raise ValueError(f"chunk_encode: the Triton kernel does not take this layout: {why}")
-    if layout.numel != grad.numel():
-        raise ValueError(f"chunk_encode: the layout is for {layout.numel} entries, grad has {grad.numel()}")
-    if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1
-            or not payload.is_contiguous() or payload.numel() != layout.nbytes):
-        raise ValueError(f"chunk_encode: payload must be a contiguous 1-D uint8 tensor of {layout.nbytes} bytes")
-    if payload.device != grad.device:
-        raise ValueError(f"chunk_encode: payload is on {payload.device}, grad on {grad.device}")
-    for other in (grad, residual):
-        if other is not None and other.numel() and radix._overlap(payload, other):
-            raise ValueError("chunk_encode: payload may not alias grad or residual")
-
-
 def chunk_encode(grad, residual, divisor, add_residual, layout, payload):
     """``selector="chunk"``: the compensated acc encoded by ``layout`` (a ChunkLayout) into
     ``payload``; residual updated. Returns (bucket-relative indices int64, decoded values).
-    A layout with a scale_group (exact top-k on the compact wire) goes to compact_encode.py."""
-    _check(grad, residual, add_residual, layout, payload)
-    if getattr(layout, "scale_group", 0):
-        return compact_encode(grad, residual, divisor, add_residual, layout, payload)
+    A layout of exact top-k on the compact wire goes to exact_topk_encode.py."""
+    if exact_topk_layout(layout):
+        return exact_topk_encode(grad, residual, divisor, add_residual, layout, payload)
+    chunk_codecs.check_encode_arguments("chunk_encode", grad, residual, add_residual, layout, payload)
     f = chunk_codecs.layout_numbers(layout)
     device = grad.device
     value_dtype = value_codecs.FLOAT_CODECS.get(layout.value_codec, torch.float32)

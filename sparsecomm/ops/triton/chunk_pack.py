@@ -1,6 +1,6 @@
 """Assembling a chunked payload's index and value regions from per-entry codes (Triton).
 
-Shared by the encoders (chunk_encode.py, compact_encode.py), which first write every
+Shared by the encoders (chunk_encode.py, exact_topk_encode.py), which first write every
 entry's index code and value code (and, for Rice, its gap and the bit where its code starts)
 to int32 scratch. Adjacent entries, and adjacent chunks, share payload bytes when fields
 are sub-byte (chunk indices, int4/int2/sign values, Rice codes), so one lane per payload
