@@ -45,13 +45,13 @@ def _profiled(fn, found, active):
     return run
 
 
-def _rank(rank: int, world_size: int, port: int, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, out: str, bucket_cap_mb: float, with_optimizer: bool) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     import sparsecomm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.25)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     found, active = set(), [False]
     register = ddp.register_comm_hook
     def register_profiled(state, hook):
@@ -61,7 +61,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     then = torch._C.Future.then
     torch._C.Future.then = lambda fut, callback: then(fut, _profiled(callback, found, active))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sparsecomm.register_topk_hook(ddp, density=0.01, optimizer=optimizer)
+    sparsecomm.register_topk_hook(ddp, density=0.01, **({"optimizer": optimizer} if with_optimizer else {}))
     generator = torch.Generator().manual_seed(rank)
     for step in range(PROFILED_STEP + 1):
         active[0] = step == PROFILED_STEP
@@ -76,12 +76,14 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def files_one_bucket_crosses(world_size: int = 2) -> list[str]:
+def files_one_bucket_crosses(world_size: int = 2, bucket_cap_mb: float = 0.25, with_optimizer: bool = True) -> list[str]:
+    """The files, sorted. ``bucket_cap_mb`` 0.25: 4 buckets of the 4-layer model (the budget counts);
+    a large cap: one bucket. ``with_optimizer`` False: plain error feedback (no momentum handover)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(world_size, port, out), nprocs=world_size, join=True)
+        mp.spawn(_rank, args=(world_size, port, out, bucket_cap_mb, with_optimizer), nprocs=world_size, join=True)
         files = set()
         for rank in range(world_size):
             files |= set(Path(out, f"rank{rank}.txt").read_text().split())
@@ -89,7 +91,13 @@ def files_one_bucket_crosses(world_size: int = 2) -> list[str]:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the package files one default bucket crosses")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.25, help="DDP's bucket cap (0.25: 4 buckets)")
+    parser.add_argument("--no-optimizer", action="store_true", help="register without the optimizer (plain EF)")
+    args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    files = files_one_bucket_crosses()
+    files = files_one_bucket_crosses(bucket_cap_mb=args.bucket_cap_mb, with_optimizer=not args.no_optimizer)
     print(f"{len(files)} package files")
     print("\n".join(files))
