@@ -62,6 +62,7 @@ from sparsecomm.ops import reference
 CHUNK_PAIRS = ("chunk+int2", "rice+int2", "rice+int4", "int32+fp32")
 EXACT_TOPK_PAIRS = ("rice+int4", "rice+int2")
 SHIFT = 104_729  # rank r's payload: the bucket's entries shifted by r x SHIFT, so ranks send different index sets
+ENCODER_OF = {"chunk_decode_add": "chunk_encode", "exact_topk_decode_add": "exact_topk_encode"}  # decoder -> encoder
 
 
 @dataclass
@@ -120,7 +121,8 @@ class Timer:
         call and the floor timed in alternation."""
         self.once(bucket.floor), self.once(fn, setup)  # warm-up
         pairs = [(self.once(fn, setup), self.once(bucket.floor)) for _ in range(self.repeats)]
-        return {"seconds": statistics.median(f for f, _ in pairs), "floor_seconds": statistics.median(b for _, b in pairs),
+        return {"seconds": statistics.median(f for f, _ in pairs),
+                "floor_seconds": statistics.median(b for _, b in pairs),
                 "over_floor": statistics.median(f / b for f, b in pairs)}
 
 
@@ -207,7 +209,7 @@ def bench_encode(op: str, timer: Timer, bucket: Bucket, layout: ChunkLayout) -> 
 def bench_decode_add(op: str, timer: Timer, bucket: Bucket, layout: ChunkLayout) -> dict:
     """chunk_decode_add or exact_topk_decode_add of world_size different payloads onto zeros."""
     b = bucket
-    encode = getattr(ops.dispatch, {"chunk_decode_add": "chunk_encode", "exact_topk_decode_add": "exact_topk_encode"}[op])
+    encode = getattr(ops.dispatch, ENCODER_OF[op])
     gathered = torch.empty(b.world_size * layout.nbytes, dtype=torch.uint8, device=b.grad.device)
     for rank in range(b.world_size):  # rank r's gradient: the bucket shifted by r x SHIFT entries
         shifted = torch.roll(b.grad, rank * SHIFT)
@@ -259,8 +261,8 @@ OPS = {
     "ef_topk_pack": [("copy", "copy_seconds", MS), ("ref", "reference_seconds", MS), ("ref/op", "reference_over_op",
                                                                                         ("", 1, ".1f"))],
     "ef_threshold_pack": [],
-    "unpack_add": [("scatter", "scatter_seconds", MS), ("M add/s", "scatter_adds_per_s", M), ("zero", "zero_seconds", MS),
-                   ("ref", "reference_seconds", MS)],
+    "unpack_add": [("scatter", "scatter_seconds", MS), ("M add/s", "scatter_adds_per_s", M),
+                   ("zero", "zero_seconds", MS), ("ref", "reference_seconds", MS)],
     "chunk_encode": [("B/entry", "bytes_per_entry", ("", 1, ".3f"))],
     "chunk_decode_add": [("M ent/s", "entries_per_s", M)],
     "exact_topk_encode": [("enc M/s", "bucket_entries_per_s", M), ("B/entry", "bytes_per_entry", ("", 1, ".3f"))],

@@ -275,6 +275,17 @@ def level_payload(layout, seed):
     return precomputed(key, compute)
 
 
+def level_encode_case(op, grad, residual, divisor, add_residual, layout):
+    """A CPU level case (kernel_implementations.LevelCase.run): ``op`` (chunk_encode or
+    exact_topk_encode) into a payload of garbage: (payload, indices, decoded[, residual])."""
+    def run(impl_ops):
+        r = None if residual is None else residual.clone()
+        payload = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+        indices, decoded = getattr(impl_ops, op)(grad, r, divisor, add_residual, layout, payload)
+        return [payload, indices, decoded] + ([] if r is None else [r])
+    return run
+
+
 def level_decode_case(op, layout, world_size, seed, gap=0):
     """A CPU level case (kernel_implementations.LevelCase.run): ``op`` of world_size payloads of
     ``layout`` onto a bucket that is not 64-byte aligned; with ``gap``, payloads farther apart

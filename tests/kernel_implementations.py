@@ -264,6 +264,20 @@ def assert_no_host_synchronisation(run: Callable) -> None:
     torch.cuda.synchronize()
 
 
+def capture_in_a_cuda_graph(step: Callable):
+    """(a CUDA graph of ``step()``, what the captured call returned), after a warm-up call on a
+    side stream. Capture fails on any host synchronisation or host read-back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 # --------------------------------------------------------------------------- every CPU level
 #
 # A process chooses its CPU level once (when the native library loads), so each level runs in

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from chunk_kernel_checks import (ALL_MODES, CPU_GEOMETRIES, CUDA_GEOMETRIES, EF_MODES, PAIRS, TRITON_EVERY_PAIR_GEOMETRY,
+from chunk_kernel_checks import (ALL_MODES, CPU_GEOMETRIES, CUDA_GEOMETRIES, EF_MODES, PAIRS,
+                                 TRITON_EVERY_PAIR_GEOMETRY,
                                  TRITON_GEOMETRIES, TRITON_GEOMETRY_PAIRS, check_decode_add, chunk_arguments, encode,
                                  layout_inputs, level_decode_case, pair_mode, payloads_of, rice_window_inputs,
                                  sixteen_bit_inputs, sixteen_bit_layout, triton_geometry_modes)
@@ -93,7 +94,7 @@ def test_matches_the_reference(impl, index_codec, value_codec, geometry, rows, z
 FLOAT32_PAYLOADS_VALUE_CODECS = ("fp32", "bf16", "fp16", "int4")
 
 
-@pytest.mark.parametrize("impl,geometry,index_codec,value_codec,rows,nonfinite_row,out_dtype", implementation_cases(OP, {
+INTO_16_BIT_BUCKETS = {  # family -> (geometry, index codec, value codec, rows, the row with NaN/+-Inf, bucket dtype)
     "cpu": [((10_003, 4096, 0.01), "rice", v, 2, None, out) for v in FLOAT32_PAYLOADS_VALUE_CODECS
             for out in (torch.bfloat16, torch.float16)],
     "triton": [((1003, 64, 0.1), "chunk", v, 3, 1, out) for v in FLOAT32_PAYLOADS_VALUE_CODECS
@@ -102,7 +103,11 @@ FLOAT32_PAYLOADS_VALUE_CODECS = ("fp32", "bf16", "fp16", "int4")
                                                                       ("int32", "fp16"), ("rice", "int4"),
                                                                       ("chunk", "sign"))
              for out in (torch.bfloat16, torch.float16)],
-}))
+}
+
+
+@pytest.mark.parametrize("impl,geometry,index_codec,value_codec,rows,nonfinite_row,out_dtype",
+                         implementation_cases(OP, INTO_16_BIT_BUCKETS))
 def test_into_16_bit_buckets_from_float32_payloads(impl, geometry, index_codec, value_codec, rows, nonfinite_row,
                                                    out_dtype):
     """``rows`` payloads of float32 gradients (x 100; the row ``nonfinite_row`` with NaN/+-Inf)
@@ -323,7 +328,8 @@ def cpu_level_cases() -> dict[str, LevelCase]:
             what = f"n={n} chunk_size={chunk_size} density={density} {index_codec}+{value_codec}"
             cases[f"chunk_decode_add {what}"] = LevelCase(level_decode_case(OP, layout, 3, seed=n))
             if n == 10_003:
-                cases[f"chunk_decode_add {what} sealed rows"] = LevelCase(level_decode_case(OP, layout, 2, seed=n, gap=8))
+                cases[f"chunk_decode_add {what} sealed rows"] = LevelCase(
+                    level_decode_case(OP, layout, 2, seed=n, gap=8))
     return cases
 
 

@@ -12,16 +12,16 @@ error-feedback modes instead of crossed with all of them. The decoder: test_op_c
 """
 import pytest
 import torch
-from chunk_kernel_checks import (ALL_MODES, CPU_GEOMETRIES, CUDA_GEOMETRIES, EF_MODES, PAIRS, TRITON_EVERY_PAIR_GEOMETRY,
-                                 TRITON_GEOMETRIES, TRITON_GEOMETRY_PAIRS, check_encode, chunk_arguments, encode,
-                                 layout_inputs, pair_mode, rice_window_inputs, sixteen_bit_inputs, sixteen_bit_layout,
-                                 triton_geometry_modes)
+from chunk_kernel_checks import (ALL_MODES, CPU_GEOMETRIES, CUDA_GEOMETRIES, EF_MODES, PAIRS,
+                                 TRITON_EVERY_PAIR_GEOMETRY, TRITON_GEOMETRIES, TRITON_GEOMETRY_PAIRS, check_encode,
+                                 chunk_arguments, encode, layout_inputs, level_encode_case, pair_mode,
+                                 rice_window_inputs, sixteen_bit_inputs, sixteen_bit_layout, triton_geometry_modes)
 from kernel_cases import FP16_SATURATION, INF, NAN, check_fp16_saturation, chunk_data, ef_inputs, fp16_saturation_grad
 from kernel_implementations import (DISPATCH, NEEDS_NATIVE, REFERENCE, CpuLevelTests, LevelCase,
                                     assert_no_host_synchronisation, assert_same,
                                     assert_the_hook_trains_with_the_kernels_as_with_the_reference,
-                                    assert_triton_kernels_compile_for_sm90, bits, dtype_id, implementation_cases,
-                                    implementations)
+                                    assert_triton_kernels_compile_for_sm90, bits, capture_in_a_cuda_graph, dtype_id,
+                                    implementation_cases, implementations)
 
 from sparsecomm import ops
 from sparsecomm.compress.chunk_layout import ChunkLayout
@@ -275,14 +275,7 @@ def test_cuda_encode_and_decode_capture_in_a_cuda_graph(impl):
         torch.ops.sparsecomm.chunk_decode_add(gathered, *args, out, True)
         return indices, decoded
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        indices, decoded = step()
+    graph, (indices, decoded) = capture_in_a_cuda_graph(step)
     for seed in (1, 2):
         new_grad = torch.randn(n, generator=torch.Generator().manual_seed(seed))
         grad.copy_(new_grad)
@@ -345,15 +338,6 @@ def test_the_fused_hook_path_trains_bit_for_bit_like_the_reference(value_codec):
 # --------------------------------------------------------------------------- every CPU level
 
 
-def _encode_case(grad, residual, divisor, add_residual, layout):
-    def run(impl_ops):
-        r = None if residual is None else residual.clone()
-        payload = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
-        indices, decoded = impl_ops.chunk_encode(grad, r, divisor, add_residual, layout, payload)
-        return [payload, indices, decoded] + ([] if r is None else [r])
-    return run
-
-
 def cpu_level_cases() -> dict[str, LevelCase]:
     """Every codec pair on three geometries (3 chunks with a short last one; chunks of 100 at
     30%; the largest chunk), NaN and +-Inf among the values; and kernel_cases.FP16_SATURATION's
@@ -366,7 +350,7 @@ def cpu_level_cases() -> dict[str, LevelCase]:
             what = f"n={n} chunk_size={chunk_size} density={density} {index_codec}+{value_codec}"
             for divisor, add_residual, r in ((3.0, True, residual), (2.0, False, None)):
                 cases[f"chunk_encode {what} residual={r is not None}"] = LevelCase(
-                    _encode_case(grad, r, divisor, add_residual, layout))
+                    level_encode_case(OP, grad, r, divisor, add_residual, layout))
     acc, k = fp16_saturation_grad(torch.float32)
     n = acc.numel()
 
@@ -375,7 +359,7 @@ def cpu_level_cases() -> dict[str, LevelCase]:
         check_fp16_saturation(acc, indices, values, residual)
 
     cases[f"fp16 saturation chunk_encode n={n}"] = LevelCase(
-        _encode_case(acc, torch.zeros(n), 1.0, True, ChunkLayout(n, n, k / n, "rice", "fp16")), check=check)
+        level_encode_case(OP, acc, torch.zeros(n), 1.0, True, ChunkLayout(n, n, k / n, "rice", "fp16")), check=check)
     return cases
 
 

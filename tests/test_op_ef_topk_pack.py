@@ -34,7 +34,7 @@ from kernel_cases import (FP16_SATURATION, INF, NAN, NARROW_WIRE_PAIRS, beyond_w
                           with_non_finite)
 from kernel_implementations import (CUDA, REFERENCE, CpuLevelTests, LevelCase,
                                     assert_no_host_synchronisation, assert_same, assert_triton_kernels_compile_for_sm90,
-                                    dtype_id, implementation_cases, implementations)
+                                    capture_in_a_cuda_graph, dtype_id, implementation_cases, implementations)
 
 from sparsecomm.ops import reference
 
@@ -559,14 +559,7 @@ def test_cuda_ops_capture_in_a_cuda_graph(impl):
         torch.ops.sparsecomm.ef_topk_pack(grad, residual, 3.0, True, k, indices, values, 0)
         torch.ops.sparsecomm.unpack_add(payload_idx, payload_val, out, True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_in_a_cuda_graph(step)
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
         new_grad = torch.randn(grad.numel(), generator=gen)

@@ -30,8 +30,8 @@ imported: ``@triton.jit`` picks compiled or interpreted functions at definition 
 """
 import os
 
-__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_topk_pack", "exact_topk_decode_add",
-           "exact_topk_encode", "unpack_add"]
+__all__ = ["available", "chunk_decode_add", "chunk_encode", "chunk_unsupported", "ef_topk_pack",
+           "exact_topk_decode_add", "exact_topk_encode", "unpack_add"]
 
 _IMPORT_ERROR: str | None = None
 try:
