@@ -149,3 +149,16 @@ def payload_rows(gathered: torch.Tensor, layout) -> torch.Tensor | None:
             and (gathered.shape[0] <= 1 or gathered.stride(0) >= nbytes)):
         return gathered
     return None
+
+
+def exact_topk_layout(layout) -> bool:
+    """Whether ``layout`` (a ChunkLayout) is one of exact top-k on the compact wire."""
+    return bool(getattr(layout, "scale_group", 0)) and layout.chunk_size == layout.numel
+
+
+def check_exact_topk_layout(op: str, layout) -> None:
+    """Raise ValueError unless ``layout`` is one of exact top-k on the compact wire."""
+    if not exact_topk_layout(layout):
+        raise ValueError(f"{op}: the layout must be one chunk of the whole bucket with a scale_group > 0 "
+                         f"(exact top-k on the compact wire), got chunk_size={layout.chunk_size} for "
+                         f"{layout.numel} entries, scale_group={getattr(layout, 'scale_group', 0)}")

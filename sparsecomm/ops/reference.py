@@ -11,6 +11,7 @@ sees the overflow), and leave +0 in the residual whether they were sent or not: 
 """
 import torch
 
+from sparsecomm.compress.chunk_layout import check_exact_topk_layout, exact_topk_layout  # noqa: F401  (ops take them from here too)
 from sparsecomm.compress.crc32c import crc32c  # noqa: F401  (the twin of the native crc32c)
 from sparsecomm.compress.error_feedback import divide_, residual_after_sending, to_wire_dtype
 from sparsecomm.compress.topk import magnitude_key, topk_by_key  # noqa: F401  (the selection rule)
@@ -110,19 +111,6 @@ def chunk_decode_add(gathered, layout, out, zero_out: bool = True) -> None:
 # layout is one chunk of the whole bucket, with a scale per ``scale_group`` payload entries
 # (a ChunkLayout(numel, numel, density, codecs, scale_group)). The chunk ops take it too; its
 # own ops say what it is, and refuse every other layout.
-
-def exact_topk_layout(layout) -> bool:
-    """Whether ``layout`` (a ChunkLayout) is one of exact top-k on the compact wire."""
-    return bool(getattr(layout, "scale_group", 0)) and layout.chunk_size == layout.numel
-
-
-def check_exact_topk_layout(op: str, layout) -> None:
-    """Raise ValueError unless ``layout`` is one of exact top-k on the compact wire."""
-    if not exact_topk_layout(layout):
-        raise ValueError(f"{op}: the layout must be one chunk of the whole bucket with a scale_group > 0 "
-                         f"(exact top-k on the compact wire), got chunk_size={layout.chunk_size} for "
-                         f"{layout.numel} entries, scale_group={getattr(layout, 'scale_group', 0)}")
-
 
 def exact_topk_encode(grad, residual, divisor, add_residual, layout, payload):
     """The exact top-k of the compensated acc, encoded by ``layout`` (exact top-k on the compact

@@ -120,7 +120,7 @@ def check_encode_arguments(op: str, grad, residual, add_residual, layout, payloa
     if payload.device != grad.device:
         raise ValueError(f"{op}: payload is on {payload.device}, grad on {grad.device}")
     for other in (grad, residual):
-        if other is not None and other.numel() and radix._overlap(payload, other):
+        if other is not None and other.numel() and radix.overlap(payload, other):
             raise ValueError(f"{op}: payload may not alias grad or residual")
 
 

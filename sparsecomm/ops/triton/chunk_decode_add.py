@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from sparsecomm.compress.chunk_layout import payload_rows
-from sparsecomm.ops.reference import check_exact_topk_layout
+from sparsecomm.compress.chunk_layout import check_exact_topk_layout
 from sparsecomm.ops.triton import chunk_codecs, radix
 from sparsecomm.ops.triton.chunk_codecs import block_min, decode_code, load_field
 from sparsecomm.ops.triton.radix import block_sum, from_f32, to_f32
@@ -145,7 +145,7 @@ def _check(gathered, layout, out):
         raise ValueError(f"chunk_decode_add: the layout is for {layout.numel} entries, out has {out.numel()}")
     if gathered.device != out.device:
         raise ValueError(f"chunk_decode_add: gathered ({gathered.device}) and out ({out.device}) must be on one device")
-    if gathered.numel() and out.numel() and radix._overlap(gathered, out):
+    if gathered.numel() and out.numel() and radix.overlap(gathered, out):
         raise ValueError("chunk_decode_add: out may not overlap gathered")
 
 

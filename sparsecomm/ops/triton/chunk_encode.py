@@ -41,10 +41,10 @@ import triton
 import triton.language as tl
 
 from sparsecomm.compress import value_codecs
+from sparsecomm.compress.chunk_layout import exact_topk_layout
 from sparsecomm.ops.triton import chunk_codecs, radix
 from sparsecomm.ops.triton.chunk_codecs import block_max, block_min, chunk_scale, decode_code, value_code
 from sparsecomm.ops.triton.chunk_pack import PACK_BLOCK, pack_kernel
-from sparsecomm.ops.reference import exact_topk_layout
 from sparsecomm.ops.triton.exact_topk_encode import exact_topk_encode
 from sparsecomm.ops.triton.radix import block_cumsum, block_sum, compensate, from_f32, magnitude_key, to_f32, to_wire
 

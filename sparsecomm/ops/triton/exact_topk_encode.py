@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from sparsecomm.compress import value_codecs
-from sparsecomm.ops.reference import check_exact_topk_layout
+from sparsecomm.compress.chunk_layout import check_exact_topk_layout
 from sparsecomm.ops.triton import chunk_codecs, radix
 from sparsecomm.ops.triton.chunk_codecs import block_max, block_min, chunk_scale, decode_code, value_code
 from sparsecomm.ops.triton.chunk_pack import PACK_BLOCK, pack_kernel

@@ -171,9 +171,9 @@ def check_vectors(name: str, grad: torch.Tensor, **tensors) -> None:
     outputs = [t for t in (indices_out, values_out) if t is not None and t.numel()]
     for out in outputs:
         for other in [grad, residual]:
-            if other is not None and other.numel() and _overlap(out, other):
+            if other is not None and other.numel() and overlap(out, other):
                 raise ValueError(f"{name}: outputs may not alias grad or residual")
-    if len(outputs) == 2 and _overlap(*outputs):
+    if len(outputs) == 2 and overlap(*outputs):
         raise ValueError(f"{name}: indices_out and values_out may not overlap")
 
 
@@ -183,7 +183,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
 

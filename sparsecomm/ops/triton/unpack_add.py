@@ -78,7 +78,7 @@ def unpack_add(indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, z
         indices = indices.contiguous()
     if values.shape[1] > 1 and values.stride(1) != 1:
         values = values.contiguous()
-    if out.numel() and any(t.numel() and radix._overlap(out, t) for t in (indices, values)):
+    if out.numel() and any(t.numel() and radix.overlap(out, t) for t in (indices, values)):
         raise ValueError("unpack_add: out may not overlap indices or values")
     rows, k = indices.shape
     n = out.numel()
