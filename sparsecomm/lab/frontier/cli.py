@@ -33,18 +33,9 @@ from pathlib import Path
 from sparsecomm.compress.index_codecs import INDEX_CODECS
 from sparsecomm.compress.value_codecs import VALUE_CODECS
 from sparsecomm.hooks.state.settings import EXCHANGE_CHOICES
-from sparsecomm.lab.compare import (
-    add_job_arguments,
-    add_link_argument,
-    add_parallelism_argument,
-    check_launcher_possible,
-    check_link_possible,
-    check_local_world_size,
-    check_writable_directory,
-    parse_arguments,
-    parse_arms,
-    with_job_overrides,
-)
+from sparsecomm.lab.compare import (add_job_arguments, add_link_argument, add_parallelism_argument,
+                                    check_launcher_possible, check_link_possible, check_local_world_size,
+                                    check_writable_directory, parse_arguments, parse_arms, with_job_overrides)
 from sparsecomm.lab.experiment.config_source import add_experiment_source, experiment_from_source
 from sparsecomm.lab.frontier.format import format_frontier, plot_frontier
 from sparsecomm.lab.frontier.points import SPARSE_ARMS, frontier_stem, point_config, run_frontier

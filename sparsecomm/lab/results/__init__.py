@@ -12,22 +12,9 @@ reads through them; none of them imports another part of the lab. ``sparsecomm.l
 itself offers the reading functions (and the names of :mod:`.layout` they check).
 """
 from sparsecomm.lab.results.layout import NAME_ACCEPTED, NAME_PATTERN, RUN_NAME_PATTERN, is_safe_name
-from sparsecomm.lab.results.reading import (
-    INVALID,
-    Eval,
-    ResultFileError,
-    ResultFileWarning,
-    RunSummary,
-    arms_configured_first,
-    describe_counts,
-    experiment_link,
-    load_experiment,
-    load_runs,
-    load_steps,
-    load_summary,
-    status_counts,
-    warnings_to_stderr,
-)
+from sparsecomm.lab.results.reading import (INVALID, Eval, ResultFileError, ResultFileWarning, RunSummary,
+                                            arms_configured_first, describe_counts, experiment_link, load_experiment,
+                                            load_runs, load_steps, load_summary, status_counts, warnings_to_stderr)
 
 __all__ = [
     "NAME_ACCEPTED", "NAME_PATTERN", "RUN_NAME_PATTERN", "is_safe_name",

@@ -26,14 +26,8 @@ the command: :mod:`.cli`.
 """
 from sparsecomm.lab.tolerance.cli import build_parser, main
 from sparsecomm.lab.tolerance.format import EXIT_MEANING, format_report
-from sparsecomm.lab.tolerance.spread import (
-    NoiseFloor,
-    OneSidedTest,
-    RatioSpread,
-    noise_floor,
-    ratio_spread,
-    steps_to_target_test,
-)
+from sparsecomm.lab.tolerance.spread import (NoiseFloor, OneSidedTest, RatioSpread, noise_floor, ratio_spread,
+                                             steps_to_target_test)
 from sparsecomm.lab.tolerance.tost import MIN_SEEDS, ZERO_VARIANCE_REASON, Equivalence, equivalence
 from sparsecomm.lab.tolerance.verdicts import ArmResult, CheckReport, NoFinishedDense, check
 
