@@ -53,7 +53,7 @@ struct Workspace {
   std::vector<float> acc;  // a chunk's acc when there is no residual to hold it
   std::vector<uint32_t> group_max;
   std::vector<int32_t> position;  // candidates: chunk positions, ascending
-  std::vector<float> value;       // their acc
+  std::vector<float> value;       // their acc (gathered)
   std::vector<uint32_t> key;      // their keys
   std::vector<int32_t> selected;  // the top k: positions, ascending
   std::vector<float> selected_value;
@@ -100,22 +100,21 @@ constexpr CompressTable kCompress8 = [] {
   return table;
 }();
 
-// Stores the lanes of `take` of a and b, packed, at a_out and b_out; returns how many.
-template <typename A, typename B>
-inline int64_t compress8(uint32_t take, __m256i a, __m256i b, A* a_out, B* b_out) {
+// Stores the lanes of `take` of a, packed, at out (room for 8); returns how many.
+template <typename T>
+inline int64_t compress8(uint32_t take, __m256i a, T* out) {
   const __m256i order = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&kCompress8.lanes[take])));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a_out), _mm256_permutevar8x32_epi32(a, order));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b_out), _mm256_permutevar8x32_epi32(b, order));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(a, order));
   return __builtin_popcount(take);
 }
 #endif
 
-// One loop over a chunk: acc into acc[] (accumulate, divide), and the entries whose key
-// reaches `bar` (<= kNanKey) appended in index order to position/value (room for length +
-// kLanes). Returns how many; *non_finite is set if some acc is +-Inf or NaN.
+// One loop over a chunk: acc into acc[] (accumulate, divide), and the positions of the
+// entries whose key reaches `bar` (<= kNanKey) appended in index order to position (room
+// for length + kLanes). Returns how many; *non_finite is set if some acc is +-Inf or NaN.
 template <Scan kScan>
 int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, uint32_t bar, int32_t* position,
-                   float* value, bool* non_finite) {
+                   bool* non_finite) {
   int64_t m = 0, j = 0;
   uint32_t largest = 0;
 #if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
@@ -140,7 +139,6 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
     // would be mispredicted at about one vector in four.
     const __mmask16 hits = _mm512_cmpge_epu32_mask(keys, bar16);
     _mm512_storeu_si512(position + m, _mm512_maskz_compress_epi32(hits, index));
-    _mm512_storeu_ps(value + m, _mm512_maskz_compress_ps(hits, a));
     m += __builtin_popcount(hits);
     index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
   }
@@ -164,7 +162,7 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
     largest8 = _mm256_max_epi32(largest8, keys);
     const uint32_t hits = static_cast<uint32_t>(
         _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, below_bar))));
-    m += compress8(hits, index, _mm256_castps_si256(a), position + m, value + m);
+    m += compress8(hits, index, position + m);
     index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
   largest = max_lane(largest8);
@@ -193,10 +191,15 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
       hits |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(keys, below_bar))))
               << (4 * quarter);
     }
-    for (; hits; hits &= hits - 1) {
-      const int64_t p = j + __builtin_ctz(hits);
-      position[m] = static_cast<int32_t>(p);
-      value[m++] = acc[p];
+    // The first two hits without a branch (a vector holds at most two but about one time
+    // in 300), the others one by one.
+    const uint32_t second = hits & (hits - 1);
+    position[m] = static_cast<int32_t>(j + __builtin_ctz(hits | 0x10000u));
+    m += hits != 0;
+    position[m] = static_cast<int32_t>(j + __builtin_ctz(second | 0x10000u));
+    m += second != 0;
+    for (uint32_t rest = second & (second - 1); rest; rest &= rest - 1) {
+      position[m++] = static_cast<int32_t>(j + __builtin_ctz(rest));
     }
   }
   largest = _mm_movemask_ps(_mm_castsi128_ps(non_finite4)) ? kInfKey : 0;
@@ -215,7 +218,6 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
     const uint32_t key = float_bits(a) & 0x7FFFFFFFu;
     largest = std::max(largest, key);
     position[m] = static_cast<int32_t>(j);
-    value[m] = a;
     m += key >= bar;
   }
   *non_finite = largest >= kInfKey;
@@ -282,14 +284,16 @@ inline uint32_t lowest_bits(uint32_t mask, int64_t count) {
   return kept;
 }
 
-// Step 2: the chunk's top k of its m candidates (ws.position/value, in index order, every
-// entry reaching some bar) into ws.selected/selected_value, ties to lower positions.
-// Returns the bar for the next chunk (see kEstimateLowBit).
-uint32_t select_chunk(Workspace& ws, int64_t m, int64_t k) {
-  const float* value = ws.value.data();
+// Step 2: the chunk's top k of its m candidates (ws.position, in index order: every entry
+// reaching some bar) into ws.selected/selected_value, ties to lower positions. Returns the
+// bar for the next chunk (see kEstimateLowBit).
+uint32_t select_chunk(Workspace& ws, const float* acc, int64_t m, int64_t k) {
+  const int32_t* position = ws.position.data();
+  float* value = ws.value.data();
   uint32_t* key = ws.key.data();
   uint32_t lowest = kFirstBar, highest = 0;
   for (int64_t c = 0; c < m; ++c) {
+    value[c] = acc[position[c]];
     key[c] = magnitude_key(value[c]);
     lowest = std::min(lowest, key[c]);
     highest = std::max(highest, key[c]);
@@ -307,7 +311,6 @@ uint32_t select_chunk(Workspace& ws, int64_t m, int64_t k) {
   int64_t above = 0;
   for (int64_t c = 0; c < m; ++c) above += key[c] > kth;
   int64_t ties = k - above, taken = 0, c = 0;  // keys equal to the k-th: the lowest positions
-  const int32_t* position = ws.position.data();
   int32_t* selected = ws.selected.data();
   float* selected_value = ws.selected_value.data();
 #if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
@@ -333,9 +336,8 @@ uint32_t select_chunk(Workspace& ws, int64_t m, int64_t k) {
     ties -= std::min(tied, ties);
     const uint32_t take =
         static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, kth8)))) | equal;
-    taken += compress8(take, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(position + c)),
-                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + c)), selected + taken,
-                       selected_value + taken);
+    compress8(take, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + c)), selected_value + taken);
+    taken += compress8(take, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(position + c)), selected + taken);
   }
 #endif
   for (; c < m; ++c) {  // branch-free: whether an entry is taken is unpredictable
@@ -485,13 +487,13 @@ void encode_runs(const ChunkFormat& f, const float* g, float divisor, const Outp
       const uint32_t bar = k == length ? 0 : estimate;  // everything sent: all are candidates
       bool non_finite = false;
       int64_t m = scan_chunk<kAdd ? Scan::accumulate : Scan::divide>(g + begin, acc, divisor, length, bar,
-                                                                      ws.position.data(), ws.value.data(), &non_finite);
+                                                                      ws.position.data(), &non_finite);
       if (m < k) {  // the estimate was too high (or there was none): the bound decides
         bool unused;
         m = scan_chunk<Scan::reread>(nullptr, acc, divisor, length, group_bound(acc, length, k, ws.group_max.data()),
-                                     ws.position.data(), ws.value.data(), &unused);
+                                     ws.position.data(), &unused);
       }
-      estimate = select_chunk(ws, m, k);
+      estimate = select_chunk(ws, acc, m, k);
       if (kResidual && non_finite) zero_non_finite(acc, length);
       emit_chunk(f, ws, c, k, out, &index_bits, &value_bits);
     }
