@@ -98,9 +98,9 @@ inline int32_t int_codec_qmax(int32_t codec) {
 inline float chunk_scale(int32_t codec, const float* v, int64_t count) {
   uint32_t largest = 0, smallest = 0xFFFFFFFFu;  // keys; smallest: of the non-zero ones
   for (int64_t j = 0; j < count; ++j) {
-    const uint32_t key = magnitude_key(v[j]);
-    largest = std::max(largest, key);
-    smallest = std::min(smallest, key == 0 ? 0xFFFFFFFFu : key);
+    const uint32_t key = magnitude_key(v[j]), non_zero = key == 0 ? 0xFFFFFFFFu : key;
+    largest = largest > key ? largest : key;
+    smallest = smallest < non_zero ? smallest : non_zero;
   }
   if (largest == kNanKey) return bits_float(0x7FC00000u);
   if (largest == kInfKey) return std::numeric_limits<float>::infinity();

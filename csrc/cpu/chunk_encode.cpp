@@ -42,11 +42,10 @@ constexpr int64_t kMaxStripes = 64;  // up to 1024 groups: the bound serves k <=
 // signed compares serve (SSE2 and AVX2 have no unsigned ones). kNanKey as a bar admits the
 // NaNs only: the bar of a thread's first chunk.
 constexpr uint32_t kFirstBar = kNanKey;
-// The next chunk's bar is a key that about k + 3 sqrt(k) + 8 of this chunk's entries reach
-// (k = 41: 68; ~0.2% of chunks of randn or Student-t data then find fewer than k), to 7
-// mantissa bits. Without that many candidates to read it from: the lowest candidate key
-// less this factor (exact: a power of two apart).
-constexpr int kEstimateLowBit = 16;
+// The next chunk's bar is the key that k + 3 sqrt(k) + 8 of this chunk's entries reach
+// (k = 41: 68; ~0.2% of chunks of randn or Student-t data then find fewer than k).
+// Without that many candidates to read it from: the lowest candidate key less this factor
+// (exact: a power of two apart).
 constexpr float kEstimateMargin = 0.875f;
 
 struct Workspace {
@@ -224,33 +223,43 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
   return m;
 }
 
-// The largest t whose count {j : keys[j] >= t} is >= k, among the t that agree with `t`
-// above bit `high`, built bit by bit from `high` down to `low` (the count only falls as t
-// grows): the k-th largest key when the k-th largest agrees with t above `high` and
-// low == 0; a t at or below it when low > 0. Each step is one vectorised count. Keys and
-// t are below 2^31.
-uint32_t kth_largest(const uint32_t* keys, int64_t m, int64_t k, uint32_t t, int high, int low) {
+// For each rank[r]: the largest t whose count {j : keys[j] >= t} is >= rank[r], among the
+// t that agree with t[r] above bit `high`, built bit by bit from `high` down to `low` (the
+// count only falls as t grows): the rank-th largest key when that agrees with t[r] above
+// `high` and low == 0; a t at or below it when low > 0. Each step is one vectorised count
+// per rank; the ranks' steps are independent, so their latencies overlap. Keys and t are
+// below 2^31.
+template <int kRanks>
+void kth_largest(const uint32_t* keys, int64_t m, const int64_t (&rank)[kRanks], uint32_t (&t)[kRanks], int high,
+                 int low) {
   for (int bit = high; bit >= low; --bit) {
-    const uint32_t trial = t | (1u << bit);
+    uint32_t trial[kRanks];
+    int32_t count[kRanks] = {};  // m <= 65536
+    for (int r = 0; r < kRanks; ++r) trial[r] = t[r] | (1u << bit);
     int64_t j = 0;
-    int32_t count = 0;  // m <= 65536
 #if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
     // A mask and its popcount per 16 keys: no horizontal sum per bit.
-    const __m512i trial16 = _mm512_set1_epi32(static_cast<int32_t>(trial));
+    __m512i trial16[kRanks];
+    for (int r = 0; r < kRanks; ++r) trial16[r] = _mm512_set1_epi32(static_cast<int32_t>(trial[r]));
     for (; j + 16 <= m; j += 16) {
-      count += __builtin_popcount(_mm512_cmpge_epu32_mask(_mm512_loadu_si512(keys + j), trial16));
+      const __m512i block = _mm512_loadu_si512(keys + j);
+      for (int r = 0; r < kRanks; ++r) count[r] += __builtin_popcount(_mm512_cmpge_epu32_mask(block, trial16[r]));
     }
 #elif SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX2
-    const __m256i below8 = _mm256_set1_epi32(static_cast<int32_t>(trial) - 1);
+    __m256i below8[kRanks];
+    for (int r = 0; r < kRanks; ++r) below8[r] = _mm256_set1_epi32(static_cast<int32_t>(trial[r]) - 1);
     for (; j + 8 <= m; j += 8) {
-      const __m256i at_or_above = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j)), below8);
-      count += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(at_or_above)));
+      const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j));
+      for (int r = 0; r < kRanks; ++r) {
+        count[r] += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(block, below8[r]))));
+      }
     }
 #endif
-    for (; j < m; ++j) count += static_cast<int32_t>(keys[j]) >= static_cast<int32_t>(trial);
-    t = count >= k ? trial : t;  // unpredictable: no branch
+    for (; j < m; ++j) {
+      for (int r = 0; r < kRanks; ++r) count[r] += static_cast<int32_t>(keys[j]) >= static_cast<int32_t>(trial[r]);
+    }
+    for (int r = 0; r < kRanks; ++r) t[r] = count[r] >= rank[r] ? trial[r] : t[r];  // unpredictable: no branch
   }
-  return t;
 }
 
 // Bits of the group-maximum bound: 16 (exponent and 7 mantissa bits) give a bar at most
@@ -274,7 +283,9 @@ uint32_t group_bound(const float* acc, int64_t length, int64_t k, uint32_t* grou
     }
     if (++stripe == stripes) stripe = 0;
   }
-  return kth_largest(group_max, stripes * kLanes, k, 0, 30, 31 - kBoundBits);
+  uint32_t bound[1] = {0};
+  kth_largest<1>(group_max, stripes * kLanes, {k}, bound, 30, 31 - kBoundBits);
+  return bound[0];
 }
 
 // The first `count` set bits of mask (count < popcount(mask)).
@@ -286,7 +297,7 @@ inline uint32_t lowest_bits(uint32_t mask, int64_t count) {
 
 // Step 2: the chunk's top k of its m candidates (ws.position, in index order: every entry
 // reaching some bar) into ws.selected/selected_value, ties to lower positions. Returns the
-// bar for the next chunk (see kEstimateLowBit).
+// bar for the next chunk (see kEstimateMargin).
 uint32_t select_chunk(Workspace& ws, const float* acc, int64_t m, int64_t k) {
   const int32_t* position = ws.position.data();
   float* value = ws.value.data();
@@ -303,10 +314,14 @@ uint32_t select_chunk(Workspace& ws, const float* acc, int64_t m, int64_t k) {
   const uint32_t differ = lowest ^ highest;
   const int high = differ ? 31 - __builtin_clz(differ) : -1;
   const uint32_t prefix = high >= 0 ? highest & ~((2u << high) - 1) : highest;
-  const uint32_t kth = k < m ? kth_largest(key, m, k, prefix, high, 0) : lowest;
   const int64_t reach = k + static_cast<int64_t>(3.0 * std::sqrt(static_cast<double>(k))) + 8;
-  const uint32_t estimate = reach <= m ? kth_largest(key, m, reach, prefix, high, kEstimateLowBit)
-                                       : magnitude_key(key_as_float(lowest) * kEstimateMargin);
+  uint32_t found[2] = {lowest, lowest};  // the k-th and the reach-th largest key (k == m: the lowest)
+  if (k < m) {
+    found[0] = found[1] = prefix;
+    kth_largest<2>(key, m, {k, std::min(reach, m)}, found, high, 0);
+  }
+  const uint32_t kth = found[0];
+  const uint32_t estimate = reach <= m ? found[1] : magnitude_key(key_as_float(lowest) * kEstimateMargin);
 
   int64_t above = 0;
   for (int64_t c = 0; c < m; ++c) above += key[c] > kth;
