@@ -42,10 +42,11 @@ constexpr int64_t kMaxStripes = 64;  // up to 1024 groups: the bound serves k <=
 // signed compares serve (SSE2 and AVX2 have no unsigned ones). kNanKey as a bar admits the
 // NaNs only: the bar of a thread's first chunk.
 constexpr uint32_t kFirstBar = kNanKey;
-// The next chunk's bar is the key that k + 3 sqrt(k) + 8 of this chunk's entries reach
-// (k = 41: 68; ~0.2% of chunks of randn or Student-t data then find fewer than k).
-// Without that many candidates to read it from: the lowest candidate key less this factor
-// (exact: a power of two apart).
+// The next chunk's bar is a key that k + 3 sqrt(k) + 8 of this chunk's entries reach
+// (k = 41: 68; ~0.2% of chunks of randn or Student-t data then find fewer than k), to
+// kEstimateLowBit: 7 mantissa bits. Without that many candidates to read it from: the
+// lowest candidate key less kEstimateMargin (exact: a power of two apart).
+constexpr int kEstimateLowBit = 16;
 constexpr float kEstimateMargin = 0.875f;
 
 struct Workspace {
@@ -64,7 +65,7 @@ struct Workspace {
     acc.resize(chunk_size);
     position.resize(chunk_size + kLanes);  // slack for whole-vector stores
     value.resize(chunk_size + kLanes);
-    key.resize(chunk_size);
+    key.resize(chunk_size + kLanes);
     selected.resize(chunk_size + kLanes);
     selected_value.resize(chunk_size + kLanes);
     code.resize(chunk_size);
@@ -224,42 +225,59 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
 }
 
 // For each rank[r]: the largest t whose count {j : keys[j] >= t} is >= rank[r], among the
-// t that agree with t[r] above bit `high`, built bit by bit from `high` down to `low` (the
-// count only falls as t grows): the rank-th largest key when that agrees with t[r] above
-// `high` and low == 0; a t at or below it when low > 0. Each step is one vectorised count
-// per rank; the ranks' steps are independent, so their latencies overlap. Keys and t are
-// below 2^31.
+// t that agree with t[r] above bit `high`, built bit by bit from `high` down to low[r] (the
+// count only falls as t grows): with low[r] == 0, the rank-th largest key, when that agrees
+// with t[r] above `high`; a t at or below it otherwise. A rank stops early once exactly
+// rank[r] keys reach its t (exact[r]): the bits left cannot change which keys those are,
+// and the rank-th largest is the least of them. Each step is one vectorised count per rank
+// still searching; the ranks' steps are independent, so their latencies overlap. Keys and t
+// are below 2^31; m is a multiple of kLanes (keys of 0 pad: t is never 0).
 template <int kRanks>
-void kth_largest(const uint32_t* keys, int64_t m, const int64_t (&rank)[kRanks], uint32_t (&t)[kRanks], int high,
-                 int low) {
-  for (int bit = high; bit >= low; --bit) {
+void kth_largest(const uint32_t* keys, int64_t m, const int64_t (&rank)[kRanks], uint32_t (&t)[kRanks],
+                 bool (&exact)[kRanks], int high, const int (&low)[kRanks]) {
+  for (int r = 0; r < kRanks; ++r) exact[r] = false;
+  for (int bit = high;; --bit) {
+    bool searching[kRanks], any = false;
+    for (int r = 0; r < kRanks; ++r) any |= searching[r] = bit >= low[r] && !exact[r];
+    if (!any) return;
     uint32_t trial[kRanks];
-    int32_t count[kRanks] = {};  // m <= 65536
+    int32_t count[kRanks] = {};  // m <= 65536 + kLanes
     for (int r = 0; r < kRanks; ++r) trial[r] = t[r] | (1u << bit);
-    int64_t j = 0;
 #if SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX512
     // A mask and its popcount per 16 keys: no horizontal sum per bit.
     __m512i trial16[kRanks];
     for (int r = 0; r < kRanks; ++r) trial16[r] = _mm512_set1_epi32(static_cast<int32_t>(trial[r]));
-    for (; j + 16 <= m; j += 16) {
+    for (int64_t j = 0; j < m; j += 16) {
       const __m512i block = _mm512_loadu_si512(keys + j);
       for (int r = 0; r < kRanks; ++r) count[r] += __builtin_popcount(_mm512_cmpge_epu32_mask(block, trial16[r]));
     }
 #elif SPARSECOMM_CPU_LEVEL >= SPARSECOMM_CPU_AVX2
     __m256i below8[kRanks];
     for (int r = 0; r < kRanks; ++r) below8[r] = _mm256_set1_epi32(static_cast<int32_t>(trial[r]) - 1);
-    for (; j + 8 <= m; j += 8) {
+    for (int64_t j = 0; j < m; j += 8) {
       const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j));
       for (int r = 0; r < kRanks; ++r) {
         count[r] += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(block, below8[r]))));
       }
     }
-#endif
-    for (; j < m; ++j) {
+#else
+    for (int64_t j = 0; j < m; ++j) {
       for (int r = 0; r < kRanks; ++r) count[r] += static_cast<int32_t>(keys[j]) >= static_cast<int32_t>(trial[r]);
     }
-    for (int r = 0; r < kRanks; ++r) t[r] = count[r] >= rank[r] ? trial[r] : t[r];  // unpredictable: no branch
+#endif
+    for (int r = 0; r < kRanks; ++r) {  // unpredictable: no branch
+      const bool take = searching[r] && count[r] >= rank[r];
+      t[r] = take ? trial[r] : t[r];
+      exact[r] = exact[r] || (take && count[r] == rank[r]);
+    }
   }
+}
+
+// The least of the keys at or above t (m as for kth_largest).
+uint32_t least_at_or_above(const uint32_t* keys, int64_t m, uint32_t t) {
+  uint32_t least = 0xFFFFFFFFu;
+  for (int64_t j = 0; j < m; ++j) least = std::min(least, keys[j] >= t ? keys[j] : 0xFFFFFFFFu);
+  return least;
 }
 
 // Bits of the group-maximum bound: 16 (exponent and 7 mantissa bits) give a bar at most
@@ -284,7 +302,8 @@ uint32_t group_bound(const float* acc, int64_t length, int64_t k, uint32_t* grou
     if (++stripe == stripes) stripe = 0;
   }
   uint32_t bound[1] = {0};
-  kth_largest<1>(group_max, stripes * kLanes, {k}, bound, 30, 31 - kBoundBits);
+  bool exact[1];
+  kth_largest<1>(group_max, stripes * kLanes, {k}, bound, exact, 30, {31 - kBoundBits});
   return bound[0];
 }
 
@@ -309,16 +328,23 @@ uint32_t select_chunk(Workspace& ws, const float* acc, int64_t m, int64_t k) {
     lowest = std::min(lowest, key[c]);
     highest = std::max(highest, key[c]);
   }
+  // Zero keys up to a whole vector: every trial t is positive, so they count nowhere, and
+  // the counts need no scalar tail.
+  const int64_t whole = (m + kLanes - 1) / kLanes * kLanes;
+  std::fill(key + m, key + whole, 0u);
   // Keys ranked here lie in [lowest, highest]: they agree with both above the highest bit
   // in which those differ, and only the bits from there down are left to find.
   const uint32_t differ = lowest ^ highest;
   const int high = differ ? 31 - __builtin_clz(differ) : -1;
   const uint32_t prefix = high >= 0 ? highest & ~((2u << high) - 1) : highest;
   const int64_t reach = k + static_cast<int64_t>(3.0 * std::sqrt(static_cast<double>(k))) + 8;
-  uint32_t found[2] = {lowest, lowest};  // the k-th and the reach-th largest key (k == m: the lowest)
+  // The k-th largest key (k == m: the lowest), and one that about `reach` keys reach.
+  uint32_t found[2] = {lowest, lowest};
   if (k < m) {
     found[0] = found[1] = prefix;
-    kth_largest<2>(key, m, {k, std::min(reach, m)}, found, high, 0);
+    bool exact[2];
+    kth_largest<2>(key, whole, {k, std::min(reach, m)}, found, exact, high, {0, kEstimateLowBit});
+    for (int r = 0; r < 2; ++r) found[r] = exact[r] ? least_at_or_above(key, whole, found[r]) : found[r];
   }
   const uint32_t kth = found[0];
   const uint32_t estimate = reach <= m ? found[1] : magnitude_key(key_as_float(lowest) * kEstimateMargin);
