@@ -83,6 +83,15 @@ Workspace& workspace() {
 // over), or read it back from the cached chunk (the bound's collection).
 enum class Scan { accumulate, divide, reread };
 
+// Whether grad / divisor == grad * (1 / divisor) for every grad: divisor a power of two
+// whose inverse is a normal float. Both are then the correctly rounded value of the same
+// real number (subnormal results and NaNs alike), and a product costs a fraction of a
+// quotient (world sizes are mostly powers of two).
+inline bool exact_inverse(float divisor) {
+  int exponent;
+  return std::fabs(std::frexp(divisor, &exponent)) == 0.5f && std::isnormal(1.0f / divisor);
+}
+
 #if SPARSECOMM_CPU_LEVEL == SPARSECOMM_CPU_AVX2
 // Lane indices of every 8-bit mask's set lanes, packed to the front (a byte each): the
 // permutation that compresses 8 lanes, as AVX-512's compress does in one instruction.
@@ -109,10 +118,11 @@ inline int64_t compress8(uint32_t take, __m256i a, T* out) {
 }
 #endif
 
-// One loop over a chunk: acc into acc[] (accumulate, divide), and the positions of the
-// entries whose key reaches `bar` (<= kNanKey) appended in index order to position (room
-// for length + kLanes). Returns how many; *non_finite is set if some acc is +-Inf or NaN.
-template <Scan kScan>
+// One loop over a chunk: acc into acc[] (accumulate, divide: grad / divisor, or grad *
+// divisor where kByInverse has made it the exact inverse), and the positions of the entries
+// whose key reaches `bar` (<= kNanKey) appended in index order to position (room for
+// length + kLanes). Returns how many; *non_finite is set if some acc is +-Inf or NaN.
+template <Scan kScan, bool kByInverse = false>
 int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, uint32_t bar, int32_t* position,
                    bool* non_finite) {
   int64_t m = 0, j = 0;
@@ -128,7 +138,7 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
     if constexpr (kScan == Scan::reread) {
       a = _mm512_loadu_ps(acc + j);
     } else {
-      a = _mm512_div_ps(_mm512_loadu_ps(g + j), divisor16);
+      a = kByInverse ? _mm512_mul_ps(_mm512_loadu_ps(g + j), divisor16) : _mm512_div_ps(_mm512_loadu_ps(g + j), divisor16);
       if constexpr (kScan == Scan::accumulate) a = _mm512_add_ps(a, _mm512_loadu_ps(acc + j));
       _mm512_storeu_ps(acc + j, a);
     }
@@ -154,7 +164,7 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
     if constexpr (kScan == Scan::reread) {
       a = _mm256_loadu_ps(acc + j);
     } else {
-      a = _mm256_div_ps(_mm256_loadu_ps(g + j), divisor8);
+      a = kByInverse ? _mm256_mul_ps(_mm256_loadu_ps(g + j), divisor8) : _mm256_div_ps(_mm256_loadu_ps(g + j), divisor8);
       if constexpr (kScan == Scan::accumulate) a = _mm256_add_ps(a, _mm256_loadu_ps(acc + j));
       _mm256_storeu_ps(acc + j, a);
     }
@@ -182,7 +192,7 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
       if constexpr (kScan == Scan::reread) {
         a = _mm_loadu_ps(acc + q);
       } else {
-        a = _mm_div_ps(_mm_loadu_ps(g + q), divisor4);
+        a = kByInverse ? _mm_mul_ps(_mm_loadu_ps(g + q), divisor4) : _mm_div_ps(_mm_loadu_ps(g + q), divisor4);
         if constexpr (kScan == Scan::accumulate) a = _mm_add_ps(a, _mm_loadu_ps(acc + q));
         _mm_storeu_ps(acc + q, a);
       }
@@ -211,7 +221,7 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
     if constexpr (kScan == Scan::reread) {
       a = acc[j];
     } else {
-      a = g[j] / divisor;
+      a = kByInverse ? g[j] * divisor : g[j] / divisor;
       if constexpr (kScan == Scan::accumulate) a = a + acc[j];
       acc[j] = a;
     }
@@ -520,6 +530,8 @@ void encode_runs(const ChunkFormat& f, const float* g, float divisor, const Outp
     BitWriter index_bits(out.payload + f.index_start + index_bit / 8);
     BitWriter value_bits(out.payload + f.value_start + c0 * f.k_full * f.value_bits / 8);
     uint32_t estimate = kFirstBar;  // no chunk before
+    const bool by_inverse = exact_inverse(divisor);
+    const float inverse = 1.0f / divisor;
     for (int64_t c = c0; c < c1; ++c) {
       const bool last = c == f.chunks - 1;
       const int64_t length = last ? f.last_length : f.chunk_size, k = last ? f.k_last : f.k_full;
@@ -527,8 +539,9 @@ void encode_runs(const ChunkFormat& f, const float* g, float divisor, const Outp
       float* acc = kResidual ? out.residual + begin : ws.acc.data();
       const uint32_t bar = k == length ? 0 : estimate;  // everything sent: all are candidates
       bool non_finite = false;
-      int64_t m = scan_chunk<kAdd ? Scan::accumulate : Scan::divide>(g + begin, acc, divisor, length, bar,
-                                                                      ws.position.data(), &non_finite);
+      constexpr Scan kForm = kAdd ? Scan::accumulate : Scan::divide;
+      int64_t m = by_inverse ? scan_chunk<kForm, true>(g + begin, acc, inverse, length, bar, ws.position.data(), &non_finite)
+                             : scan_chunk<kForm>(g + begin, acc, divisor, length, bar, ws.position.data(), &non_finite);
       if (m < k) {  // the estimate was too high (or there was none): the bound decides
         bool unused;
         m = scan_chunk<Scan::reread>(nullptr, acc, divisor, length, group_bound(acc, length, k, ws.group_max.data()),
