@@ -5,27 +5,32 @@
 // each chunk (<= 65536 entries) is read once from grad and the residual, and everything
 // after that works on it while it sits in L1/L2.
 //
-//   1. One streaming loop (memory-bound: the work in it is nearly free) forms acc and writes
-//      it to the residual (the residual doubles as the chunk's acc until the chunk is
-//      coded), keeps the key maxima of G disjoint groups of entries (group = lane x stripe
-//      of 16-entry vectors, no horizontal step) and collects the candidates: the entries
-//      whose key reaches an estimate of the chunk's k-th key, in index order (AVX-512:
-//      compressed in registers; AVX2: permuted by a table; no branch). The estimate is the
-//      previous chunk's k-th key less 1/8, as a magnitude: neighbouring chunks of a bucket
-//      hold the same tensor, so about 2k entries of 4096 reach it at 1%.
+//   1. One streaming loop (memory-bound: the work in it is nearly free) forms acc, writes
+//      it to the residual (which doubles as the chunk's acc until the chunk is coded) and
+//      collects the candidates: the positions, in index order, of the entries whose key
+//      reaches a bar estimated from the chunk before (AVX-512: compressed in registers;
+//      AVX2: permuted by a table; the baseline: two per 16 entries without a branch).
+//      The bar is a key that about k + 3 sqrt(k) + 8 of the previous chunk's entries
+//      reached: neighbouring chunks of a bucket mostly hold the same tensor.
 //   2. If at least k entries reached it, the top k are among them (every other entry is
-//      below k of them). If not (the first chunk of a thread, a chunk much smaller than
-//      the one before), a bound from the group maxima takes its place: a key B at or below
-//      the k-th largest group maximum is at or below the chunk's k-th largest key (k groups
-//      each hold an entry >= B), and few entries reach it (~50 for k = 41 of 4096 with
-//      G = 128); the entries reaching it are collected from the cached chunk. Either way
-//      the exact k-th largest candidate key is found bit by bit with vectorised counts
-//      (only the bits in which the candidates' keys differ), and the top k taken: every
-//      key above the k-th, then keys equal to it by lower index. The estimate only decides
-//      which of the two ways runs, never what is selected.
+//      below k of them). If not (a thread's first chunk, a chunk of smaller values than
+//      the one before: ~0.2% of chunks of random data), a bound takes its place, from the
+//      cached chunk: a key B at or below the k-th largest of the key maxima of G ~ 3k
+//      disjoint groups is at or below the chunk's k-th largest key (k groups each hold an
+//      entry >= B), and ~50 entries reach it (k = 41 of 4096). Either way the exact k-th
+//      largest candidate key is found bit by bit with vectorised counts (only the bits in
+//      which the candidates differ, and only until exactly k reach the bound), together
+//      with the next chunk's bar, and the top k taken: every key above the k-th, then keys
+//      equal to it by lower index. The bar decides how the candidates are found, never
+//      what is selected.
 //   3. Scale, codes, decoded values, index and value bits, and the residual of the sent
 //      entries (acc - decoded where that is finite, acc where it is not); a chunk with a
-//      non-finite acc first has those zeroed in its residual (rare: the group maxima tell).
+//      non-finite acc first has those zeroed in its residual (rare: a running key maximum
+//      of step 1 tells).
+//
+// grad / divisor is grad times the inverse where that gives the same bits (a power-of-two
+// divisor): a division costs several times a product, which the baseline and AVX2 levels
+// felt even in a memory-bound loop.
 //
 // Chunks are shared out in runs of 8: 8 chunks of every codec end on a byte boundary, so
 // no two threads write one payload byte. The result does not depend on the thread count.
@@ -43,8 +48,8 @@ constexpr int64_t kMaxStripes = 64;  // up to 1024 groups: the bound serves k <=
 // NaNs only: the bar of a thread's first chunk.
 constexpr uint32_t kFirstBar = kNanKey;
 // The next chunk's bar is a key that k + 3 sqrt(k) + 8 of this chunk's entries reach
-// (k = 41: 68; ~0.2% of chunks of randn or Student-t data then find fewer than k), to
-// kEstimateLowBit: 7 mantissa bits. Without that many candidates to read it from: the
+// (k = 41: 68; ~0.2% of chunks of randn or Student-t data then find fewer than k; simulated
+// with torch), to kEstimateLowBit: 7 mantissa bits. Without that many candidates to read it from: the
 // lowest candidate key less kEstimateMargin (exact: a power of two apart).
 constexpr int kEstimateLowBit = 16;
 constexpr float kEstimateMargin = 0.875f;
@@ -177,8 +182,8 @@ int64_t scan_chunk(const float* g, float* acc, float divisor, int64_t length, ui
   }
   largest = max_lane(largest8);
 #elif defined(__SSE2__)
-  // The default level on x86-64: 4 entries per step, 16 per test of the bar; a test that
-  // finds some (about one in four) appends them one by one.
+  // The default level on x86-64: 4 entries per step, 16 per test of the bar (no compress
+  // or shuffle instruction to append with).
   const __m128i magnitude_mask = _mm_set1_epi32(0x7FFFFFFF);
   const __m128i below_bar = _mm_set1_epi32(static_cast<int32_t>(bar) - 1);
   const __m128i below_inf = _mm_set1_epi32(static_cast<int32_t>(kInfKey) - 1);
@@ -491,8 +496,16 @@ void emit_values(const ChunkFormat& f, Workspace& ws, int64_t c, int64_t k, cons
       if (std::isfinite(v)) out.residual[begin + selected[j]] = std::isfinite(decoded[j]) ? v - decoded[j] : v;
     }
   }
+  // Codes concatenated into 32-bit words first (every width divides 32): one put per word.
   BitWriter bits = *value_bits;  // in registers, as in emit_indices
-  for (int64_t j = 0; j < k; ++j) bits.put(code[j], f.value_bits);
+  const int width = f.value_bits, per_word = 32 / width;
+  int64_t j = 0;
+  for (; j + per_word <= k; j += per_word) {
+    uint32_t word = 0;
+    for (int i = 0; i < per_word; ++i) word |= code[j + i] << (i * width);
+    bits.put(word, 32);
+  }
+  for (; j < k; ++j) bits.put(code[j], width);
   *value_bits = bits;
 }
 
