@@ -92,36 +92,44 @@ inline int32_t int_codec_qmax(int32_t codec) {
 
 // The chunk's scale from its selected values (value_codecs.chunk_scales): NaN if one is
 // NaN, else +Inf if one is +-Inf, else from the largest (and, for sign, the smallest
-// non-zero) magnitude, rounded to bfloat16 in the codec's direction.
+// non-zero) magnitude, rounded to bfloat16 in the codec's direction. Worked out on
+// magnitude keys (NaN above Inf above every finite value): integer maxima, no branch per
+// entry.
 inline float chunk_scale(int32_t codec, const float* v, int64_t count) {
-  bool has_nan = false, has_inf = false;
-  float largest = 0.0f, smallest = std::numeric_limits<float>::infinity();
+  uint32_t largest = 0, smallest = 0xFFFFFFFFu;  // keys; smallest: of the non-zero ones
   for (int64_t j = 0; j < count; ++j) {
-    const float m = std::fabs(v[j]);
-    has_nan |= std::isnan(m);
-    has_inf |= std::isinf(m);
-    if (std::isfinite(m)) {
-      largest = std::max(largest, m);
-      if (m > 0.0f) smallest = std::min(smallest, m);
-    }
+    const uint32_t key = magnitude_key(v[j]), non_zero = key == 0 ? 0xFFFFFFFFu : key;
+    largest = largest > key ? largest : key;
+    smallest = smallest < non_zero ? smallest : non_zero;
   }
-  if (has_nan) return bits_float(0x7FC00000u);
-  if (has_inf) return std::numeric_limits<float>::infinity();
+  if (largest == kNanKey) return bits_float(0x7FC00000u);
+  if (largest == kInfKey) return std::numeric_limits<float>::infinity();
+  const float top = key_as_float(largest);  // every magnitude is finite from here on
   switch (codec) {
     case kValueFp8:
-      return bf16_round_up(largest / 448.0f);
+      return bf16_round_up(top / 448.0f);
     case kValueInt8:
-      return bf16_round_up(largest * 0.0078125f);  // 2^-7: exact
+      return bf16_round_up(top * 0.0078125f);  // 2^-7: exact
     case kValueInt4:
-      return bf16_round_up(largest * 0.125f);
+      return bf16_round_up(top * 0.125f);
     case kValueInt2:
-      return bf16_round_up(largest * 0.5f);
+      return bf16_round_up(top * 0.5f);
     default: {  // sign
-      if (std::isinf(smallest)) smallest = 0.0f;
-      const float scale = bf16_round_down(std::min(2.0f * smallest, smallest / 2.0f + largest / 2.0f));
-      return std::max(scale, bf16_round_up(largest * 1.52587890625e-05f));  // 2^-16
+      const float bottom = smallest == 0xFFFFFFFFu ? 0.0f : key_as_float(smallest);
+      const float scale = bf16_round_down(std::min(2.0f * bottom, bottom / 2.0f + top / 2.0f));
+      return std::max(scale, bf16_round_up(top * 1.52587890625e-05f));  // 2^-16
     }
   }
+}
+
+// std::nearbyint under the default rounding mode (to nearest, ties to even) in plain
+// arithmetic, which vectorises at every level (the baseline has no rounding instruction):
+// from 2^23 on a float's ulp is 1, so |x| + 2^23 rounds |x| to an integer, and a float of
+// that size (or Inf, or NaN) is one already.
+inline float round_to_integer(float x) {
+  const float magnitude = std::fabs(x);
+  const float rounded = std::copysign((magnitude + 8388608.0f) - 8388608.0f, x);
+  return magnitude < 8388608.0f ? rounded : x;
 }
 
 // The code of value v in a chunk of scale s (value_codecs._codes).
@@ -137,8 +145,8 @@ inline uint32_t value_code(int32_t codec, float v, float s) {
   }
   const int32_t qmax = int_codec_qmax(codec);
   const float limit = static_cast<float>(qmax);
-  float q = s > 0.0f ? std::nearbyint(v / s) : 0.0f;
-  q = q < -limit ? -limit : (q > limit ? limit : q);
+  float q = s > 0.0f ? round_to_integer(v / s) : 0.0f;
+  q = std::min(std::max(q, -limit), limit);  // min/max instructions, not branches (q is not NaN where it counts)
   if (!finite_scale) q = negative ? -limit : limit;
   return static_cast<uint32_t>(static_cast<int32_t>(q) + qmax);
 }
