@@ -28,3 +28,27 @@ def test_a_timed_out_allgather_raises_instead_of_returning_the_old_buffer():
     # Regression: the Future used to complete with `out` without reading the collective's
     # result, so a timed-out all-gather silently reused the previous step's payloads.
     assert run_on_ranks(_one_rank_skips) == ["raised: RuntimeError", "skipped"]
+
+
+def test_the_mpi_transport_stops_when_its_last_reference_goes_on_its_progress_thread():
+    """A callback the progress thread ran (the hook's decode, holding its wire context) can drop
+    the transport's last reference there: the finalizer then runs on that thread, which must
+    not join itself ("cannot join current thread", then an abort at interpreter exit)."""
+    import queue
+    import threading
+
+    from sparsecomm.comm import mpi_allgatherv
+
+    requests, errors = queue.SimpleQueue(), []
+
+    def progress_thread_dropping_the_last_reference():
+        try:
+            mpi_allgatherv._stop(requests, threading.current_thread())
+        except Exception as error:  # noqa: BLE001  (what the finalizer would raise, reported here)
+            errors.append(error)
+
+    thread = threading.Thread(target=progress_thread_dropping_the_last_reference)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and errors == []
+    assert requests.get_nowait() is None  # the sentinel that stops the progress loop was sent

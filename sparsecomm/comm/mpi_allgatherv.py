@@ -222,4 +222,8 @@ def _progress(requests: queue.SimpleQueue) -> None:
 
 def _stop(requests: queue.SimpleQueue, thread: threading.Thread) -> None:
     requests.put(None)
-    thread.join()
+    # The last reference to the transport may go on the progress thread itself: a callback it
+    # ran (the hook's decode holds its wire context, and so the transport) is released there.
+    # That thread stops at the sentinel on its own; joining it from itself would raise.
+    if thread is not threading.current_thread():
+        thread.join()
