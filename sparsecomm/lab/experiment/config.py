@@ -161,7 +161,15 @@ class ExperimentConfig:
     "1gbit" or "10gbit" (one network namespace per rank, shaped with tc; needs root; see
     :mod:`sparsecomm.links.netns`). Part of the run hash: timings differ per link."""
     steps: int = 300
-    """Optimizer steps per run."""
+    """Optimizer steps per run (dense's; every other arm's is ``step_budget`` x this)."""
+    step_budget: float = 1.0
+    """Steps of every arm but dense as a multiple of ``steps`` (a number >= 1; the product
+    rounded to the nearest whole step: :meth:`steps_of`), so that an arm worse than dense at
+    dense's step count can still show its steps- and time-to-target. Every run is evaluated at
+    step ``steps`` as well, where ``sparsecomm scale --step-budget`` judges it. The lab's loop has
+    no learning-rate schedule (the lr is constant), so the first ``steps`` steps of a longer run
+    are those of the run at budget 1: same weights, data and updates. 1 with a script (it runs
+    its own loop)."""
     batch_size: int = 16
     """Samples per rank per step (every rank reads different samples)."""
     eval_every: int = 25
@@ -276,6 +284,10 @@ class ExperimentConfig:
                    "0 with an emulated link (restarts need torchrun's agent, which cannot span the link's namespaces)",
                    self.max_restarts)
         _check(_is_int(self.steps) and self.steps >= 1, "steps", "an integer >= 1", self.steps)
+        _check(_is_real(self.step_budget) and self.step_budget >= 1, "step_budget",
+               "a finite number >= 1 (the other arms' steps as a multiple of dense's)", self.step_budget)
+        _check(self.script is None or self.step_budget == 1, "step_budget",
+               "1 with a script (the script runs its own loop for run.steps steps)", self.step_budget)
         if self.task is not None:  # a script reads its own data
             samples = task_train_samples(self.task)
             by_samples, by_bound = max(1, samples // self.world_size), MAX_GLOBAL_BATCH // self.world_size
@@ -361,6 +373,13 @@ class ExperimentConfig:
             _check(reducer in HSDP_REDUCERS, "arms", f"arms whose reducer is one of {HSDP_REDUCERS} with parallelism "
                    f"{self.parallelism!r} (arm {name!r} is {reducer!r})", self.arms)
 
+    def steps_of(self, arm: str) -> int:
+        """Steps ``arm`` trains: ``steps`` for dense, ``step_budget`` x ``steps`` rounded to the
+        nearest whole step (halves up) for every other arm."""
+        if arm == "dense" or self.step_budget == 1:
+            return self.steps
+        return math.floor(self.step_budget * self.steps + 0.5)
+
     def arm(self, name: str) -> "arm_spec.ArmSpec":
         """The arm ``name`` resolved against this experiment: every option explicit."""
         return arm_spec.resolve(name, self)
@@ -400,6 +419,8 @@ class ExperimentConfig:
         for key in ("arm_definitions", "sources", "cluster"):
             if not d[key]:
                 d.pop(key)  # configs without them keep their earlier form
+        if self.step_budget == 1:
+            d.pop("step_budget")  # likewise (and the runs' hashes)
         return d
 
     @classmethod
@@ -468,6 +489,8 @@ class ExperimentConfig:
         for key in ("name", "arms", "seeds", "target_loss", "policy", "stall_timeout_s", "fault_rate_per_hour"):
             d.pop(key)
         d.pop("cluster", None)  # where a run trains, not what it computes
+        if arm == "dense":
+            d.pop("step_budget", None)  # dense trains `steps` at any budget: the same run
         if d["link"] == "loopback":
             d.pop("link")  # runs from before links existed keep their hash
         if d["parallelism"] == "ddp":

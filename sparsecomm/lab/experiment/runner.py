@@ -188,7 +188,7 @@ def _launch(config: ExperimentConfig, arm: str, seed: int, out_dir: Path, networ
     processes: list[subprocess.Popen] = []
     error, exit_code, stop = None, None, None
     log = os.fdopen(open_no_follow(out_dir / LAUNCH_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
-    progress = RunProgress(f"{arm} seed {seed}", steps_path, config.steps)  # quiet unless a terminal
+    progress = RunProgress(f"{arm} seed {seed}", steps_path, config.steps_of(arm))  # quiet unless a terminal
     try:
         try:
             for argv, env in launch_commands(config, network, arm, seed, out_dir, nodes):

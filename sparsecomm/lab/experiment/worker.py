@@ -237,8 +237,9 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
     # Recovery is measured after a fault (a torchrun restart), not after a re-run.
     step, recovering = start_step, bool(start_step) and not new_launch
     diverged = None
+    last_step = config.steps_of(arm)  # dense's steps, or its step_budget x them
     try:
-        while step < config.steps:
+        while step < last_step:
             step += 1
             started = time.perf_counter()
             ids = global_batch(config, task.num_train_samples, seed, step)
@@ -295,7 +296,8 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
                 _write(writer, {"kind": "eval", "step": step, "val_loss": float("nan"),
                                 "elapsed_seconds": evals[-1][1]})
                 break
-            if step % config.eval_every == 0 or step == config.steps:
+            # At dense's last step too: where a longer run (step_budget) is judged against dense.
+            if step % config.eval_every == 0 or step in (config.steps, last_step):
                 with arm_hook.evaluation():  # an averager's consensus weights, the same on every rank
                     val_loss = task.val_loss(model)
                 evals.append([step, elapsed(), val_loss])

@@ -31,6 +31,11 @@ def topk_received(payload: float, dense: float, exchange: str, p: int) -> tuple[
     return exchange_bytes_received("dense" if dense_instead else exchange, payload, dense, p), dense_instead
 
 
+def arm_spec_of(runs) -> dict:
+    """The arm's resolved spec as its finished ``runs`` recorded it ({} where none did)."""
+    return next((r.extra["arm_spec"] for r in runs if isinstance(r.extra.get("arm_spec"), dict)), {})
+
+
 def ring_scaled(measured: float, measured_p: int, world_sizes) -> dict:
     """Bytes one rank takes in at each p, from ``measured`` at ``measured_p``, for an exchange
     that is a ring allreduce of a fixed buffer plus, where there is one, a rotating leader's
@@ -54,7 +59,7 @@ def modelled_traffic(run_dir, arms, world_sizes, measured_p: int) -> list[Modell
     traffic = []
     for arm in arms:
         mine = [r for r in runs if r.arm == arm and r.finished]
-        spec = next((r.extra["arm_spec"] for r in mine if isinstance(r.extra.get("arm_spec"), dict)), {})
+        spec = arm_spec_of(mine)
         exchange = (spec.get("options") or {}).get("exchange", "allgather")
         measured = inputs.arm(arm)
         if exchange in SHARED_EXCHANGES and mine:

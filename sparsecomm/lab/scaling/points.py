@@ -1,8 +1,12 @@
 """What a scaling study's runs recorded: per world size and arm, the verdict against dense at
 that size, the final metric, the bytes a rank sent and received per step (and where the
-received figure comes from), and steps and time to target."""
+received figure comes from), and steps and time to target.
+
+"Final" is at dense's step count (the experiment's ``steps``): with a step budget the other
+arms train longer, and are judged where dense stopped; their steps- and time-to-target use
+the whole run."""
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparsecomm.lab.ledger.items import exposed_fraction
@@ -28,7 +32,7 @@ class ScalePoint:
     batch_size: int  # per rank
     verdict: str  # against dense at this world size; "baseline" for dense; "unavailable": no dense finished
     metric_gap: float | None  # mean paired difference to dense, > 0 worse (the verdict's mean_diff)
-    final_metric_mean: float | None  # mean over the arm's finished seeds
+    final_metric_mean: float | None  # mean over the arm's finished seeds, at dense's step count
     seeds_finished: int
     bytes_sent_per_step: float | None  # per rank, median over seeds
     bytes_received_per_step: float | None  # per rank, median over seeds
@@ -40,6 +44,9 @@ class ScalePoint:
     dense_failed: int = 0
     not_ok: str = ""
     exposed_comm_fraction: float | None = None  # median wait for communication after backward / median step
+    steps: int | None = None  # the arm's steps per run (dense's x the step budget for the other arms)
+    metric_by_seed: dict = field(default_factory=dict)  # seed -> final metric (at dense's step count), finished runs
+    budget_metric_mean: float | None = None  # with a step budget: mean of the metric at the arm's own last step
 
 
 def median_known(values) -> float | None:
@@ -67,10 +74,30 @@ def received_per_step(run, world_size: int) -> tuple[float | None, str]:
     return None, "not recorded"
 
 
+def metric_at_step(run, step: int) -> float | None:
+    """The run's metric at ``step``: its evaluation there, or its last one where the run ended
+    before (a diverged run's non-finite value); None where it went past ``step`` without one."""
+    before = [e for e in run.evals if e.step <= step]
+    if before and (before[-1].step == step or before[-1] is run.evals[-1]):
+        return before[-1].val_loss
+    return None
+
+
+def judged_at_dense_steps(report, dense: dict, arm: dict):
+    """The verdict of ``sparsecomm check`` (its test, tolerance and level, from ``report``) on
+    the metric at dense's step count, ``{seed: value}`` of dense and of the arm; the same as
+    the check's own where every arm trains as long as dense."""
+    from sparsecomm.lab.tolerance import equivalence
+
+    return equivalence(dense, arm, report.tolerance, relative=report.relative, alpha=report.alpha,
+                       higher_is_better=report.target.mode == "max")
+
+
 def points_at(outcome, study: Study, p: int) -> list[ScalePoint]:
     """One point per arm of the experiment at world size ``p``."""
     config = study.point_config(p)
-    equivalence = {r.arm: r.equivalence for r in outcome.report.arms} if outcome.available else {}
+    at_dense_steps = {arm: {r.seed: value for r in outcome.runs if r.arm == arm and r.finished
+                            if (value := metric_at_step(r, config.steps)) is not None} for arm in config.arms}
     points = []
     for arm in config.arms:
         finished = [r for r in outcome.runs if r.arm == arm and r.finished]
@@ -81,8 +108,10 @@ def points_at(outcome, study: Study, p: int) -> list[ScalePoint]:
         elif arm == DENSE_ARM:
             verdict, gap = BASELINE, None
         else:
-            verdict, gap = equivalence[arm].verdict, equivalence[arm].mean_diff
-        finals = [r.final_val_loss for r in finished]
+            judged = judged_at_dense_steps(outcome.report, at_dense_steps[DENSE_ARM], at_dense_steps[arm])
+            verdict, gap = judged.verdict, judged.mean_diff
+        finals = list(at_dense_steps[arm].values())
+        budget = config.steps_of(arm) != config.steps
         points.append(ScalePoint(
             world_size=p,
             arm=arm,
@@ -99,6 +128,10 @@ def points_at(outcome, study: Study, p: int) -> list[ScalePoint]:
             time_to_target_s=entry.time_to_target.value if entry is not None else None,
             exposed_comm_fraction=exposed_fraction(entry) if entry is not None else None,
             run_dir=str(outcome.run_dir),
+            steps=config.steps_of(arm),
+            metric_by_seed=at_dense_steps[arm],
+            budget_metric_mean=(statistics.fmean(r.final_val_loss for r in finished) if budget and finished
+                                else None),
             **outcome.failures(arm),
         ))
     return points
@@ -121,3 +154,11 @@ def growth(points: list[ScalePoint], arm: str, low: int, high: int) -> float | N
     if not at.get(low) or at.get(high) is None:
         return None
     return at[high] / at[low]
+
+
+def ring_growth(low: int, high: int) -> float:
+    """How the bytes a ring allreduce brings into each rank grow from ``low`` to ``high``
+    workers (dense's own growth): 2 (high-1)/high over 2 (low-1)/low."""
+    from sparsecomm.comm.link_model import exchange_bytes_received
+
+    return exchange_bytes_received("dense", 0.0, 1.0, high) / exchange_bytes_received("dense", 0.0, 1.0, low)
