@@ -79,11 +79,16 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     Raises (on every rank, before any collective):
         TypeError: ``model`` is not an FSDP module, ``mesh`` not a DeviceMesh, ``state``
             not a TopKState.
-        ValueError: the mesh is not 2-D with the named dims; a module is sharded over the
+        ValueError: ``exchange="shared-mask"`` (DDP only); the mesh is not 2-D with the named dims; a module is sharded over the
             2-D mesh or over other ranks, has several parameter groups, or already has an
             all-reduce hook; ``state`` already has a process group or was bound; both
             ``state`` and keyword arguments given.
     """
+    exchange = state_kwargs.get("exchange") if state is None else getattr(state, "config", None) and state.exchange
+    if exchange == "shared-mask":
+        raise ValueError(f"{OWNER}: exchange='shared-mask' (SCAPE's reducer) reads AdamS's first moment per "
+                         "parameter, which FSDP2 holds as shards of flat buffers the hook does not map yet: use it "
+                         "with DDP (register_topk_hook), or another exchange here")
     modules = sharded_modules(model, mesh, replicate_dim, shard_dim)
     replicas = mesh.get_group(replicate_dim)
     handover, built = None, state is None

@@ -2,6 +2,7 @@
 import torch
 
 from sparsecomm.hooks import momentum_handover
+from sparsecomm.optim.adams import AdamS
 from sparsecomm.optim.dgc import MomentumMismatchWarning
 from sparsecomm.hooks.topk import TopKState, topk_hook
 
@@ -25,11 +26,16 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
     :class:`~sparsecomm.optim.dgc.MomentumMismatchWarning` says so on rank 0. With
     a ready ``state``, ``optimizer`` is only checked (a warning if both apply momentum).
 
+    ``exchange="shared-mask"`` (SCAPE's reducer) synchronises the first moment of the job's
+    :class:`sparsecomm.optim.AdamS`, which ``optimizer`` must be (it keeps its momentum; the
+    hook's ``momentum`` stays 0), and links the two (``state.attach_optimizer``).
+
     Raises (before anything changes, the optimizer included):
         TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``state`` is not a
             TopKState.
         ValueError: a hook is already registered on ``ddp_model`` (DDP allows one),
-            both ``state`` and state keyword arguments were given, ``state`` has a
+            both ``state`` and state keyword arguments were given, ``exchange="shared-mask"``
+            without an AdamS optimizer or with ``momentum``, ``state`` has a
             process group other than the DDP model's, ``momentum="auto"`` without an
             optimizer, or an optimizer whose momentum cannot be moved into the hook.
     """
@@ -48,7 +54,12 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
             "one per model: build a new DDP model to change it"
         )
     handover, built = None, state is None
-    if built:
+    shared_mask = (state_kwargs if built else vars(state.config)).get("exchange") == "shared-mask"
+    if shared_mask:
+        check_shared_mask_optimizer(optimizer, state_kwargs)
+    if built and shared_mask:  # AdamS keeps its momentum: the hook synchronises it
+        state = TopKState(ddp_model.process_group, module=ddp_model, **state_kwargs)
+    elif built:
         options, handover = momentum_handover.resolve_for_registration(OWNER, optimizer, state_kwargs)
         state = TopKState(ddp_model.process_group, module=ddp_model, **options)
     elif state_kwargs:
@@ -59,10 +70,13 @@ def register_topk_hook(ddp_model, state: TopKState | None = None, *, optimizer=N
         raise TypeError(f"state must be a sparsecomm.TopKState, got {type(state).__name__}")
     else:
         state.bind(ddp_model)  # also adopts the DDP model's process group when the state has none
-    if handover is None and optimizer is not None:
+    if shared_mask:
+        if not state.adams_link.attached:
+            state.attach_optimizer(momentum_handover.unwrap(optimizer))
+    elif handover is None and optimizer is not None:
         state.check_optimizer(momentum_handover.unwrap(optimizer))
     ddp_model.register_comm_hook(state, topk_hook)
-    if built:
+    if built and not shared_mask:
         say_what_changed(OWNER, state, optimizer, state_kwargs, handover)
     return state
 
@@ -76,3 +90,14 @@ def say_what_changed(owner: str, state: TopKState, optimizer, options: dict, han
         momentum_handover.announce(owner, handover.apply(), rank)
     elif momentum_handover.leaves_momentum_uncorrected(optimizer, options):
         momentum_handover.announce(owner, momentum_handover.UNCORRECTED_MOMENTUM, rank, MomentumMismatchWarning)
+
+
+def check_shared_mask_optimizer(optimizer, options: dict) -> None:
+    """``exchange="shared-mask"`` needs the job's AdamS and no momentum of the hook's own."""
+    if options.get("momentum", 0) != 0:
+        raise ValueError(f"{OWNER}: exchange='shared-mask' synchronises AdamS's own first moment; momentum must be "
+                         f"left unset or 0, got momentum={options['momentum']!r}")
+    if not isinstance(momentum_handover.unwrap(optimizer), AdamS):
+        raise ValueError(f"{OWNER}: exchange='shared-mask' synchronises AdamS's first moment: pass "
+                         f"optimizer=sparsecomm.optim.AdamS(...) (the job's optimizer), got "
+                         f"{type(optimizer).__name__ if optimizer is not None else None}")

@@ -32,8 +32,8 @@ class PersistentState:
         """This rank's state, with every per-rank entry under ``rank{r}.``.
 
         ``rank{r}.residual.{name}``, ``rank{r}.velocity.{name}``, ``rank{r}.stats`` (and
-        ``owner_residual`` / ``mask_rate`` and ``mask_age`` entries for the owner / shared-mask
-        exchanges),
+        ``owner_residual`` / ``mask`` entries for the owner / shared-mask exchanges: the mask is
+        the next step's, 0/1 float32, the same on every rank),
         ``rank{r}.sample_generator`` and ``rank{r}.sample_generator_device`` differ per
         rank; ``format``, ``world_size``, ``step``, ``config``, ``memory_scale`` (the
         grad scaler's scale the memories are in, None without a scaler) and, with
@@ -62,13 +62,12 @@ class PersistentState:
         memories = [("residual", self.memories.residuals, self.config.error_feedback),
                     ("velocity", self.memories.velocities, self.config.momentum > 0),
                     ("owner_residual", self.memories.owner_residuals, self._has_owner_memory()),
-                    ("mask_rate", self.memories.mask_rates, self.config.exchange == "shared-mask"),
-                    ("mask_age", self.memories.mask_ages, self.config.exchange == "shared-mask")]
+                    ("mask", self.memories.masks, self.config.exchange == "shared-mask")]
         for kind, memory, used in memories:
             entries = memory.state_dict()
             if used:
                 for name, (numel, dtype) in self.names.shapes.items():
-                    zero_dtype = torch.float32 if kind.startswith("mask_") else self.config.memory_dtype(dtype)
+                    zero_dtype = torch.float32 if kind == "mask" else self.config.memory_dtype(dtype)
                     entries.setdefault(name, torch.zeros(numel, dtype=zero_dtype))
             for name, tensor in sorted(entries.items()):
                 sd[f"{prefix}{kind}.{name}"] = tensor
@@ -134,8 +133,7 @@ class PersistentState:
         self.memories.residuals.load_state_dict(memories["residual"])
         self.memories.velocities.load_state_dict(memories["velocity"])
         self.memories.owner_residuals.load_state_dict(memories["owner_residual"])
-        self.memories.mask_rates.load_state_dict(memories["mask_rate"])
-        self.memories.mask_ages.load_state_dict(memories["mask_age"])
+        self.memories.masks.load_state_dict(memories["mask"])
         self.memories.owner_ranges = {}
         if self.model_budget is not None:  # without saved shares (or reset): the plain share until a step agrees
             self.model_budget.load_state_dict({} if reset else parsed.budget_shares or {})

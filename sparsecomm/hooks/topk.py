@@ -38,8 +38,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        the all-gather of fixed payloads (``exchange="allgather"``, the default; int32 +
        float entries, or the index and value codecs), the variable all-gather (sampled
        selector over MPI), the owner exchange (``"owner"``), the shared index set
-       (``"shared-index"``), the mask every rank derives alike from the synced first
-       synced gradient (``"shared-mask"``), random-k, or the cheapest of all-gather, owner and
+       (``"shared-index"``), SCAPE's per-tensor mask chosen by the tensors' owners one step
+       before (``"shared-mask"``, under AdamS: the first moment is what is synchronised), random-k, or the cheapest of all-gather, owner and
        shared-index on ``link`` (``"auto"``). Dense instead until ``warmup_steps`` steps have passed, or when the
        wire would not move fewer bytes than a dense allreduce: the bucket is then
        allreduced as a whole (the residual is sent in full and cleared).
@@ -49,7 +49,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
        in step 3 (``stats()["fused_calls"]``).
     3. Encode: select k entries of acc (exact top-k, sampled threshold, random-k, the top
        entries of every chunk, or, shared-index, the leader's selection, which it
-       broadcasts first, or, shared-mask, the mask derived before the step) and encode them into the wire's payload, sealed with a checksum
+       broadcasts first, or, shared-mask, the mask agreed the step before) and encode them into the wire's payload, sealed with a checksum
        (``wire_checksum``); the new residual is ``acc - decoded`` (so ``decoded + residual
        == acc`` exactly), and 0 where acc is not finite, while the Inf/NaN itself is sent,
        so every rank sees the overflow.
@@ -85,6 +85,10 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     if lifecycle.bypass:
         return _completed(buffer)  # see rebuild_buckets(): no communication, no state change
     memory_dtype = steps.check_bucket(state.config, buffer)
+    if state.config.exchange == "shared-mask" and not state.adams_link.attached:  # before any collective
+        raise ValueError("topk_hook: exchange='shared-mask' synchronises AdamS's first moment: register with "
+                         "register_topk_hook(ddp, ..., optimizer=sparsecomm.optim.AdamS(...)) or call "
+                         "state.attach_optimizer(adams) before the first step")
     group = state.group()
     if state.config.transport == "mpi":
         if buffer.device.type != "cpu":

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from sparsecomm.comm import mpi_allgatherv
 from sparsecomm.hooks.pipeline.steps import MAX_BUCKET_NUMEL  # noqa: F401  (re-exported)
 from sparsecomm.hooks.pipeline.steps import PlanCache
+from sparsecomm.hooks.state.adams_link import AdamSLink
 from sparsecomm.hooks.state.grad_scaler import ScaleTracker
 from sparsecomm.hooks.state.memories import HookMemories
 from sparsecomm.hooks.state.memories import ParameterNames
@@ -121,11 +122,14 @@ class TopKState(PersistentState):
        ``selector="exact"`` or ``"chunk"`` and a float wire): one rank per bucket and step,
        rotating, broadcasts its selection; every rank allreduces its values there. No
        index bytes per rank and no scatter; what the leader's set leaves out stays in each
-       rank's residual. ``"shared-mask"`` (``selector="exact"``, a float wire): the mask is
-       derived, one step ahead, from the synced gradient per step and each entry's age since
-       it was last sent, which every rank holds alike, plus a window sweeping the bucket (``mask_refresh`` of the k
-       entries) so that no entry waits more than ceil(numel / window) steps; no index
-       travels, and a bucket's values are allreduced as soon as backward produces it
+       rank's residual. ``"shared-mask"`` (``selector="exact"``, a float wire, the job's
+       optimizer :class:`sparsecomm.optim.AdamS`): SCAPE's reducer. The hook synchronises
+       AdamS's first moment: each rank sends ``beta1 m + (1 - beta1) g + residual`` at a mask
+       the tensors' owners chose one step before (per tensor, top ``max(1, int(density x
+       numel))`` of their own corrected momentum, all-gathered as bitmaps), values
+       allreduced, no index bytes; the residual is momentum-space error feedback, and AdamS
+       steps only on the mask. Needs ``attach_optimizer(adams)`` (``register_topk_hook(...,
+       optimizer=)`` does it)
        (SCAPE's method; :mod:`sparsecomm.hooks.wires.shared_mask`). ``"auto"``: per
        bucket, the cheapest of all-gather, owner and shared-index the settings allow (and dense), modelled on ``link`` (e.g. ``"1gbit@50us"``; default
        ``"10gbit@50us"``) by the alpha-beta cost model; ``stats()`` counts each
@@ -193,6 +197,13 @@ class TopKState(PersistentState):
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients the hook
             reduces (see 8. above).
         on_overflow: ``"rollback"`` (default) or ``"drop"`` (see 8.).
+        leader_filter: with ``exchange="shared-index"``: ScaleCom's low-pass filter on the
+            residual, beta in (0, 1]: ``residual = (1 - beta) residual + beta (acc - sent)``
+            (None, the default, and 1: plain error feedback; below 1 not with
+            ``verify_conservation``, whose invariant it gives up; docs/exchange.md).
+        diagnose_leader_overlap: with ``exchange="shared-index"``: one dense allreduce of acc
+            per bucket, and the share of the leader's index set among the top k of the ranks'
+            summed acc, in ``stats()["leader_overlap"]`` (and ``last_step``'s); off by default.
     """
 
     __slots__ = (
@@ -213,6 +224,7 @@ class TopKState(PersistentState):
         "sample_generator",  # per-rank generator for the sampled selector
         "_stats",  # HookStats (read with stats(), added to with count())
         "mpi",  # MPIAllgatherv, built by the first hook call when transport == "mpi" (mpi_transport()), else None
+        "adams_link",  # AdamSLink: the job's AdamS as exchange="shared-mask" reads it (attach_optimizer)
     )
 
     def __init__(
@@ -242,10 +254,12 @@ class TopKState(PersistentState):
         index_codec: str = "int32",
         value_codec: str | None = None,
         exchange: str = "allgather",
-        mask_refresh: float = 0.25,
+        mask_dense_norms: bool = True,
         link: str | None = None,
         wire_checksum: bool = True,
         wire_agreement: bool = False,
+        leader_filter: float | None = None,
+        diagnose_leader_overlap: bool = False,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -261,7 +275,8 @@ class TopKState(PersistentState):
             density_schedule=density_schedule, nesterov=nesterov, local_clip_norm=local_clip_norm,
             transport=transport, on_overflow=on_overflow,
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
-            mask_refresh=mask_refresh, link=link, wire_checksum=wire_checksum, wire_agreement=wire_agreement,
+            mask_dense_norms=mask_dense_norms, link=link, wire_checksum=wire_checksum, wire_agreement=wire_agreement,
+            leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap,
         )
         self.process_group = process_group
         self.step = 0
@@ -277,6 +292,7 @@ class TopKState(PersistentState):
         self.sample_generator: torch.Generator | None = None
         self._stats = HookStats()
         self.mpi = None
+        self.adams_link = AdamSLink()
         if module is not None:
             self.bind(module)
         if self.config.transport == "mpi" and dist.is_initialized():
@@ -383,6 +399,7 @@ class TopKState(PersistentState):
         if self.journal is not None:
             self.journal.start_step(self.sample_generator)
         self.seals = StepSeals(self.config.wire_agreement)
+        self.adams_link.forget()  # AdamS steps every entry unless this step's masks say otherwise
         if self.model_budget is not None:
             self.model_budget.forget_step()  # what a step that failed midway observed
         steps.fallback_bound = None
@@ -506,6 +523,18 @@ class TopKState(PersistentState):
         s["last_step"] = None if self._stats.last_step is None else dict(self._stats.last_step)
         return s
 
+    def attach_optimizer(self, optimizer) -> None:
+        """``exchange="shared-mask"``: the job's :class:`sparsecomm.optim.AdamS`, whose first moment
+        the hook synchronises and whose steps follow the hook's masks (call after binding the
+        module, before the first step). TypeError/ValueError for any other optimizer or exchange."""
+        if self.config.exchange != "shared-mask":
+            raise ValueError(f"attach_optimizer() links AdamS to exchange='shared-mask'; this state has "
+                             f"exchange={self.config.exchange!r}")
+        if not self.names.by_id:
+            raise ValueError("attach_optimizer(): bind the model first (TopKState(module=ddp_model), or "
+                             "register_topk_hook), so that the optimizer's parameters have names")
+        self.adams_link.attach(optimizer, self.names.by_id)
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Warn if momentum correction is on and ``optimizer`` applies momentum too (True if so)."""
         return warn_on_double_momentum(self.config.momentum, optimizer)
@@ -523,7 +552,8 @@ class TopKState(PersistentState):
         return WireContext(caller="topk_hook", count=self._stats.count, seals=self.seals, rank=self.rank_and_world_size()[0],
                            step=self.step, journal=self.journal, generator=self.generator,
                            transport=self.mpi_transport() if self.config.transport == "mpi" else None,
-                           memories=self.memories, unused=self.unused)
+                           memories=self.memories, unused=self.unused,
+                           momentum=self.adams_link if self.adams_link.attached else None)
 
     def set_grad_scaler(self, grad_scaler) -> None:
         """Attach a ``torch.amp.GradScaler`` after construction (e.g. to an unpickled state);

@@ -111,6 +111,19 @@ class AdamS(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction}
         super().__init__(params, defaults)
+        self.masks = None
+
+    def follow_masks(self, masks) -> None:
+        """Step only where a mask says (SCAPE's shared mask, ``exchange="shared-mask"``): before
+        each step, ``masks.mask_of(p)`` gives a bool tensor shaped like ``p`` (or None: every
+        entry). Off the mask the first moment is zeroed before the step, so there the momentum
+        is 0, the normalizer is built from a zero gradient, and the parameter does not move
+        (weight decay aside); a gradient there is taken as 0. ``register_topk_hook(...,
+        exchange="shared-mask", optimizer=)``
+        calls this; None stops it."""
+        if masks is not None and not callable(getattr(masks, "mask_of", None)):
+            raise TypeError(f"masks must have a mask_of(param) method (or be None), got {type(masks).__name__}")
+        self.masks = masks
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -140,21 +153,30 @@ class AdamS(torch.optim.Optimizer):
                 state["step"] += 1
                 step = state["step"].item()
                 correction = 1.0 - beta1 ** step if group["bias_correction"] else 1.0
+                mask = None if self.masks is None else self.masks.mask_of(p)
+                if mask is not None:
+                    state["exp_avg"].mul_(mask)
                 _adams_update(p, p.grad, state["exp_avg"], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                              weight_decay=weight_decay, correction=correction)
+                              weight_decay=weight_decay, correction=correction, mask=mask)
         return loss
 
 
 def _adams_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,
-                  beta2: float, eps: float, weight_decay: float, correction: float) -> None:
-    """One element-wise AdamS step of ``p`` in place (in float32 for a 16-bit ``p``)."""
+                  beta2: float, eps: float, weight_decay: float, correction: float,
+                  mask: torch.Tensor | None = None) -> None:
+    """One element-wise AdamS step of ``p`` in place (in float32 for a 16-bit ``p``); with a
+    ``mask``, entries off it (whose momentum the caller zeroed) get no step, even at eps 0."""
     compute = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
     param = p if p.dtype == compute else p.to(compute)
     m = exp_avg if exp_avg.dtype == compute else exp_avg.to(compute)
     g = grad.to(compute)
+    if mask is not None:  # off the mask the gradient is 0 (the shared mask's hook sends 0 there)
+        g = torch.where(mask, g, 0.0)
     # The normalizer, from the previous momentum and the current gradient: before m moves.
     denom = (m / correction).square_().mul_(beta2).addcmul_(g, g, value=1.0 - beta2).sqrt_().add_(eps)
     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    if mask is not None:
+        denom.masked_fill_(~mask, 1.0)  # m is 0 there: a step of 0 (0 / eps would be NaN at eps 0)
     if weight_decay:
         param.mul_(1.0 - lr * weight_decay)
     param.addcdiv_(m, denom, value=-lr / correction)

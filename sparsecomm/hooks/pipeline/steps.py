@@ -127,6 +127,9 @@ def plan_wire(state, call: BucketCall, exchange: str, numel: int, density: float
     dense in warm-up and where ``exchange="auto"`` modelled the allreduce as fastest; dense too,
     with ``allow_dense_fallback``, where the sparse wire would not move fewer bytes."""
     config = state.config
+    if not call.warmup and exchange == "shared-mask":  # sized per tensor, by this step's and the next's density
+        return wires.SharedMaskWire(config, call.names, call.numels, density,
+                                    config.density_schedule(state.step + 1), call.value_dtype, call.world_size), None
     if not call.warmup and exchange != "dense":
         wire = build(config, exchange, numel, density, call.k, call.value_dtype, call.world_size)
         if not (config.allow_dense_fallback and not wire.smaller_than_dense(numel, buffer_dtype)):
@@ -150,13 +153,12 @@ def selection_sizes(config, density: float, numels: tuple[int, ...]) -> tuple[tu
 def build(config, exchange: str, numel: int, density: float, k: int, value_dtype: torch.dtype,
           world_size: int) -> wires.Wire:
     """The sparse wire of a bucket of ``numel`` entries sending ``k`` of them (the plan's k;
-    the wire's own ``capacity`` may round it to its geometry) over ``exchange``."""
+    the wire's own ``capacity`` may round it to its geometry) over ``exchange`` (not the shared
+    mask, sized per tensor by :func:`plan_wire`)."""
     if config.selector == "random":
         return wires.RandomKWire(config, k, value_dtype, world_size)
     if exchange == "shared-index":
         return wires.SharedIndexWire(config, numel, density, value_dtype, world_size)
-    if exchange == "shared-mask":
-        return wires.SharedMaskWire(config, k, value_dtype, world_size)
     layout = payload_layout(config, density, numel, k, value_dtype, world_size, exchange)
     if exchange == "owner":
         return wires.OwnerWire(config, layout, world_size)

@@ -11,7 +11,7 @@
   tensor is built and each name's values are copied over: allocation happens only then, never
   on an ordinary step.
 * :class:`HookMemories`: the error-feedback residuals, the momentum-correction velocities, the
-  owner exchange's second-level residuals and the shared-mask exchange's rates and ages (the
+  owner exchange's second-level residuals and the shared-mask exchange's next mask (the
   same on every rank: ``wires/shared_mask.py``), each a :class:`ParameterMemory`, and the
   float32 scratch in which a 16-bit bucket's acc is formed.
 """
@@ -167,24 +167,23 @@ class ParameterMemory:
 
 
 class HookMemories:
-    __slots__ = ("residuals", "velocities", "owner_residuals", "mask_rates", "mask_ages", "owner_ranges", "scratch")
+    __slots__ = ("residuals", "velocities", "owner_residuals", "masks", "owner_ranges", "scratch")
 
     def __init__(self):
         self.residuals = ParameterMemory()  # error feedback
         self.velocities = ParameterMemory()  # momentum correction (DGC)
         self.owner_residuals = ParameterMemory()  # exchange="owner": what an owner did not send on
-        self.mask_rates = ParameterMemory()  # exchange="shared-mask": synced gradient per step
-        self.mask_ages = ParameterMemory()  # exchange="shared-mask": steps since last sent
+        self.masks = ParameterMemory()  # exchange="shared-mask": the next step's mask (0/1, the same on every rank)
         # bucket index -> (names, numels, owned range, world size) the owner memory is folded for
         self.owner_ranges: dict[int, tuple] = {}
         self.scratch = None  # float32 scratch of the largest 16-bit bucket (wide memories), or None
 
     def all(self) -> tuple[ParameterMemory, ...]:
-        """The memories that hold gradients, in the grad scaler's units (the rates too; not the ages)."""
-        return self.residuals, self.velocities, self.owner_residuals, self.mask_rates
+        """The memories that hold gradients, in the grad scaler's units (not the masks)."""
+        return self.residuals, self.velocities, self.owner_residuals
 
     def clear(self) -> None:
-        for memory in (*self.all(), self.mask_ages):
+        for memory in (*self.all(), self.masks):
             memory.clear()
         self.owner_ranges = {}
 

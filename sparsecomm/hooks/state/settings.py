@@ -188,6 +188,9 @@ def options(config_class) -> dict[str, Option]:
     return {f.name: f.metadata["option"] for f in dataclasses.fields(config_class)}
 
 
+OPTIONAL_REALS = ("local_clip_norm", "leader_filter")  # "custom" options: None or a positive number
+
+
 def fingerprint(value) -> float:
     """A value no float64 holds (a list, a name) as one: the CRC-32 of its repr, equal on two
     ranks exactly when the values are (but for a collision, 1 in 2**32)."""
@@ -199,7 +202,7 @@ def agreement_value(name: str, spec: Option, value) -> float:
     if spec.kind in ("choice", "dtype"):
         return float(_choices(spec).index(value))
     if spec.kind == "custom":
-        if name == "local_clip_norm":
+        if name in OPTIONAL_REALS:
             return -1.0 if value is None else float(value)
         to_list = getattr(value, "to_list", None)  # a density schedule; else a link name or None
         return fingerprint(to_list() if to_list is not None else value)
@@ -212,7 +215,7 @@ def shown_value(name: str, spec: Option, value: float):
         choice = _choices(spec)[int(value)]
         return None if choice is None else str(choice) if spec.kind == "dtype" else choice
     if spec.kind == "custom":
-        if name == "local_clip_norm":
+        if name in OPTIONAL_REALS:
             return None if value == -1.0 else int(value) if value.is_integer() else value
         return f"{name.replace('_', ' ')} #{int(value):08x}"
     return value if spec.kind == "real" else int(value)
@@ -268,6 +271,16 @@ class DensitySchedule:
         return cls((*points, (steps, target)))
 
     @classmethod
+    def geometric(cls, target: float, steps: int, start: float = 1.0) -> "DensitySchedule":
+        """SCAPE's warm-up: ``start x (target / start) ** (t / steps)`` at step t < ``steps``
+        (one value per step), then ``target``."""
+        check_real("target density", target, 0.0, 1.0, low_open=True, high_open=False)
+        check_real("start", start, target, 1.0, low_open=False, high_open=False)
+        check_int("steps", steps, 1)
+        points = [(t, start * (target / start) ** (t / steps)) for t in range(steps)]
+        return cls((*points, (steps, target)))
+
+    @classmethod
     def piecewise(cls, points, target: float) -> "DensitySchedule":
         """A user list of ``(first_step, density)``; it must end at ``target``."""
         points = tuple(tuple(pair) for pair in points)
@@ -294,6 +307,7 @@ K_SCOPES = ("bucket", "parameter")
 BUDGETS = ("bucket", "model")
 OVERFLOW_CHOICES = ("rollback", "drop")
 EXCHANGE_CHOICES = ("allgather", "owner", "shared-index", "shared-mask", "auto")
+OWNER_DROPPED_CHOICES = ("owner", "sender")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +346,8 @@ class TopKConfig:
     density_schedule: DensitySchedule | None = option(
         None, "start denser: the exponential kind is DGC's warm-up (each stage sends ~1/4 of the previous); "
               '`stats()["density"]` shows the current one',
-        accepted='`None`, `{"kind": "exponential", "steps": N, "stages": S}`, or `[(first_step, density), ...]` '
+        accepted='`None`, `{"kind": "exponential", "steps": N, "stages": S}`, `{"kind": "geometric", "steps": N}` '
+                 '(SCAPE\'s warm-up from 1.0), or `[(first_step, density), ...]` '
                  "ending at `density`")
     # Switches.
     allow_dense_fallback: bool = option(True, "`False` forces the sparse path even where it moves more bytes",
@@ -383,18 +398,42 @@ class TopKConfig:
                      "what the others send it, keeps an owner residual and returns its selection, about 2k entries "
                      'received whatever the world size; `"shared-index"` (exact or chunked, float values): a '
                      'rotating leader broadcasts its selection and the values are allreduced; `"shared-mask"` (exact, '
-                     "float values): every rank derives the same mask from the synced gradient and each entry's age, one "
-                     "step ahead, "
+                     "float values, the job's optimizer `sparsecomm.optim.AdamS`): SCAPE's reducer, AdamS's first "
+                     "moment synchronised at a per-tensor mask its owners chose one step before, "
                      'and the values are allreduced, no index bytes (SCAPE); `"auto"`: the cheapest of allgather, '
                      "owner and shared-index per bucket, modelled on `link` ([exchange.md](exchange.md))",
         kind="choice", choices=EXCHANGE_CHOICES, checkpoint="if-set")
-    mask_refresh: float = option(
-        0.25, 'the share of a shared mask given to a window that sweeps the bucket, so that every entry is sent at '
-              "least once every ceil(numel / ceil(mask_refresh x k)) steps", kind="real", low=0.0, low_open=True,
-        high=1.0, condition='with `exchange="shared-mask"` only', checkpoint="if-set")
+    mask_dense_norms: bool = option(
+        True, "the shared mask sends norm weights and biases whole (tensors whose name holds layernorm, layer_norm, "
+              "rmsnorm, rms_norm or bias: SCAPE's default); `False` ranks them like the others", kind="bool",
+        condition='with `exchange="shared-mask"` only', checkpoint="if-set")
+    # ScaleCom's low-pass filter (Chen et al., NeurIPS 2020, Algorithm 1): the memory keeps
+    # (1 - beta) of itself and takes beta of what this step left, so that the rotating
+    # leader's top-k follows what the ranks' memories share rather than one rank's noise.
+    leader_filter: float | None = option(
+        None, "ScaleCom's low-pass filter on the error-feedback memory of the shared-index exchange: "
+              "`residual = (1 - beta) residual + beta (acc - sent)`, so the rotating leader's top-k follows the "
+              "ranks' common part; `None` (and 1) is plain error feedback. Below 1 the memory no longer keeps "
+              "`sent + residual == acc` ([exchange.md](exchange.md#scalecoms-low-pass-filter-leader_filter))",
+        accepted="`None` or a number in (0, 1]",
+        condition='with `exchange="shared-index"` and `error_feedback` only; below 1 not with `verify_conservation`',
+        checkpoint="if-set")
+    diagnose_leader_overlap: bool = option(
+        False, "measure, per bucket and step, the share of the leader's k indices that are among the top k of the "
+               'sum over ranks of acc (`stats()["leader_overlap"]`); costs one dense allreduce per bucket',
+        kind="bool", condition='with `exchange="shared-index"` only', checkpoint="never")
     link: str | None = option(None, "the link `exchange=\"auto\"` models (`None`: `10gbit@50us`)",
                               accepted='`None` or a link name such as `"1gbit@50us"`',
                               condition='with `exchange="auto"` only', checkpoint="if-set")
+    # Ok-Topk (Li and Hoefler, PPoPP 2022): what an owner's re-selection drops goes back to the
+    # senders' residuals instead of staying in the owner's.
+    owner_dropped: str = option(
+        "owner", "where the owner exchange keeps what an owner's re-selection drops: `\"owner\"` in the owner's owner "
+                 "residual; `\"sender\"` (Ok-Topk) back in each sender's residual, its own part, so no mass stays with "
+                 "another rank and the owner residual keeps only the rounding of its reply "
+                 "([exchange.md](exchange.md#what-the-re-selection-drops-owner_dropped))",
+        kind="choice", choices=OWNER_DROPPED_CHOICES, condition='`"sender"` with `exchange="owner"` or `"auto"` only',
+        checkpoint="if-set")
     # A CRC-32C sealing every payload of the sparse all-gathers, owner messages and index
     # broadcasts, checked by every receiver before it decodes anything (off: the opt-out).
     wire_checksum: bool = option(
@@ -427,6 +466,8 @@ class TopKConfig:
             "density_schedule": _resolve_schedule(density_schedule, density),
             "transport": check_transport(s.get("transport", cls.transport), selector),
             "link": _check_link(s.get("link")),
+            "leader_filter": None if s.get("leader_filter") is None else check_real(
+                "leader_filter", s["leader_filter"], 0.0, 1.0, low_open=True, high_open=False),
             "budget": None if s.get("budget") is None else specs["budget"].check("budget", s["budget"]),
         }
         for name, spec in specs.items():
@@ -467,6 +508,10 @@ class TopKConfig:
             if self.selector not in ("exact", "chunk"):
                 raise ValueError(f"exchange='owner' sends every owner a fixed-size selection of its range, so it "
                                  f"needs selector 'exact' (top-k per range) or 'chunk', got selector={self.selector!r}")
+        if self.owner_dropped != TopKConfig.owner_dropped and self.exchange not in ("owner", "auto"):
+            raise ValueError(f"owner_dropped={self.owner_dropped!r} says where the owner exchange keeps what an "
+                             f"owner's re-selection drops: it needs exchange='owner' or 'auto', got "
+                             f"exchange={self.exchange!r}")
         if self.exchange == "shared-index":
             if self.selector not in ("exact", "chunk"):
                 raise ValueError(f"exchange='shared-index' broadcasts one rank's top-k (exact or per chunk): it "
@@ -480,16 +525,21 @@ class TopKConfig:
                                  f"transport={self.transport!r}, k_scope={self.k_scope!r}")
         if self.exchange == "shared-mask":
             if self.selector != "exact" or self.value_codec is not None:
-                raise ValueError(f"exchange='shared-mask' selects its own k entries (the shared mask) and sums their "
+                raise ValueError(f"exchange='shared-mask' selects its own entries (the shared mask) and sums their "
                                  f"values with an allreduce: it needs selector='exact' and a float wire (value_codec "
                                  f"None, 'fp32', 'bf16' or 'fp16'), got selector={self.selector!r}, "
                                  f"value_codec={self.value_codec!r}")
             if self.transport != "c10d" or self.k_scope != "bucket":
-                raise ValueError(f"exchange='shared-mask' needs transport='c10d' and k_scope='bucket', got "
-                                 f"transport={self.transport!r}, k_scope={self.k_scope!r}")
-        elif self.mask_refresh != TopKConfig.mask_refresh:
-            raise ValueError(f"mask_refresh={self.mask_refresh} is a setting of exchange='shared-mask' (got "
+                raise ValueError(f"exchange='shared-mask' needs transport='c10d' and k_scope='bucket' (its masks are "
+                                 f"per tensor already), got transport={self.transport!r}, k_scope={self.k_scope!r}")
+            if self.momentum != 0 or not self.error_feedback:
+                raise ValueError(f"exchange='shared-mask' synchronises AdamS's own first moment with momentum-space "
+                                 f"error feedback: it needs momentum=0 and error_feedback=True, got "
+                                 f"momentum={self.momentum}, error_feedback={self.error_feedback}")
+        elif self.mask_dense_norms is not TopKConfig.mask_dense_norms:
+            raise ValueError(f"mask_dense_norms={self.mask_dense_norms} is a setting of exchange='shared-mask' (got "
                              f"exchange={self.exchange!r})")
+        self._check_leader_settings()
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (it is a variant of momentum correction)")
         if self.error_feedback and self.warmup_steps < 2:
@@ -506,6 +556,28 @@ class TopKConfig:
                              "which error_feedback=False does not keep: leave residual_dtype None")
         if self.verify_conservation and not self.error_feedback:
             raise ValueError("verify_conservation=True requires error_feedback=True (no residual to check)")
+
+    def _check_leader_settings(self) -> None:
+        """``leader_filter`` and ``diagnose_leader_overlap`` are the shared-index exchange's."""
+        for name in ("leader_filter", "diagnose_leader_overlap"):
+            value = getattr(self, name)
+            if value != getattr(TopKConfig, name) and self.exchange != "shared-index":
+                raise ValueError(f"{name}={value!r} is a setting of exchange='shared-index' (the rotating leader's "
+                                 f"index set), got exchange={self.exchange!r}")
+        if self.leader_filter is not None and not self.error_feedback:
+            raise ValueError(f"leader_filter={self.leader_filter} filters the error-feedback memory: it needs "
+                             "error_feedback=True")
+        if self.filtered_memory_beta is not None and self.verify_conservation:
+            raise ValueError(f"leader_filter={self.leader_filter} (below 1) keeps (1 - beta) of the old residual and "
+                             "only beta of what was not sent, so sent + residual == acc no longer holds and "
+                             "verify_conservation=True would fail every step: use one of them (leader_filter None or "
+                             "1 is plain error feedback, which the audit checks)")
+
+    @property
+    def filtered_memory_beta(self) -> float | None:
+        """The beta of ``leader_filter`` where it changes the memory (below 1), else None."""
+        beta = self.leader_filter
+        return beta if beta is not None and beta < 1.0 else None
 
     def checkpoint_dict(self) -> dict:
         """The settings a checkpoint must match to be restored into this config (those whose
@@ -573,12 +645,15 @@ def _resolve_schedule(spec, density: float) -> DensitySchedule:
             raise ValueError(f"density_schedule must end at density={density}, but it ends at {spec.target}")
         return spec
     if isinstance(spec, dict):
-        if spec.get("kind") != "exponential" or not set(spec) <= {"kind", "steps", "stages"} or "steps" not in spec:
-            raise ValueError(
-                "density_schedule as a dict must be {'kind': 'exponential', 'steps': N[, 'stages': S]}, "
-                f"got {spec!r}"
-            )
-        return DensitySchedule.exponential(density, spec["steps"], spec.get("stages", 4))
+        kind = spec.get("kind")
+        if kind == "exponential" and set(spec) <= {"kind", "steps", "stages"} and "steps" in spec:
+            return DensitySchedule.exponential(density, spec["steps"], spec.get("stages", 4))
+        if kind == "geometric" and set(spec) <= {"kind", "steps", "start"} and "steps" in spec:
+            return DensitySchedule.geometric(density, spec["steps"], spec.get("start", 1.0))
+        raise ValueError(
+            "density_schedule as a dict must be {'kind': 'exponential', 'steps': N[, 'stages': S]} or "
+            f"{{'kind': 'geometric', 'steps': N[, 'start': 1.0]}}, got {spec!r}"
+        )
     if isinstance(spec, (list, tuple)):
         return DensitySchedule.piecewise(spec, density)
     raise TypeError(

@@ -16,7 +16,7 @@ import torch
 
 _RANK_KEY = re.compile(r"^rank(\d+)\.(.+)$")
 _PER_RANK_FIELDS = {"stats", "sample_generator", "sample_generator_device"}
-MEMORY_KINDS = ("residual", "velocity", "owner_residual", "mask_rate", "mask_age")
+MEMORY_KINDS = ("residual", "velocity", "owner_residual", "mask")
 MAX_SHARE = 2 ** 53
 """Bound of a share of the model's k (budget_shares): a share is at most its parameter's
 element count, which no tensor takes past 2**53, the last count float64 holds exactly;
@@ -87,7 +87,7 @@ def parse(state_dict, rank: int, expected_format: int) -> ParsedStateDict:
     if odd:
         raise ValueError(f"state_dict has {len(odd)} key(s) that TopKState.state_dict() never writes "
                          f"(first: {odd[:3]!r}); expected 'rank<r>.residual.<name>', 'rank<r>.velocity.<name>', "
-                         f"'rank<r>.owner_residual.<name>', 'rank<r>.mask_rate.<name>', 'rank<r>.mask_age.<name>', "
+                         f"'rank<r>.owner_residual.<name>', 'rank<r>.mask.<name>', "
                          f"'rank<r>.stats', 'rank<r>.sample_generator' and the top-level format, world_size, step, "
                          "config, memory_scale")
     bad_ranks = sorted(r for r in ranks if r >= world_size)
@@ -118,11 +118,11 @@ def mismatches(parsed: ParsedStateDict, param_shapes: dict, error_feedback: bool
                rank: int, owner: bool = False, shared_mask: bool = False) -> list[str]:
     """Problems of a well-formed state dict against the bound model (empty if it fits).
     ``owner``: the state keeps owner residuals (exchange="owner" with error feedback);
-    ``shared_mask``: it keeps mask rates and ages (exchange="shared-mask")."""
+    ``shared_mask``: it keeps the next step's mask (exchange="shared-mask")."""
     problems = []
     residuals, velocities = parsed.memories["residual"], parsed.memories["velocity"]
     owner_residuals = parsed.memories["owner_residual"]
-    mask = {"mask rate": parsed.memories["mask_rate"], "mask age": parsed.memories["mask_age"]}
+    mask = {"mask": parsed.memories["mask"]}
     for kind, entries in (("residual", residuals), ("velocity", velocities), ("owner residual", owner_residuals),
                           *mask.items()):
         if param_shapes:

@@ -11,8 +11,9 @@ wire                       when                                                 
 ``OwnerWire``              ``exchange="owner"``: owners of ranges sum and re-select      ~2 (p-1)/p payload
 ``SharedIndexWire``        ``exchange="shared-index"``: a rotating leader's index set,   ~2 k values + the
                            every rank's values there allreduced                          index set
-``SharedMaskWire``         ``exchange="shared-mask"``: a mask every rank derives alike   ~2 k values
-                           from the synced gradient and ages, values allreduced
+``SharedMaskWire``         ``exchange="shared-mask"``: SCAPE's reducer under AdamS, the  ~2 k values + a
+                           owners' per-tensor mask of the step before, values          bitmap of the
+                           allreduced                                                  bucket
 ``RandomKWire``            ``selector="random"``: indices from a shared seeded stream,   ~2 k values
                            values allreduced
 ``DenseWire``              warm-up, the dense fallback, or ``exchange="auto"``'s choice  ~2 x the bucket

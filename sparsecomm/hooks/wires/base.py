@@ -59,16 +59,18 @@ class WireContext:
     ``step`` say where the call sits; ``transport`` is the MPI transport (None: c10d);
     ``generator(device)`` gives the seeded stream of the sampled selector; ``memories`` (the
     hook's per-parameter memories, or None) and ``unused`` (the record of what was sent, for
-    parameters DDP may drop as unused, or None) are the hook's."""
+    parameters DDP may drop as unused, or None) are the hook's; ``momentum`` (the job's AdamS as
+    the shared mask reads it, ``state.adams_link.AdamSLink``, or None) too."""
 
     __slots__ = ("caller", "count", "journal", "seals", "rank", "step", "transport", "generator", "memories",
-                 "unused")
+                 "unused", "momentum")
 
     def __init__(self, *, caller: str, count, seals, rank: int, step: int, journal=None, transport=None,
-                 generator=None, memories=None, unused=None):
+                 generator=None, memories=None, unused=None, momentum=None):
         self.caller = caller  # who runs the wire, for its errors: "topk_hook", "SparseDeltaAverager"
         self.count, self.journal, self.seals, self.rank, self.step = count, journal, seals, rank, step
         self.transport, self.generator, self.memories, self.unused = transport, generator, memories, unused
+        self.momentum = momentum
 
 
 class WireCall:
@@ -78,7 +80,7 @@ class WireCall:
     kernel may form it in the same pass as the selection, as ``grad / divisor + residual`` (the
     hook divides by the world size; the averager, which averages after the sum, by 1).
     ``owner_memory``, ``mask_memory``
-    (rate, age) and ``audit`` are set by :meth:`Wire.prepare` and ``verify_conservation``."""
+    (the shared mask's: mask, AdamS's moment, beta1) and ``audit`` are set by :meth:`Wire.prepare` and ``verify_conservation``."""
 
     __slots__ = ("context", "index", "names", "numels", "group", "world_size", "divisor", "grad", "out", "ks", "k",
                  "value_dtype", "fusable", "wire", "owner_memory", "mask_memory", "audit")

@@ -9,7 +9,6 @@ import torch
 
 from sparsecomm.comm import allreduce_future, link_model
 from sparsecomm.hooks.state.unused_parameters import SentRecord
-from sparsecomm.hooks.wires import shared_mask
 from sparsecomm.hooks.wires.base import Wire
 
 
@@ -28,15 +27,6 @@ class DenseWire(Wire):
     def modelled_seconds(self, numel, buffer_dtype, link) -> float:
         return link_model.ring_allreduce_seconds(numel * buffer_dtype.itemsize, self.world_size,
                                                  rate_bytes_per_s=link.bytes_per_s, alpha_s=link.latency_s)
-
-    def prepare(self, call, residual) -> list[torch.Tensor]:
-        kept = super().prepare(call, residual)
-        if self.config.exchange == "shared-mask":  # its mask learns from every reduced bucket, dense ones too
-            kept += shared_mask.read_memories(call)
-        return kept
-
-    def follow(self, call, fut, indices):
-        return fut if call.mask_memory is None else fut.then(shared_mask.follow_reduced(*call.mask_memory, None))
 
     def reduce(self, call, velocity, residual) -> torch.futures.Future:
         """Allreduce the bucket, compensated (steps 2-6 in one); any residual is sent in full and cleared."""

@@ -1,9 +1,9 @@
 """An arm as data: a name, the reducer, the reducer's options and the optimizer's changes.
 
-Eleven preset names: six (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
+Preset names: six (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
 ``topk-dgc``: :data:`HOOK_PRESETS`) resolve from the experiment's fields (density,
-dgc_momentum, wire settings, powersgd_rank), and five (``sparseloco``, ``sparseloco-overlap``,
-``topk-sign``, ``shared-mask``, ``scape``:
+dgc_momentum, wire settings, powersgd_rank), and the others (``sparseloco``,
+``sparseloco-overlap``, ``topk-sign``, ``scape``, ``scape-10pc``, ``dense-adams``, ...:
 :data:`FIXED_PRESETS`) carry options of their own. Any other arm is defined in
 ``ExperimentConfig.arm_definitions``, in a config file::
 
@@ -73,13 +73,18 @@ FIXED_PRESETS = {
     # with 1-bit values, sign-SGD on the aggregate.
     "topk-sign": {"reducer": "topk", "options": {"selector": "chunk", "index_codec": "rice", "value_codec": "sign"},
                   "optimizer": {"optimizer": "signsgd"}},
-    # SCAPE's idea (exchange="shared-mask"): a mask every rank derives from the synced gradient and
-    # each entry's age, values allreduced, no index bytes, traffic flat in p; with DGC's momentum
-    # correction, as topk-dgc (plain top-k + error feedback into AdamW loses quality).
-    "shared-mask": {"reducer": "topk", "options": {"density": 0.01, "momentum": 0.9, "exchange": "shared-mask"}},
-    # SCAPE's method as the paper runs it: the shared mask under AdamS (sparsecomm.AdamS).
-    "scape": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask"},
-              "optimizer": {"optimizer": "adams"}},
+    # SCAPE's reducer (exchange="shared-mask", sparsecomm/hooks/wires/shared_mask.py): AdamS's first
+    # moment synchronised at the per-tensor mask its owners chose one step before, density warmed
+    # up geometrically from 1.0 over the first 10% of the default task's 400 steps (the authors':
+    # 10,000 of 100,000). AdamS at lr 1e-3: at the task's AdamW lr (3e-3) dense AdamS is worse
+    # (docs/results.md). ``dense-adams`` is the dense baseline it is judged against besides dense.
+    "scape": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask",
+                                             "density_schedule": {"kind": "geometric", "steps": 40}},
+              "optimizer": {"optimizer": "adams", "lr": 1e-3}},
+    "scape-10pc": {"reducer": "topk", "options": {"density": 0.1, "exchange": "shared-mask",
+                                                  "density_schedule": {"kind": "geometric", "steps": 40}},
+                   "optimizer": {"optimizer": "adams", "lr": 1e-3}},
+    "dense-adams": {"reducer": "allreduce", "options": {}, "optimizer": {"optimizer": "adams", "lr": 1e-3}},
 }
 """Presets with options of their own (their run hash covers them, as a defined arm's does)."""
 PRESETS = (*HOOK_PRESETS, *FIXED_PRESETS)
@@ -90,7 +95,8 @@ seed (the run's seed), grad_scaler and on_overflow (tasks run without a loss sca
 default on_overflow="rollback")."""
 POWERSGD_OPTIONS = ("rank", "start_iter", "use_error_feedback", "warm_start")
 SPARSE_DELTA_OPTIONS = ("period", "density", "selector", "chunk_size", "index_codec", "value_codec", "outer_lr",
-                        "ef_decay", "exchange", "link", "overlap")
+                        "ef_decay", "exchange", "link", "overlap", "owner_dropped", "leader_filter",
+                        "diagnose_leader_overlap")
 """SparseDeltaAverager keywords: local steps, then every ``period`` steps a sparse outer sync."""
 SPARSE_DELTA_DEFAULTS = {"period": 10, "selector": "chunk", "chunk_size": 4096, "index_codec": "rice",
                          "value_codec": "int2", "outer_lr": 0.7, "ef_decay": 0.95}

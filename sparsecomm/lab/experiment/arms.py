@@ -18,7 +18,8 @@ The presets with options of their own (``arm_spec.FIXED_PRESETS``): ``sparseloco
 ``sparseloco-overlap``, ``sparse-delta`` arms, train locally and sync the weights every
 ``period`` steps through :class:`sparsecomm.SparseDeltaAverager` (their comm hook reduces
 nothing); ``topk-sign`` is the sign mode, a ``topk_hook`` with 1-bit values under sign-SGD;
-``shared-mask`` and ``scape`` are ``topk_hook`` arms on the shared-mask exchange. A ``local``
+``scape`` and ``scape-10pc`` are ``topk_hook`` arms on the shared-mask exchange (SCAPE's reducer,
+linked to the run's AdamS by the worker). A ``local``
 arm (only as data) reduces nothing at all: the no-communication floor of the step time.
 """
 import contextlib

@@ -181,6 +181,8 @@ def train_run(config: ExperimentConfig, arm: str, seed: int, out_dir: Path | Non
         ddp = model
         arm_hook, meter = hsdp_arms.hsdp_arm(arm, config, model, mesh, seed)
     optimizer = make_optimizer(config, ddp.parameters(), arm)
+    if isinstance(arm_hook.state, TopKState) and arm_hook.state.config.exchange == "shared-mask":
+        arm_hook.state.attach_optimizer(optimizer)  # SCAPE's reducer synchronises AdamS's first moment
     checkpoints = None
     start_step, counters, rows, evals = 0, {}, [], []
     if config.checkpoint_every and out_dir is not None:
