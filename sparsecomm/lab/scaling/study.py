@@ -157,6 +157,9 @@ def make_study(args: argparse.Namespace, batch: str | None = None) -> Study:
     """Every argument checked (ValueError naming it), every point's config built: nothing runs.
     ``batch``: the mode of this study (default: --batch, which must then be one mode)."""
     batch = batch or args.batch
+    if batch not in BATCH_MODES:  # "both" is two studies: make_studies
+        raise ValueError(f"make_study: batch must be one of {BATCH_MODES} (make_studies makes one study per mode of "
+                         f"--batch {BOTH_BATCH_MODES}), got {batch!r}")
     world_sizes = check_world_sizes(args.world_sizes)
     budget = check_step_budget(getattr(args, "step_budget", None))
     base = experiment_from_source(args)
