@@ -16,7 +16,11 @@ the syncs (sync s is led by rank s mod p): it selects from its own ``e`` and bro
 index region (the index codec's bytes, once), every rank sends its ``e`` there in a float
 wire dtype, an allreduce sums them, and ``e -= sent`` on every rank. What a rank receives is
 then the index region and 2 (p-1)/p x k values whatever p is, where the all-gather's grows
-as (p-1) payloads (docs/exchange.md). With ``exchange="owner"``
+as (p-1) payloads (docs/exchange.md). ``leader_filter`` (beta) puts ScaleCom's low-pass
+filter on ``e`` there: ``e = (1 - beta) ef_decay e + beta (ef_decay e + delta - sent)``
+(:func:`sparsecomm.hooks.wires.shared_index.low_pass`), and ``diagnose_leader_overlap``
+measures how many of the leader's indices are among the top k of the ranks' summed buffers.
+With ``exchange="owner"``
 (the owner wire, :mod:`sparsecomm.hooks.wires.owner`) every rank sends each owner its selection of that
 owner's range, the owner sums them with its owner residual and selects again at the same
 density and codecs, and the owners' replies are all-gathered: about k entries sent and
@@ -55,10 +59,13 @@ from sparsecomm.hooks.pipeline import steps
 from sparsecomm.hooks.wires.base import WireCall, WireContext
 from sparsecomm.hooks.wires.integrity import StepSeals
 from sparsecomm.hooks.wires.shared_index_owners import SharedIndexOwnersWire
-from sparsecomm.hooks.state.settings import check_choice, check_int, check_real
+from sparsecomm.hooks.state.settings import check_bool, check_choice, check_int, check_real
 
 STATS = ("syncs", "bytes_sent", "bytes_dense", "bytes_received", "elements_sent", "elements_total",
-         "seconds_encode", "seconds_exchange", "seconds_decode")
+         "seconds_encode", "seconds_exchange", "seconds_decode", "leader_overlap_syncs", "leader_overlap_sum")
+LEADER_OVERLAP = {"leader_overlap_buckets": "leader_overlap_syncs", "leader_overlap_sum": "leader_overlap_sum"}
+"""The wire's counts the averager keeps (``diagnose_leader_overlap``; the model is one bucket, so a
+measured bucket is a measured sync), under its own names; the wire's timings are inside its own."""
 
 
 EXCHANGES = ("allgather", "owner", "shared-index", "auto")
@@ -80,7 +87,8 @@ class StartedSync:
 
 
 def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
-                   exchange="allgather", link=None, overlap=False) -> TopKConfig:
+                   exchange="allgather", link=None, overlap=False, leader_filter=None,
+                   diagnose_leader_overlap=False) -> TopKConfig:
     """The averager's settings checked (ValueError/TypeError naming the argument and its
     range); returns the wire's TopKConfig. Needs no model: configs are checked before a run."""
     check_int("period", period, 1)
@@ -90,6 +98,14 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     check_choice("exchange", exchange, EXCHANGES)
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if leader_filter is not None:
+        leader_filter = check_real("leader_filter", leader_filter, 0.0, 1.0, low_open=True, high_open=False)
+    check_bool("diagnose_leader_overlap", diagnose_leader_overlap)
+    for name, value, default in (("leader_filter", leader_filter, None),
+                                 ("diagnose_leader_overlap", diagnose_leader_overlap, False)):
+        if value != default and exchange != "shared-index":
+            raise ValueError(f"{name}={value!r} is a setting of exchange='shared-index' (the rotating leader's index "
+                             f"set), got exchange={exchange!r}")
     # The wire's own validation: the same refusals and messages as the hook's (shared-index:
     # a float wire). The averager keeps its own error feedback, so the hook's (and its
     # warm-up) is off here; the wire checksum is on, as the hook's default: every payload the
@@ -97,10 +113,13 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     # Its shared-index exchange also takes quantized values (through the owners), which the
     # hook's does not: those settings are checked as the hook's all-gather wire.
     quantized = is_quantized(value_codec)
-    return TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
-                            value_codec=value_codec, warmup_steps=0, error_feedback=False,
-                            exchange="allgather" if exchange == "shared-index" and quantized else exchange,
-                            wire_checksum=True, link=link)
+    config = TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
+                              value_codec=value_codec, warmup_steps=0, error_feedback=False,
+                              exchange="allgather" if exchange == "shared-index" and quantized else exchange,
+                              wire_checksum=True, link=link)
+    # The shared-index wire reads the leader's settings from its config; checked above against
+    # the averager's own exchange and error feedback (which the hook's checks do not see).
+    return dataclasses.replace(config, leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap)
 
 
 def is_quantized(value_codec: str | None) -> bool:
@@ -121,11 +140,6 @@ def choose_exchange(config: TopKConfig, numel: int, density: float, world_size: 
                                              compress.num_selected(numel, density))
     costs.pop("dense", None)
     return min(costs, key=costs.get)  # ties: the first, in the cost model's candidate order
-
-
-def _timings_not_kept(**_seconds) -> None:
-    """The wires' own timings (checksum, decode, the owner's reduce): inside the averager's
-    seconds_encode / seconds_exchange / seconds_decode, which it counts itself."""
 
 
 class SparseDeltaAverager:
@@ -151,6 +165,16 @@ class SparseDeltaAverager:
             choice is :attr:`exchange`). Only time is modelled, not quality.
         link: the link "auto" models, e.g. "1gbit@100us" (None: the hook's default,
             10 Gb/s with 50 us per message); only with ``exchange="auto"``.
+        leader_filter: with ``exchange="shared-index"``: ScaleCom's low-pass filter on the
+            error buffer, beta in (0, 1] (None, the default, and 1: plain error feedback):
+            ``e = (1 - beta) (ef_decay e) + beta (ef_decay e + delta - decoded(sent))``, so the
+            rotating leader's selection of its own buffer follows what the replicas share
+            (docs/exchange.md). Below 1, what is sent plus the new buffer is no longer the old
+            buffer plus delta.
+        diagnose_leader_overlap: with ``exchange="shared-index"``: at every sync, one more
+            allreduce (the ranks' buffers summed, dense) and the share of the leader's indices
+            among the top k of that sum; :meth:`stats` ``leader_overlap`` (mean over the syncs
+            measured) and ``leader_overlap_last``. A diagnostic: off by default.
         overlap: False (default): a sync finishes inside the :meth:`step` that starts it.
             True: the sync's last collective (the all-gather of the payloads or of the
             owners' replies, or the shared-index allreduce) runs while the next optimizer step
@@ -172,7 +196,8 @@ class SparseDeltaAverager:
                  chunk_size: int = 4096, index_codec: str = "rice", value_codec: str | None = "int2",
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
                  register_hook: bool = True, exchange: str = "allgather", link: str | None = None,
-                 overlap: bool = False, mesh=None, replicate_dim: str = "replicate", shard_dim: str = "shard"):
+                 overlap: bool = False, mesh=None, replicate_dim: str = "replicate", shard_dim: str = "shard",
+                 leader_filter: float | None = None, diagnose_leader_overlap: bool = False):
         sharded = is_fsdp_module(ddp_model)
         if not sharded and not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model or an FSDP2 (fully_shard) "
@@ -184,7 +209,8 @@ class SparseDeltaAverager:
             raise ValueError("mesh is for FSDP2 models; a DDP model averages over process_group")
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
-                                     ef_decay=ef_decay, exchange=exchange, link=link, overlap=overlap)
+                                     ef_decay=ef_decay, exchange=exchange, link=link, overlap=overlap,
+                                     leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap)
         self.wire_config = wire_config
         self.agreed = False  # the ranks' settings were compared (at the first sync, and again after a load)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
@@ -225,6 +251,7 @@ class SparseDeltaAverager:
         self.step_count = 0
         self.counters = dict.fromkeys(STATS, 0)
         self.counters["seconds_encode"] = self.counters["seconds_exchange"] = self.counters["seconds_decode"] = 0.0
+        self.leader_overlap_last = None  # diagnose_leader_overlap: the last sync's (not saved: a figure)
         if register_hook:  # False: the caller registers local_gradient_hook itself (wrapped, e.g. timed)
             ddp_model.register_comm_hook(None, local_gradient_hook)
 
@@ -318,7 +345,14 @@ class SparseDeltaAverager:
         owner exchange's owner residual its owners' second level; every payload sealed and
         checked; the future's value is the sum over ranks of what they sent (the owners' replies)."""
         wire, world_size = self.wire, self.world_size
-        call = self._wire_call(step, self.anchor - weights, torch.empty_like(self.anchor))
+        kept = dict.fromkeys(LEADER_OVERLAP.values(), 0)
+
+        def count(**counted):  # the leader overlap kept; the wire's timings are inside the averager's seconds_*
+            for name, value in counted.items():
+                if name in LEADER_OVERLAP:
+                    kept[LEADER_OVERLAP[name]] += value
+
+        call = self._wire_call(step, self.anchor - weights, torch.empty_like(self.anchor), count)
         new_owner_residual = call.owner_memory = None if self.owner_residual is None else self.owner_residual.clone()
         fused = wire.fuses_compensation(call)
         if not fused:  # the reference forms acc here, the kernel in its own pass
@@ -349,12 +383,13 @@ class SparseDeltaAverager:
 
         return StartedSync(step, future, new_error, outer_step, refused, commit,
                            dict(bytes_sent=wire.bytes_sent(call, packed), elements_sent=packed.count,
-                                bytes_received=wire.bytes_received(call, packed)))
+                                bytes_received=wire.bytes_received(call, packed), **kept))
 
-    def _wire_call(self, step: int, delta: torch.Tensor, out: torch.Tensor) -> WireCall:
+    def _wire_call(self, step: int, delta: torch.Tensor, out: torch.Tensor, count) -> WireCall:
         """The model's flat buffer as the one bucket of a wire call, for the sync at ``step``
-        (the context's step is the sync's number, which rotates the shared-index leader)."""
-        context = WireContext(caller="SparseDeltaAverager", count=_timings_not_kept, seals=StepSeals(),
+        (the context's step is the sync's number, which rotates the shared-index leader);
+        ``count`` takes the wire's counts."""
+        context = WireContext(caller="SparseDeltaAverager", count=count, seals=StepSeals(),
                               rank=dist.get_rank(self.process_group), step=step // self.period - 1)
         group = dist.group.WORLD if self.process_group is None else self.process_group
         call = WireCall(context, 0, ("model",), (delta.numel(),), group, self.world_size)
@@ -382,6 +417,8 @@ class SparseDeltaAverager:
         if sync.weights is not None:  # overlap: keep the local step(s) taken while it travelled
             weights = new_anchor + (self._flat_weights() - sync.weights)
         self.anchor, self.error = new_anchor, sync.new_error
+        if sync.counts["leader_overlap_syncs"]:
+            self.leader_overlap_last = sync.counts["leader_overlap_sum"] / sync.counts["leader_overlap_syncs"]
         self._write_weights(weights)
         done = time.perf_counter()
         self._count(syncs=1, bytes_dense=self.anchor.numel() * 4, elements_total=self.anchor.numel(),
@@ -425,6 +462,9 @@ class SparseDeltaAverager:
         s["steps"] = self.step_count
         s["compression"] = s["bytes_sent"] / s["bytes_dense"] if s["bytes_dense"] else None
         s["bytes_sent_per_step"] = s["bytes_sent"] / self.step_count if self.step_count else None
+        measured = s["leader_overlap_syncs"]
+        s["leader_overlap"] = s["leader_overlap_sum"] / measured if measured else None
+        s["leader_overlap_last"] = self.leader_overlap_last
         s["residual_reset"] = False
         return s
 
@@ -438,6 +478,8 @@ class SparseDeltaAverager:
             settings["link"] = self.link
         if self.overlap:
             settings["overlap"] = True
+        if self.wire_config.leader_filter is not None:  # (what the error buffer holds depends on it)
+            settings["leader_filter"] = self.wire_config.leader_filter
         return settings
 
     def state_dict(self) -> dict:

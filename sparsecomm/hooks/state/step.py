@@ -65,16 +65,32 @@ COUNTERS = (
     "shared_index_calls",  # sparse calls on the leader's index set (exchange="shared-index")
     "seconds_index_broadcast",  # host time blocked in the shared-index exchange's broadcast
     "shared_mask_calls",  # sparse calls on the mask every rank derives alike (exchange="shared-mask")
+    "leader_overlap_buckets",  # shared-index buckets whose leader overlap was measured (diagnose_leader_overlap)
+    "leader_overlap_sum",  # their overlaps summed: |leader's index set & top k of the summed acc| / k
+    "seconds_leader_overlap",  # host time of that diagnostic (its dense allreduce and top-k)
     "skipped_steps",  # steps undone in the hook's memory (overflow, or skip_step())
     "unused_restored",  # parameters whose sent entries went back to the residual (unused by every rank)
 )
 
 
+MEANS = {"leader_overlap": ("leader_overlap_sum", "leader_overlap_buckets")}
+"""Figures kept beside the counters: name -> (the counter summed, the counter of what it sums
+over); their mean, or None where nothing was counted."""
+
+
+def with_means(counters: dict) -> dict:
+    """``counters`` with every figure of :data:`MEANS` set from them (in place; returned)."""
+    for name, (total, count) in MEANS.items():
+        counters[name] = counters[total] / counters[count] if counters.get(count) else None
+    return counters
+
+
 class HookStats:
-    """Running totals plus the counters of the step in progress and of the last finished one."""
+    """Running totals plus the counters of the step in progress and of the last finished one
+    (each with the means of :data:`MEANS`: over all steps, and over the last step)."""
 
     def __init__(self, totals: dict | None = None):
-        self.totals = dict.fromkeys(COUNTERS, 0) | (totals or {})
+        self.totals = with_means(dict.fromkeys(COUNTERS, 0) | (totals or {}))
         self.totals["residual_reset"] = bool(self.totals.get("residual_reset", False))
         self._current = dict.fromkeys(COUNTERS, 0)
         self.last_step: dict | None = None
@@ -83,10 +99,12 @@ class HookStats:
         for name, value in increments.items():
             self.totals[name] += value
             self._current[name] += value
+        if any(count in increments for _, count in MEANS.values()):
+            with_means(self.totals)
 
     def close_step(self, step: int) -> None:
         """The step ``step`` (0-based) is finished: its counters become ``last_step``."""
-        self.last_step = {"step": step, **self._current}
+        self.last_step = with_means({"step": step, **self._current})
         self._current = dict.fromkeys(COUNTERS, 0)
 
 

@@ -10,6 +10,15 @@ broadcast is waited for there, since every rank needs the indices before its val
 What the shared set leaves out stays in each rank's residual, so an entry that is large
 on one rank but not on the leader is sent when it has grown or when that rank leads.
 
+``leader_filter`` (beta < 1) is ScaleCom's low-pass filter on that memory (Algorithm 1 of
+the paper): ``residual = (1 - beta) residual + beta (acc - sent)`` (:func:`low_pass`),
+so a rank's memory keeps what persists from step to step, which the ranks share, and the
+leader's top-k of its own acc comes closer to the top-k of their sum. Then ``sent + new
+residual - acc`` is ``(1 - beta) (sent - (acc - old residual))``, not 0: the invariant no
+longer holds (the settings refuse ``verify_conservation`` with it). ``diagnose_leader_overlap``
+measures that closeness: one dense allreduce of acc per bucket, and the share of the
+leader's k indices among the top k of the sum (:meth:`SharedIndexWire.measure_leader_overlap`).
+
 With ``wire_checksum`` the leader seals its broadcast (``integrity``) and every rank checks
 its copy. The values that follow are a sum, which no checksum survives; instead every rank
 adds its verdict on the broadcast (1: its copy failed the check) to one more element of the
@@ -128,7 +137,9 @@ class SharedIndexWire(AllreducedValues):
         (every rank needs the indices before its values: the one collective before encoding),
         then this rank's values there; ``packed.extra`` = (this rank led, the verdict)."""
         indices, led, verdict = self._shared_indices(call)
-        packed = shared_values(call, residual, indices)
+        if self.config.diagnose_leader_overlap:
+            self.measure_leader_overlap(call, indices, verdict is None or not bool(verdict))
+        packed = shared_values(call, residual, indices, self.config.filtered_memory_beta)
         if verdict is not None:  # one more element, in the values' dtype: exact counts up to 256 ranks in bf16
             packed.send = torch.cat([packed.send, verdict.to(packed.send.dtype).reshape(1)])
         packed.extra = (led, verdict is not None)
@@ -141,6 +152,23 @@ class SharedIndexWire(AllreducedValues):
     def bytes_received(self, call, packed) -> int:
         led, _ = packed.extra
         return super().bytes_received(call, packed) + (0 if led else self.broadcast_nbytes)
+
+    def measure_leader_overlap(self, call, indices: torch.Tensor, trusted: bool) -> None:
+        """``diagnose_leader_overlap``: count into ``leader_overlap_sum`` the share of the leader's
+        ``indices`` that are among the top k (the same selection: exact, or per chunk) of the sum
+        over ranks of acc, and one into ``leader_overlap_buckets``. Every rank issues the dense
+        allreduce of acc here, in the hook body, and every rank reads the same sum and the same
+        indices, so counts the same overlap; a rank whose copy of the index broadcast failed its
+        check (not ``trusted``: the step raises) joins the allreduce and counts nothing."""
+        started = time.perf_counter()
+        summed = call.grad.clone()
+        dist.all_reduce(summed, group=call.group)
+        if trusted:
+            in_global_top = torch.zeros(summed.numel(), dtype=torch.bool, device=summed.device)
+            in_global_top[chunk_topk(summed, self.geometry)] = True
+            overlap = int(in_global_top[indices].sum()) / indices.numel()
+            call.context.count(leader_overlap_buckets=1, leader_overlap_sum=overlap)
+        call.context.count(seconds_leader_overlap=time.perf_counter() - started)
 
     def _shared_indices(self, call) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         """(bucket-relative indices int64, this rank led, verdict): the verdict (``wire_checksum``;
@@ -200,10 +228,10 @@ def leader(step: int, bucket_index: int, world_size: int) -> int:
     return (step + bucket_index) % world_size
 
 
-def shared_values(call, residual, indices: torch.Tensor) -> Packed:
+def shared_values(call, residual, indices: torch.Tensor, beta: float | None = None) -> Packed:
     """The values of the compensated acc at ``indices``, which every rank shares (random-k's
     seeded draw, or the leader's selection), ready to be summed by an allreduce; the residual
-    keeps the rest and the wire rounding of what is sent."""
+    keeps the rest and the wire rounding of what is sent (``beta``: through :func:`low_pass`)."""
     acc = call.grad
     values = compress.to_wire_dtype(acc[indices], call.value_dtype)
     nonfinite = not bool(torch.isfinite(acc).all())
@@ -212,11 +240,28 @@ def shared_values(call, residual, indices: torch.Tensor) -> Packed:
         # index), so that every rank sees the overflow and the step is skipped.
         values[0] = acc[(~torch.isfinite(acc)).nonzero()[0, 0]].to(values.dtype)
     if residual is not None:
-        residual.copy_(acc)
-        residual[indices] = acc[indices] - values.to(acc.dtype)
+        if beta is None:
+            residual.copy_(acc)
+            residual[indices] = acc[indices] - values.to(acc.dtype)
+        else:
+            low_pass(residual, acc, indices, values.to(acc.dtype), beta)
         if nonfinite:  # 0 where acc is not finite, and at the index that carried a stand-in Inf/NaN
             residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return Packed(values, None, indices, values, False, nonfinite)
+
+
+def low_pass(memory: torch.Tensor, acc: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor,
+             beta: float) -> None:
+    """ScaleCom's low-pass filter on the error-feedback memory, in place (Chen et al., NeurIPS
+    2020, Algorithm 1: ``m = (1 - beta) m + beta (acc - sent)``): ``sent``, the decoded values at
+    ``indices`` (unique), and acc, with the old memory in it, as the hook formed it. Where
+    something was sent, ``acc - sent`` (the wire's rounding) is formed first, so a small memory
+    there is not lost to the cancellation of ``beta acc - beta sent``; beta = 1 would be plain
+    error feedback (the callers pass None instead, and keep its exact path)."""
+    left = acc[indices] - sent  # what the payload did not carry of the sent entries
+    kept = memory[indices].mul_(1.0 - beta).add_(left, alpha=beta)  # (a copy: advanced indexing)
+    memory.mul_(1.0 - beta).add_(acc, alpha=beta)
+    memory[indices] = kept
 
 
 def scatter_values(call, indices):

@@ -26,6 +26,10 @@ every reply, so every rank raises the same error. Non-finite values: the leader'
 need not reach a non-finite entry of another rank's acc, so a rank whose acc holds one
 anywhere sends NaN as its first value; the sum, every owner's reply and so every rank see it.
 
+``leader_filter`` and ``diagnose_leader_overlap`` act as on the float wire
+(:func:`~sparsecomm.hooks.wires.shared_index.low_pass` on the worker's memory, with the
+decoded values as what was sent; the owner residual keeps its exact error feedback).
+
 No index bytes but the leader's: per rank about 2 (p-1)/p x k quantized values received,
 whatever p is. The averager's shared-index sync runs it (the hook's settings refuse a
 quantized shared index: its exchange is float values, one allreduce).
@@ -40,7 +44,7 @@ from sparsecomm.compress import bitpack, payload_seal, value_codecs
 from sparsecomm.compress.owner_layout import EXACT_SCALE_GROUP
 from sparsecomm.hooks.wires import integrity
 from sparsecomm.hooks.wires.base import Packed
-from sparsecomm.hooks.wires.shared_index import SharedIndexWire
+from sparsecomm.hooks.wires.shared_index import SharedIndexWire, low_pass
 
 
 class ScaledValues:
@@ -105,12 +109,15 @@ class SharedIndexOwnersWire(SharedIndexWire):
         """The leader's indices (broadcast, checked), then this rank's values of every owner's
         slice written as its message (sealed); ``packed.extra``: (led, verdict, the slices)."""
         indices, led, verdict = self._shared_indices(call)
+        if self.config.diagnose_leader_overlap:
+            self.measure_leader_overlap(call, indices, verdict is None or not bool(verdict))
         indices = torch.sort(indices).values
-        acc, values = call.grad, self.values
+        acc, values, beta = call.grad, self.values, self.config.filtered_memory_beta
         owned = OwnedSlices(indices, self.bounds, values, self.trailer)
         send = torch.empty(sum(owned.sealed), dtype=torch.uint8, device=acc.device)
         poisoned = not bool(torch.isfinite(acc).all())  # then the first slice written carries NaN
-        residual.copy_(acc)
+        if beta is None:
+            residual.copy_(acc)
         sent, offset = [], 0
         for part, nbytes, sealed in zip(owned.slices, owned.nbytes, owned.sealed):
             at = indices[part]
@@ -118,12 +125,16 @@ class SharedIndexOwnersWire(SharedIndexWire):
             if poisoned and chosen.numel():
                 chosen[0], poisoned = float("nan"), False
             decoded = values.encode(chosen, send[offset: offset + nbytes])
-            residual[at] -= decoded  # exact (module docstring): the worker's error feedback
+            if beta is None:
+                residual[at] -= decoded  # exact (module docstring): the worker's error feedback
             sent.append(decoded)
             if self.trailer:
                 integrity.seal(send[offset: offset + sealed])
             offset += sealed
-        packed = Packed(send, None, indices, torch.cat(sent), False)
+        sent = torch.cat(sent)  # in the order of the sorted indices: the slices follow each other
+        if beta is not None:
+            low_pass(residual, acc, indices, sent, beta)
+        packed = Packed(send, None, indices, sent, False)
         packed.extra = (led, verdict is not None and bool(verdict), owned)
         return packed
 
