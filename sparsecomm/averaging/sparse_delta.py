@@ -24,7 +24,9 @@ With ``exchange="owner"``
 (the owner wire, :mod:`sparsecomm.hooks.wires.owner`) every rank sends each owner its selection of that
 owner's range, the owner sums them with its owner residual and selects again at the same
 density and codecs, and the owners' replies are all-gathered: about k entries sent and
-2 k (p-1)/p received per rank, any value codec, error feedback at both levels.
+2 k (p-1)/p received per rank, any value codec, error feedback at both levels (with
+``owner_dropped="sender"``, what an owner's re-selection drops goes back to each sender's
+error buffer instead of the owner residual).
 
 Every rank decodes the same gathered bytes in rank order from the same anchor, so every
 replica holds the same bits after a sync (the tests check it). A sync whose new anchor
@@ -88,7 +90,7 @@ class StartedSync:
 
 def check_settings(*, period, density, selector, chunk_size, index_codec, value_codec, outer_lr, ef_decay,
                    exchange="allgather", link=None, overlap=False, leader_filter=None,
-                   diagnose_leader_overlap=False) -> TopKConfig:
+                   diagnose_leader_overlap=False, owner_dropped="owner") -> TopKConfig:
     """The averager's settings checked (ValueError/TypeError naming the argument and its
     range); returns the wire's TopKConfig. Needs no model: configs are checked before a run."""
     check_int("period", period, 1)
@@ -116,7 +118,7 @@ def check_settings(*, period, density, selector, chunk_size, index_codec, value_
     config = TopKConfig.build(density=density, selector=selector, chunk_size=chunk_size, index_codec=index_codec,
                               value_codec=value_codec, warmup_steps=0, error_feedback=False,
                               exchange="allgather" if exchange == "shared-index" and quantized else exchange,
-                              wire_checksum=True, link=link)
+                              wire_checksum=True, link=link, owner_dropped=owner_dropped)
     # The shared-index wire reads the leader's settings from its config; checked above against
     # the averager's own exchange and error feedback (which the hook's checks do not see).
     return dataclasses.replace(config, leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap)
@@ -165,6 +167,10 @@ class SparseDeltaAverager:
             choice is :attr:`exchange`). Only time is modelled, not quality.
         link: the link "auto" models, e.g. "1gbit@100us" (None: the hook's default,
             10 Gb/s with 50 us per message); only with ``exchange="auto"``.
+        owner_dropped: where the owner exchange keeps what an owner's re-selection drops:
+            "owner" (default) in the owner residual; "sender" (Ok-Topk) back in each rank's own
+            error buffer, its own part, the owner residual keeping only its reply's rounding (the
+            hook's ``owner_dropped``, docs/exchange.md); only with ``exchange="owner"`` or "auto".
         leader_filter: with ``exchange="shared-index"``: ScaleCom's low-pass filter on the
             error buffer, beta in (0, 1] (None, the default, and 1: plain error feedback):
             ``e = (1 - beta) (ef_decay e) + beta (ef_decay e + delta - decoded(sent))``, so the
@@ -197,7 +203,8 @@ class SparseDeltaAverager:
                  outer_lr: float = 0.7, ef_decay: float = 0.95, process_group: dist.ProcessGroup | None = None,
                  register_hook: bool = True, exchange: str = "allgather", link: str | None = None,
                  overlap: bool = False, mesh=None, replicate_dim: str = "replicate", shard_dim: str = "shard",
-                 leader_filter: float | None = None, diagnose_leader_overlap: bool = False):
+                 leader_filter: float | None = None, diagnose_leader_overlap: bool = False,
+                 owner_dropped: str = "owner"):
         sharded = is_fsdp_module(ddp_model)
         if not sharded and not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch DistributedDataParallel model or an FSDP2 (fully_shard) "
@@ -210,7 +217,8 @@ class SparseDeltaAverager:
         wire_config = check_settings(period=period, density=density, selector=selector, chunk_size=chunk_size,
                                      index_codec=index_codec, value_codec=value_codec, outer_lr=outer_lr,
                                      ef_decay=ef_decay, exchange=exchange, link=link, overlap=overlap,
-                                     leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap)
+                                     leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap,
+                                     owner_dropped=owner_dropped)
         self.wire_config = wire_config
         self.agreed = False  # the ranks' settings were compared (at the first sync, and again after a load)
         self.period, self.outer_lr, self.ef_decay = period, float(outer_lr), float(ef_decay)
@@ -480,6 +488,8 @@ class SparseDeltaAverager:
             settings["overlap"] = True
         if self.wire_config.leader_filter is not None:  # (what the error buffer holds depends on it)
             settings["leader_filter"] = self.wire_config.leader_filter
+        if self.wire_config.owner_dropped != "owner":  # (so do the error buffer and the owner residual)
+            settings["owner_dropped"] = self.wire_config.owner_dropped
         return settings
 
     def state_dict(self) -> dict:

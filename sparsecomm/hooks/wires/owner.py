@@ -26,6 +26,27 @@ reply, so every rank raises the same error, naming the owner and the sender.
 Per rank and bucket that is about k entries sent and 2 k (p-1)/p received, whatever p is
 (the all-gather receives (p-1) k).
 
+What the owner's re-selection drops (``owner_dropped``):
+
+* ``"owner"`` (the default): it stays in the owner residual (step 3).
+* ``"sender"`` (Ok-Topk: Li and Hoefler, PPoPP 2022, its ``update_residuals``): every sender
+  takes its own part of it back into its worker residual. An entry counts as delivered where
+  its owner's reply reaches the reduced bucket as a non-zero value; every rank decodes every
+  reply, so a sender knows which of its sent entries were delivered without another byte:
+  in the Future's callback it adds back, into its worker residual, the decoded value of every
+  entry it sent that decoded to 0 in the reduced bucket (the exact value it sent, so that
+  entry's residual is ``acc`` again, bit for bit: ``fl(acc - decoded) + decoded`` is the
+  sum the encoder's own contract ``decoded + residual == acc`` already checks). The owner
+  keeps, at those entries, its owner residual as it was before the step, and, at the
+  delivered ones, only its reply's encoding error (``sum + old owner residual - decoded
+  reply``: the rounding of a quantized or 16-bit reply, mass of its own making that no
+  sender could take back). So no sender's mass is left with another rank, and with a float32
+  reply the owner residual stays 0. The velocity of momentum correction is masked where an
+  entry went on the wire, delivered or not (as with ``"owner"``, whose owner residual
+  holds such an entry). ``packed.values`` is zeroed at the entries taken back: it then says
+  what this rank sent for good (the record of parameters DDP drops as unused gives back only
+  that).
+
 The owner residual is a per-parameter memory like the worker residual (a full-size
 tensor per rank, non-zero only on the rank's own ranges), so it is checkpointed by
 parameter name. When the bucket layout changes (DDP's rebuild, another world size after a
@@ -56,6 +77,7 @@ class OwnerWire(Wire):
     def __init__(self, config, layout, world_size: int):
         super().__init__(config, layout, world_size)
         self.sealed = bool(layout.trailer)
+        self.dropped_to_senders = config.owner_dropped == "sender"
         self.buffers = None  # OwnerBuffers, allocated by the first encode, reused every step
 
     def smaller_than_dense(self, numel, buffer_dtype) -> bool:
@@ -101,7 +123,10 @@ class OwnerWire(Wire):
                                                    divisor, add_residual, part, layout.part_of(send, owner)))
             if layout.trailer:
                 integrity.seal(layout.message_of(send, owner))
-        return Packed(send, layout, *layout.joined(parts), fused)
+        packed = Packed(send, layout, *layout.joined(parts), fused)
+        if self.dropped_to_senders:
+            packed.extra = residual  # where the entries no owner delivers come back to (None: no error feedback)
+        return packed
 
     def bytes_sent(self, call, packed) -> int:
         """Its messages to the other owners, then its reply."""
@@ -140,12 +165,16 @@ class OwnerWire(Wire):
             start, length = layout.ranges[rank]
             ops.dispatch.chunk_decode_add(received, part, bufs.total, True)  # rank order, onto zeros
             memory = None if call.owner_memory is None else call.owner_memory[start : start + length]
-            old_memory = memory.clone() if call.audit is not None else None
-            ops.dispatch.chunk_encode(bufs.total, memory, 1.0, memory is not None, part, bufs.reply[:mine])
+            returns = self.dropped_to_senders and memory is not None
+            old_memory = memory.clone() if call.audit is not None or returns else None
+            indices, values = ops.dispatch.chunk_encode(bufs.total, memory, 1.0, memory is not None, part,
+                                                        bufs.reply[:mine])
             bufs.reply[mine:].zero_()
+            if returns:  # the senders take back what the reply does not deliver
+                keep_only_delivered(memory, old_memory, indices, values, call.out.dtype)
             if call.audit is not None:
                 check_owner_conservation(part, received, old_memory, bufs.reply[:mine], memory, call.index,
-                                         context.step)
+                                         context.step, call.out.dtype if returns else None)
         if layout.trailer:
             integrity.seal(bufs.reply, status)
         context.count(seconds_owner_reduce=time.perf_counter() - started)
@@ -174,6 +203,11 @@ class OwnerWire(Wire):
                     continue
                 slot = replies[owner * layout.slot_nbytes : owner * layout.slot_nbytes + part.nbytes]
                 ops.dispatch.chunk_decode_add(slot, part, call.out[start : start + length], True)
+            if packed.extra is not None:  # owner_dropped="sender": take back what no owner delivered
+                returned = take_back_undelivered(call.out, packed, packed.extra)
+                if call.audit is not None:
+                    call.audit.check_taken_back(self.sent_dense(packed, packed.extra), returned, packed.extra,
+                                                call.index, step)
             context.count(seconds_unpack=time.perf_counter() - started)
             if context.journal is not None:
                 context.journal.note_reduced(~torch.isfinite(call.out).all())
@@ -185,6 +219,30 @@ class OwnerWire(Wire):
         """The messages for every owner, decoded by the reference."""
         indices, values = packed.layout.decode(packed.send)
         return torch.zeros_like(like).index_put_((indices,), values.to(like.dtype))
+
+
+def keep_only_delivered(memory: torch.Tensor, before: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                        out_dtype: torch.dtype) -> None:
+    """``owner_dropped="sender"``, on the owner: its owner residual ``memory`` (the encoder's
+    ``sum + before - decoded`` everywhere) keeps that only where its reply (``indices``,
+    ``values``) delivers a non-zero value in a reduced bucket of ``out_dtype``; elsewhere the
+    senders take their parts back, and it is ``before`` again."""
+    delivered = torch.zeros(memory.numel(), dtype=torch.bool, device=memory.device)
+    delivered[indices[values.to(out_dtype) != 0]] = True
+    torch.where(delivered, memory, before, out=memory)
+
+
+def take_back_undelivered(out: torch.Tensor, packed: Packed, residual: torch.Tensor) -> torch.Tensor:
+    """``owner_dropped="sender"``, on a sender, once every reply is decoded into ``out``: each
+    finite, non-zero value it sent (``packed``) where ``out`` is 0 (its owner did not deliver it)
+    goes back into ``residual``, and is zeroed in ``packed.values`` (what was sent for good).
+    Returns the bucket indices taken back."""
+    values = packed.values
+    back = (out[packed.indices] == 0) & (values != 0) & torch.isfinite(values)
+    returned = packed.indices[back]
+    residual.index_add_(0, returned, values[back].to(residual.dtype))
+    values[back] = 0
+    return returned
 
 
 class OwnerBuffers:
