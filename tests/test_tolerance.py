@@ -427,3 +427,23 @@ def test_module_does_not_import_torch():
         imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not any(name.split(".")[0] == "torch" for name in imported), path
+
+
+def test_another_baseline_judges_every_other_arm_against_it(tmp_path, capsys):
+    # "adams" sits 0.15 above dense; "scape" 0.15 above dense too, so equivalent to "adams"
+    # and worse than dense; dense itself, against "adams", is better.
+    adams = shifted(0.15)
+    scape = {seed: loss + 0.002 * (seed % 3) for seed, loss in adams.items()}
+    run_dir = make_run_dir(tmp_path / "b", {"dense": DENSE, "adams": adams, "scape": scape})
+    report = check(run_dir, baseline="adams")
+    assert report.baseline == "adams"
+    assert {a.arm: a.equivalence.verdict for a in report.arms} == {"dense": "better", "scape": "equivalent"}
+    assert report.target.val_loss == 1.6  # steps to target stay against dense's target
+    text = format_report(report)
+    assert text.splitlines()[0].startswith("verdicts vs adams (") and "arm - adams" in text.splitlines()[0]
+    assert "adams seed spread (noise floor)" in text
+    assert check(run_dir).arms[1].equivalence.verdict == "worse"  # scape against dense
+    with pytest.raises(ValueError, match="no 'missing' runs"):
+        check(run_dir, baseline="missing")
+    assert main([str(run_dir), "--baseline", "adams"]) == 0
+    assert "verdicts vs adams" in capsys.readouterr().out

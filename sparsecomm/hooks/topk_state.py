@@ -197,6 +197,8 @@ class TopKState(PersistentState):
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients the hook
             reduces (see 8. above).
         on_overflow: ``"rollback"`` (default) or ``"drop"`` (see 8.).
+        mask_dense_norms: with ``exchange="shared-mask"``: send norm weights and biases whole
+            (default True, SCAPE's; see 11. above).
         leader_filter: with ``exchange="shared-index"``: ScaleCom's low-pass filter on the
             residual, beta in (0, 1]: ``residual = (1 - beta) residual + beta (acc - sent)``
             (None, the default, and 1: plain error feedback; below 1 not with

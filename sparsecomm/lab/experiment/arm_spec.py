@@ -3,7 +3,7 @@
 Preset names: six (``dense``, ``dense-bf16``, ``powersgd``, ``topk-ef``, ``topk-noef``,
 ``topk-dgc``: :data:`HOOK_PRESETS`) resolve from the experiment's fields (density,
 dgc_momentum, wire settings, powersgd_rank), and the others (``sparseloco``,
-``sparseloco-overlap``, ``topk-sign``, ``scape``, ``scape-10pc``, ``dense-adams``, ...:
+``sparseloco-overlap``, ``topk-sign``, ``scape``, ``scape-10pc``, ``scape-dense``, ...:
 :data:`FIXED_PRESETS`) carry options of their own. Any other arm is defined in
 ``ExperimentConfig.arm_definitions``, in a config file::
 
@@ -77,14 +77,14 @@ FIXED_PRESETS = {
     # moment synchronised at the per-tensor mask its owners chose one step before, density warmed
     # up geometrically from 1.0 over the first 10% of the default task's 400 steps (the authors':
     # 10,000 of 100,000). AdamS at lr 1e-3: at the task's AdamW lr (3e-3) dense AdamS is worse
-    # (docs/results.md). ``dense-adams`` is the dense baseline it is judged against besides dense.
+    # (docs/results.md). ``scape-dense`` is the dense baseline it is judged against besides dense.
     "scape": {"reducer": "topk", "options": {"density": 0.01, "exchange": "shared-mask",
                                              "density_schedule": {"kind": "geometric", "steps": 40}},
               "optimizer": {"optimizer": "adams", "lr": 1e-3}},
     "scape-10pc": {"reducer": "topk", "options": {"density": 0.1, "exchange": "shared-mask",
                                                   "density_schedule": {"kind": "geometric", "steps": 40}},
                    "optimizer": {"optimizer": "adams", "lr": 1e-3}},
-    "dense-adams": {"reducer": "allreduce", "options": {}, "optimizer": {"optimizer": "adams", "lr": 1e-3}},
+    "scape-dense": {"reducer": "allreduce", "options": {}, "optimizer": {"optimizer": "adams", "lr": 1e-3}},
 }
 """Presets with options of their own (their run hash covers them, as a defined arm's does)."""
 PRESETS = (*HOOK_PRESETS, *FIXED_PRESETS)
@@ -258,7 +258,7 @@ def topk_state_kwargs(options: dict) -> dict:
     for key in ("value_dtype", "residual_dtype"):
         if kwargs.get(key) is not None:
             kwargs[key] = getattr(torch, kwargs[key])
-    if kwargs.get("density_schedule") is not None:
+    if isinstance(kwargs.get("density_schedule"), list):  # (a dict, {"kind": ...}, the hook reads itself)
         from sparsecomm.hooks import DensitySchedule
 
         kwargs["density_schedule"] = DensitySchedule(points=tuple(tuple(p) for p in kwargs["density_schedule"]))
@@ -276,10 +276,11 @@ def _check_topk(name: str, options: dict) -> None:
             raise ValueError(f"experiment config: arm {name!r}: {key} must be None or one of {DTYPE_NAMES}, "
                              f"got {options[key]!r}")
     schedule = options.get("density_schedule")
-    if schedule is not None and not (isinstance(schedule, list) and all(
+    if schedule is not None and not isinstance(schedule, dict) and not (isinstance(schedule, list) and all(
             isinstance(p, list) and len(p) == 2 for p in schedule)):
-        raise ValueError(f"experiment config: arm {name!r}: density_schedule must be None or a list of [step, density] "
-                         f"pairs (DensitySchedule.to_list()), got {schedule!r}")
+        raise ValueError(f"experiment config: arm {name!r}: density_schedule must be None, a list of [step, density] "
+                         f"pairs (DensitySchedule.to_list()) or a dict such as {{\"kind\": \"geometric\", "
+                         f"\"steps\": 40}}, got {schedule!r}")
     try:
         kwargs = topk_state_kwargs(options)
         options["budget"] = TopKConfig.build(**kwargs).budget

@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--relative", action="store_true",
                    help="compare (arm - dense) / dense instead of arm - dense")
     p.add_argument("--alpha", type=float, default=0.05, help="level of each one-sided test (default 0.05)")
+    p.add_argument("--baseline", default="dense", metavar="ARM",
+                   help="the arm every other is judged against (default: dense), e.g. a dense arm under another "
+                        "optimizer; steps to target stay against dense's target")
     return p
 
 
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         with warnings_to_stderr("sparsecomm check"):
-            report = check(args.run_dir, tolerance=args.tolerance, relative=args.relative, alpha=args.alpha)
+            report = check(args.run_dir, tolerance=args.tolerance, relative=args.relative, alpha=args.alpha,
+                           baseline=args.baseline)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         # OSError covers a missing experiment.json; ResultFileError (a ValueError) names the bad file.
         detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)

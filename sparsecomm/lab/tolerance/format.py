@@ -20,20 +20,20 @@ def _num(x: float | None, fmt: str = ".4g") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def _ratio_line(label: str, r: RatioSpread) -> str:
+def _ratio_line(label: str, r: RatioSpread, baseline: str) -> str:
     if r.geo_mean is None:
         spread = "n/a (no seed reached it on both sides)"
     else:
         spread = f"geo-mean {r.geo_mean:.2f}x (min-max {r.min:.2f}-{r.max:.2f}x)"
     return (
-        f"  {label} arm/dense: {spread}; not reached: "
-        f"arm {r.num_not_reached_arm}/{r.n}, dense {r.num_not_reached_dense}/{r.n}"
+        f"  {label} arm/{baseline}: {spread}; not reached: "
+        f"arm {r.num_not_reached_arm}/{r.n}, {baseline} {r.num_not_reached_dense}/{r.n}"
     )
 
 
 EXIT_MEANING = {
     0: "every arm equivalent or better",
-    1: "some arm worse than dense beyond the tolerance",
+    1: "some arm worse than the baseline beyond the tolerance",
     3: "no arm worse, but some inconclusive",
 }
 
@@ -44,7 +44,7 @@ def format_report(report: CheckReport) -> str:
     Every line fits in 100 columns."""
     lines = [*_verdict_lines(report), "", *_context_lines(report)]
     for a in report.arms:
-        lines += ["", *_arm_detail(a, report.target.metric_label)]
+        lines += ["", *_arm_detail(a, report.target.metric_label, report.baseline)]
     if report.not_compared:
         lines += ["", f"runs not compared, counted as failed ({len(report.not_compared)}):"]
         lines += [f"  {line}" for line in report.not_compared]
@@ -57,20 +57,21 @@ def _bound(delta: float, relative: bool) -> str:
 
 def _verdict_lines(report: CheckReport) -> list[str]:
     """The heading, one line per arm, and the overall result with the exit code."""
-    heading = (f"verdicts vs dense (final {report.target.metric_label}, {_difference_label(report)}: mean "
-               f"[{ci_label(report.alpha)}]; steps to target, arm/dense):")
+    heading = (f"verdicts vs {report.baseline} (final {report.target.metric_label}, {_difference_label(report)}: "
+               f"mean [{ci_label(report.alpha)}]; steps to target, arm/{report.baseline}):")
     width = max(len(a.arm) for a in report.arms)
     lines = [heading]
     lines += [f"  {a.arm:<{width}}  {a.equivalence.verdict.upper():<12}  {_difference(a.equivalence)}; "
-              f"{_steps_summary(a.steps_ratio)}" for a in report.arms]
+              f"{_steps_summary(a.steps_ratio, report.baseline)}" for a in report.arms]
     code = report.exit_code
     return lines + [f"overall: {EXIT_MEANING[code]} (sparsecomm check exits {code})"]
 
 
 def _difference_label(report: CheckReport) -> str:
     """How the paired difference is taken: always so that > 0 means the arm is worse."""
-    difference = "dense - arm" if report.target.mode == "max" else "arm - dense"
-    return f"({difference}) / dense" if report.relative else difference
+    base = report.baseline
+    difference = f"{base} - arm" if report.target.mode == "max" else f"arm - {base}"
+    return f"({difference}) / {base}" if report.relative else difference
 
 
 def _difference(e: Equivalence) -> str:
@@ -101,13 +102,13 @@ def _ci_side(e: Equivalence) -> str:
     return "crosses"
 
 
-def _steps_summary(r: RatioSpread) -> str:
+def _steps_summary(r: RatioSpread, baseline: str) -> str:
     """"steps 1.05x", with the seeds that did not reach the target on either side."""
     if not r.n:
         return "steps n/a (no paired seed)"
     ratio = "n/a" if r.geo_mean is None else f"{r.geo_mean:.2f}x"
     missed = [f"{side} {count}/{r.n}" for side, count in (("arm", r.num_not_reached_arm),
-                                                          ("dense", r.num_not_reached_dense)) if count]
+                                                          (baseline, r.num_not_reached_dense)) if count]
     return f"steps {ratio}" + (f" (not reached: {', '.join(missed)})" if missed else "")
 
 
@@ -115,32 +116,32 @@ def _context_lines(report: CheckReport) -> list[str]:
     """Policy, target, tolerance and test, the dense noise floor, and dense's unpaired seeds."""
     nf = report.noise_floor
     if report.relative:
-        tol = f"tolerance: {report.tolerance:.2%} of the dense final loss (relative)"
+        tol = f"tolerance: {report.tolerance:.2%} of the {report.baseline} final loss (relative)"
     else:
         tol = f"tolerance: {report.tolerance:g} in {report.target.metric_label} (absolute)"
     lines = [
         format_policy(report.policy),
         report.target.describe(),
         f"{tol}; TOST at alpha {report.alpha:g} ({ci_label(report.alpha)}), paired by seed",
-        f"dense seed spread (noise floor): sd {_num(nf.sd)}, range {_num(nf.range)} over {nf.n} seeds"
+        f"{report.baseline} seed spread (noise floor): sd {_num(nf.sd)}, range {_num(nf.range)} over {nf.n} seeds"
         f" (mean {_num(nf.mean)})",
     ]
     if report.dense_failed or report.dense_missing:
         lines.append(
-            f"dense: {_failed_text(report.dense_failed, report.dense_not_ok)} failed run(s), "
+            f"{report.baseline}: {_failed_text(report.dense_failed, report.dense_not_ok)} failed run(s), "
             f"{report.dense_missing} missing: their seeds have no pair"
         )
     return lines
 
 
-def _arm_detail(a: ArmResult, metric: str) -> list[str]:
+def _arm_detail(a: ArmResult, metric: str, baseline: str) -> list[str]:
     e = a.equivalence
     return [
         f"{a.arm}: {e.verdict.upper()} ({e.reason})",
         f"  final {metric} difference: mean {format_difference(e.mean_diff, e.relative)}, sd {_num(e.sd_diff)}, "
         f"p_TOST {_num(e.p_tost, '.3g')}",
         f"  n={e.n} paired seeds; failed runs {_failed_text(a.failed, a.not_ok)}, missing {a.missing}",
-        _ratio_line("steps-to-target", a.steps_ratio),
-        _ratio_line("time-to-target ", a.time_ratio),
-        f"  more steps than dense? one-sided p {_num(a.steps_test.p_value, '.3g')} ({a.steps_test.reason})",
+        _ratio_line("steps-to-target", a.steps_ratio, baseline),
+        _ratio_line("time-to-target ", a.time_ratio, baseline),
+        f"  more steps than {baseline}? one-sided p {_num(a.steps_test.p_value, '.3g')} ({a.steps_test.reason})",
     ]

@@ -50,6 +50,7 @@ class CheckReport:
     run_dir: str = ""
     dense_not_ok: tuple[tuple[str, int], ...] = ()
     not_compared: tuple[str, ...] = ()  # "arm seed s: status: error", one per run that did not finish
+    baseline: str = DENSE_ARM  # the arm every other is judged against (dense unless --baseline)
 
     @property
     def exit_code(self) -> int:
@@ -75,9 +76,12 @@ def _arm_data(runs: list[RunSummary], arm: str, seeds: list[int], target: Target
 
 
 def check(
-    run_dir: str | Path, *, tolerance: float | None = None, relative: bool = False, alpha: float = 0.05
+    run_dir: str | Path, *, tolerance: float | None = None, relative: bool = False, alpha: float = 0.05,
+    baseline: str = DENSE_ARM,
 ) -> CheckReport:
-    """Judge every non-dense arm of a ``sparsecomm compare`` run directory against dense."""
+    """Judge every other arm of a ``sparsecomm compare`` run directory against ``baseline``
+    (dense unless given: e.g. a dense arm under another optimizer). The target of the
+    steps-to-target figures is dense's, whatever the baseline."""
     alpha = checked_alpha(alpha)
     if tolerance is not None:
         checked_delta(tolerance)
@@ -95,21 +99,22 @@ def check(
     runs = load_runs(run_dir)
 
     arm_names = arms_configured_first(config.get("arms") or [], runs)
-    if DENSE_ARM not in arm_names or not any(r.arm == DENSE_ARM for r in runs):
-        raise ValueError(f"{run_dir}: no {DENSE_ARM!r} runs to compare against (arms: {arm_names or 'none'})")
-    others = [a for a in arm_names if a != DENSE_ARM]
+    if baseline not in arm_names or not any(r.arm == baseline for r in runs):
+        raise ValueError(f"{run_dir}: no {baseline!r} runs to compare against (arms: {arm_names or 'none'})")
+    others = [a for a in arm_names if a != baseline]
     if not others:
-        raise ValueError(f"{run_dir}: only {DENSE_ARM!r} runs; there is no other arm to check")
+        raise ValueError(f"{run_dir}: only {baseline!r} runs; there is no other arm to check")
 
     not_compared = tuple(f"{r.arm} seed {r.seed}: {' '.join(r.describe_problem().split())[:300]}"
                          for r in runs if not r.finished)
-    if not any(r.arm == DENSE_ARM and r.finished for r in runs):
-        counts = describe_counts(status_counts(r for r in runs if r.arm == DENSE_ARM))
-        raise NoFinishedDense(f"{run_dir}: verdicts not available: no dense run finished ({counts})", not_compared)
+    if not any(r.arm == baseline and r.finished for r in runs):
+        counts = describe_counts(status_counts(r for r in runs if r.arm == baseline))
+        raise NoFinishedDense(f"{run_dir}: verdicts not available: no {baseline} run finished ({counts})",
+                              not_compared)
     target = resolve_target(experiment, runs)
     seeds = list(config.get("seeds") or [])
     max_steps = int(config["steps"])
-    d_final, d_steps, d_times, d_failed, d_missing, d_not_ok = _arm_data(runs, DENSE_ARM, seeds, target)
+    d_final, d_steps, d_times, d_failed, d_missing, d_not_ok = _arm_data(runs, baseline, seeds, target)
     results = []
     for arm in others:
         finals, steps, times, failed, missing, not_ok = _arm_data(runs, arm, seeds, target)
@@ -128,7 +133,7 @@ def check(
         policy=policy, target=target, tolerance=float(tolerance), relative=relative, alpha=alpha,
         noise_floor=noise_floor(d_final), dense_failed=d_failed, dense_missing=d_missing,
         arms=tuple(results), max_steps=max_steps, run_dir=str(run_dir), dense_not_ok=d_not_ok,
-        not_compared=not_compared,
+        not_compared=not_compared, baseline=baseline,
     )
 
 
