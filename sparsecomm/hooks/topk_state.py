@@ -134,7 +134,9 @@ class TopKState(PersistentState):
        bucket, the cheapest of all-gather, owner and shared-index the settings allow (and dense), modelled on ``link`` (e.g. ``"1gbit@50us"``; default
        ``"10gbit@50us"``) by the alpha-beta cost model; ``stats()`` counts each
        (``allgather_calls``, ``owner_calls``, ``shared_index_calls``, ``fallback_calls``;
-       ``shared_mask_calls`` for ``"shared-mask"``).
+       ``shared_mask_calls`` for ``"shared-mask"``). ``owner_dropped``: where the owner
+       exchange keeps what an owner's re-selection drops: ``"owner"`` (default) in its owner
+       residual, ``"sender"`` (Ok-Topk) back in each sender's residual (docs/exchange.md).
     12. ``wire_checksum`` (default True): every payload this rank puts on a sparse wire (the
        all-gather, chunked and compact payloads included; both legs of the owner exchange;
        the MPI all-gathers; the shared-index leader's index broadcast) is sealed with a
@@ -262,6 +264,7 @@ class TopKState(PersistentState):
         wire_agreement: bool = False,
         leader_filter: float | None = None,
         diagnose_leader_overlap: bool = False,
+        owner_dropped: str = "owner",
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -279,6 +282,7 @@ class TopKState(PersistentState):
             chunk_size=chunk_size, index_codec=index_codec, value_codec=value_codec, exchange=exchange,
             mask_dense_norms=mask_dense_norms, link=link, wire_checksum=wire_checksum, wire_agreement=wire_agreement,
             leader_filter=leader_filter, diagnose_leader_overlap=diagnose_leader_overlap,
+            owner_dropped=owner_dropped,
         )
         self.process_group = process_group
         self.step = 0
