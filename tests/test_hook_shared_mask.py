@@ -407,3 +407,40 @@ def test_adams_steps_only_on_the_mask_worked_by_hand():
     assert optimizer.state[p]["exp_avg"].tolist() == pytest.approx([1.25, 0.0, 0.25])
     with pytest.raises(TypeError, match="mask_of"):
         optimizer.follow_masks(object())
+
+
+def _corrupted_bitmap(rank, world_size, how):
+    """Train the four-tensor model (bitmaps by all-gather at 4 ranks); on rank 1 the bitmap is
+    changed after its seal ("flip"), or holds one entry too many before it ("extra"). What
+    every rank raised, by type and message."""
+    from sparsecomm.hooks.wires import shared_mask
+
+    if rank == 1:
+        seal, select = shared_mask.integrity.seal, shared_mask.owner_selection
+
+        def flipped(slot, *args):
+            seal(slot, *args)
+            slot[0] ^= 1
+
+        def one_more(corrected, numels, ks, start, length):
+            bits = select(corrected, numels, ks, start, length)
+            bits[(~bits).nonzero()[0]] = True
+            return bits
+
+        if how == "flip":
+            shared_mask.integrity.seal = flipped
+        else:
+            shared_mask.owner_selection = one_more
+    try:
+        _four_tensors(rank, world_size)
+    except Exception as error:  # noqa: BLE001  (DDP may re-raise the hook's error wrapped)
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize("how,message", [("flip", "mask bitmap of rank(s) [1] does not match its CRC-32C"),
+                                         ("extra", "wrong number of entries")])
+def test_a_bad_mask_bitmap_is_refused_on_every_rank(how, message):
+    raised = run_on_ranks(_corrupted_bitmap, how, world_size=4)
+    for outcome in raised:
+        assert outcome is not None and message in outcome[1], outcome
