@@ -479,18 +479,21 @@ def test_modelled_ledger_against_a_hand_computation_on_the_link(tmp_path):
             curves[("topk-dgc", seed)] = [(100, 10.0, 1.2), (150, 15.0, 1.0)]
             curves[("loco", seed)] = [(100, 10.0, 1.0)]
             curves[("si", seed)] = [(100, 10.0, 1.0)]
+            curves[("mask", seed)] = [(100, 10.0, 1.1), (200, 20.0, 1.0)]
         stats = {"steps": 100, "sparse_calls": 100, "bytes_sent": 100 * P, "bytes_dense": 100 * D,
                  "elements_total": 100 * D / 4, "elements_sparse": 100 * D / 4, "elements_sent": 100 * k,
                  "seconds_unpack": 100 * k * p / adds_at[p]}
         run_dirs[p] = write_run_dir(
             tmp_path / f"p{p}", curves, step_seconds=step_at[p],
-            bytes_per_step={"dense": D, "topk-dgc": P, "loco": 1000.0, "si": P},
+            bytes_per_step={"dense": D, "topk-dgc": P, "loco": 1000.0, "si": P, "mask": P},
             summary_extra={"dense": {"world_size": p, "bytes_dense_per_step": D},
                            "topk-dgc": {"world_size": p, "hook_stats": stats, "bytes_dense_per_step": D},
                            "loco": {"world_size": p, "arm_spec": {"reducer": "sparse-delta", "options": {}}},
                            "si": {"world_size": p, "hook_stats": stats, "bytes_dense_per_step": D,
-                                  "arm_spec": {"reducer": "topk", "options": {"exchange": "shared-index"}}}})
-    ledger = scaling.link_ledger(run_dirs, ["dense", "topk-dgc", "loco", "si"], "100mbit")
+                                  "arm_spec": {"reducer": "topk", "options": {"exchange": "shared-index"}}},
+                           "mask": {"world_size": p, "hook_stats": stats, "bytes_dense_per_step": D,
+                                    "arm_spec": {"reducer": "topk", "options": {"exchange": "shared-mask"}}}})
+    ledger = scaling.link_ledger(run_dirs, ["dense", "topk-dgc", "loco", "si", "mask"], "100mbit")
     got = {(q.world_size, q.arm): q for q in ledger.points}
     for p in (2, 4):
         dense_step = 0.2 * 0.7 + 0.2 * 0.1 + 2 * (p - 1) * alpha + 2 * (p - 1) / p * D / rate
@@ -507,6 +510,12 @@ def test_modelled_ledger_against_a_hand_computation_on_the_link(tmp_path):
         assert got[(p, "loco")].mode == scaling.NOT_MODELLED and "sparse-delta" in got[(p, "loco")].note
         assert got[(p, "si")].mode == scaling.NOT_MODELLED and "exchange shared-index" in got[(p, "si")].note
         assert got[(p, "si")].time_to_target.value is None
+        # The shared mask: what a rank sends (values and bitmap) in two ring allreduces per bucket,
+        # no fallback; it scatters its k entries once.
+        mask_step = 0.1 * 0.7 + 0.1 * 0.1 + 2 * 2 * (p - 1) * alpha + 2 * (p - 1) / p * P / rate + k / adds_at[2]
+        mask = got[(p, "mask")]
+        assert mask.mode == "sparse shared-mask" and mask.step.value == pytest.approx(mask_step, rel=1e-9)
+        assert mask.time_to_target.value == pytest.approx(200 * mask_step, rel=1e-9)
     # On 100mbit dense's 4 MB allreduce costs 0.32 s per step at p = 2: top-k pays despite 1.5x the steps.
     assert got[(2, "topk-dgc")].speedup > 2
     assert any("alpha 25 us" in line for line in ledger.assumptions)

@@ -58,7 +58,12 @@ def project_arm(arm: ArmInputs, run: RunInputs, scenario: Scenario, density: flo
                                  falls_back_to_dense(payload, arm.bytes_dense, p)),
                    "owner": (owner_exchange_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha,
                                                     collectives=buckets), 2 * entries,
-                             falls_back_to_dense(payload / p, arm.bytes_dense, p))}
+                             falls_back_to_dense(payload / p, arm.bytes_dense, p)),
+                   # The shared mask (SCAPE's): every byte a rank sends (the values and the next mask's
+                   # bitmap) is summed by a ring allreduce, two per bucket, and it never falls back;
+                   # where its bitmap goes by all-gather instead, that moves fewer bytes (the hook's choice).
+                   "shared-mask": (ring_allreduce_seconds(payload, p, rate_bytes_per_s=rate, alpha_s=alpha,
+                                                          collectives=2 * buckets), entries, False)}
         candidates = ("allgather", "owner") if scenario.exchange == "auto" else (scenario.exchange,)
 
         def cost(name):

@@ -11,6 +11,10 @@ DEFAULT_ALPHA_S = 25e-6
 MAX_WORKERS = 1_000_000
 MAX_ALPHA_US = 1_000_000.0
 PROJECTED_EXCHANGES = ("allgather", "owner", "auto")
+"""How ``sparsecomm project`` may send a run's top-k payloads, whatever exchange the run used."""
+MEASURED_EXCHANGES = (*PROJECTED_EXCHANGES, "shared-mask")
+"""Exchanges a scenario may also model for arms measured on them (``sparsecomm scale --model-link``):
+the shared mask's measured bytes, which no all-gather payload can stand for."""
 
 
 def format_rate(bits_per_s: float) -> str:
@@ -31,11 +35,11 @@ class Scenario:
     alpha_source: str
     overlap: bool = False
     unpack_adds_per_s: float | None = None  # override of the measured rate
-    exchange: str = "allgather"  # how the top-k arms' payloads travel: allgather, owner, or auto (the cheaper)
+    exchange: str = "allgather"  # how the top-k arms' payloads travel: allgather, owner, auto (the cheaper), shared-mask
 
     def __post_init__(self):
-        if self.exchange not in PROJECTED_EXCHANGES:
-            raise ValueError(f"exchange must be one of {PROJECTED_EXCHANGES}, got {self.exchange!r}")
+        if self.exchange not in MEASURED_EXCHANGES:
+            raise ValueError(f"exchange must be one of {MEASURED_EXCHANGES}, got {self.exchange!r}")
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 2 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be an integer in [2, {MAX_WORKERS}], got {self.workers!r}")
         if not self.link.emulated:

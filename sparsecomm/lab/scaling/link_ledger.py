@@ -14,8 +14,9 @@ machines; the bytes per step do not depend on that, the times do. Under ``--batc
 the per-rank batch at p is smaller than at the smallest p, so its compute is overstated.
 
 What the model has no formula for is said so, not guessed: arms that train apart between
-syncs (``sparse-delta``) or send nothing (``local``), and the top-k hook's ``shared-index``,
-``shared-mask`` and ``auto`` exchanges.
+syncs (``sparse-delta``) or send nothing (``local``), and the top-k hook's ``shared-index``
+and ``auto`` exchanges. The ``shared-mask`` exchange (SCAPE's) is modelled as ring allreduces
+of the bytes a rank sends (values and the next mask's bitmap), two per bucket.
 """
 from dataclasses import dataclass, replace
 
@@ -67,7 +68,8 @@ def _why_not(arm: str, exchange: str, inputs_p, inputs_low, low: int, p: int) ->
     """Why the model cannot give ``arm`` a step at ``p`` ("" where it can)."""
     if arm in inputs_p.not_modelled:
         return "trains apart between syncs (sparse-delta) or sends nothing (local): the cost model has no formula"
-    if inputs_p.arm(arm) is not None and inputs_p.arm(arm).sparse and exchange not in ("allgather", "owner"):
+    if inputs_p.arm(arm) is not None and inputs_p.arm(arm).sparse and exchange not in ("allgather", "owner",
+                                                                                       "shared-mask"):
         return f"exchange {exchange}: the cost model has no time formula for it"
     if inputs_p.arm(arm) is None:
         return f"no finished run with step timings at p={p}"
@@ -113,7 +115,7 @@ def link_ledger(run_dirs: dict, arms, link: str, batches: dict | None = None) ->
             # What a rank computes, selects and packs, as at the smallest p; what it sends, as at p.
             inputs = replace(measured_p, compute_s=measured_low.compute_s, compress_s=measured_low.compress_s,
                              unpack_adds_per_s=measured_low.unpack_adds_per_s)
-            scenario = make_scenario(p, link, exchange="owner" if exchange == "owner" else "allgather")
+            scenario = make_scenario(p, link, exchange=exchange if exchange in ("owner", "shared-mask") else "allgather")
             alphas[scenario.alpha_s] = scenario.alpha_source
             projected[arm] = (project_arm(inputs, inputs_p, scenario), "", measured_p.steps_to_target)
         dense = projected.get(DENSE_ARM, (None,))[0]
