@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
+import sparsecomm.hooks.state.memories
 from ddp_models import rank_data
 from multiprocess import run_on_ranks
 from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
@@ -247,6 +248,15 @@ def test_owners_sizes_and_bitmaps_worked_by_hand():
     assert mask_sizes(("w", "layer_norm.weight"), (10, 8), 0.3, True) == (3, 8)
     assert mask_sizes(("w", "layer_norm.weight"), (10, 8), 0.3, False) == (3, 2)
     assert mask_sizes(("w",), (10,), 1.0, True) == (10,)
+    # A normalization layer's parameters go whole whatever their names (GPT-2's "ln_1").
+    assert mask_sizes(("ln_1.weight", "w"), (8, 10), 0.3, True, frozenset({"ln_1.weight"})) == (8, 3)
+    names = sparsecomm.hooks.state.memories.ParameterNames()
+    block = torch.nn.Sequential()
+    block.add_module("ln_1", torch.nn.LayerNorm(4))
+    block.add_module("attn", torch.nn.Linear(4, 4))
+    block.add_module("norm2", torch.nn.RMSNorm(4))
+    names.bind(block)
+    assert names.of_norms == {"ln_1.weight", "ln_1.bias", "norm2.weight"}
     bits = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.bool)
     packed = pack_bits(bits, 3)
     assert packed.tolist() == [0b10000001, 0b00000011, 0]  # least significant bit first, zero padded

@@ -129,7 +129,8 @@ def plan_wire(state, call: BucketCall, exchange: str, numel: int, density: float
     config = state.config
     if not call.warmup and exchange == "shared-mask":  # sized per tensor, by this step's and the next's density
         return wires.SharedMaskWire(config, call.names, call.numels, density,
-                                    config.density_schedule(state.step + 1), call.value_dtype, call.world_size), None
+                                    config.density_schedule(state.step + 1), call.value_dtype, call.world_size,
+                                    state.names.of_norms), None
     if not call.warmup and exchange != "dense":
         wire = build(config, exchange, numel, density, call.k, call.value_dtype, call.world_size)
         if not (config.allow_dense_fallback and not wire.smaller_than_dense(numel, buffer_dtype)):

@@ -20,17 +20,23 @@ import torch
 import torch.distributed as dist
 
 
+# Normalization layers, whatever their names (the shared mask sends their parameters whole).
+NORM_LAYERS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm, torch.nn.RMSNorm,
+               torch.nn.modules.batchnorm._NormBase)
+
+
 class ParameterNames:
     """Which name every parameter of this process has (by ``id``: ids belong to the process,
     so a pickle keeps only whether the names came from a module)."""
 
-    __slots__ = ("by_id", "shapes", "module_id", "from_module")
+    __slots__ = ("by_id", "shapes", "module_id", "from_module", "of_norms")
 
     def __init__(self):
         self.by_id: dict[int, str] = {}  # id(parameter) -> name
         self.shapes: dict[str, tuple[int, torch.dtype]] = {}  # name -> (numel, dtype) of the bound module's
         self.module_id: int | None = None  # id of the module the names came from, None if unbound
         self.from_module = False  # True once names came from a module (an unpickled state must be re-bound)
+        self.of_norms: frozenset[str] = frozenset()  # names of the parameters of normalization layers
 
     def bind(self, inner: torch.nn.Module) -> None:
         """Take the names of ``inner`` (the module a DDP model wraps)."""
@@ -38,6 +44,9 @@ class ParameterNames:
         self.from_module = True
         self.by_id = {id(p): name for name, p in inner.named_parameters()}
         self.shapes = {name: (p.numel(), p.dtype) for name, p in inner.named_parameters()}
+        by_id = self.by_id
+        self.of_norms = frozenset(by_id[id(p)] for module in inner.modules() if isinstance(module, NORM_LAYERS)
+                                  for p in module.parameters(recurse=False) if id(p) in by_id)
 
     def bind_placeholders(self, owner: torch.nn.Module, placeholders: dict[str, tuple[torch.Tensor, torch.dtype]]) -> None:
         """Name buffers that are not parameters (FSDP2's per-module shard buffers,

@@ -28,8 +28,10 @@ bitmap of its range, and the bitmaps are all-gathered (each rank's slot sealed w
 ``wire_checksum``): that is the mask of step t + 1, one step late. The first sparse step has no
 mask yet and makes one at once from its own corrected momentum (a synchronous gather; the
 authors bootstrap step 0 so too). Tensors whose name holds ``layernorm``, ``layer_norm``,
-``rmsnorm``, ``rms_norm`` or ``bias`` are sent whole (the authors' default exclusion;
-``mask_dense_norms=False`` ranks them like the others), and a step whose density makes every
+``rmsnorm``, ``rms_norm`` or ``bias`` are sent whole (the authors' default exclusion), and so
+are the parameters of normalization layers whatever their names (``nn.LayerNorm``,
+``RMSNorm``, ``GroupNorm``, batch norms: a GPT-2-style ``ln_1`` or ``norm1`` would otherwise
+get one entry per step); ``mask_dense_norms=False`` ranks them like the others, and a step whose density makes every
 ``k`` its tensor's size needs no bitmap at all.
 
 Where this differs from the authors' code, and why:
@@ -63,15 +65,17 @@ DENSE_NAME_PARTS = ("layernorm", "layer_norm", "rmsnorm", "rms_norm", "bias")
 """Name parts of the tensors sent whole (the authors' ``_should_exclude_name_from_topk``)."""
 
 
-def sent_whole(name: str) -> bool:
+def sent_whole(name: str, norms=frozenset()) -> bool:
+    """A bias or a norm's weight: named so (the authors' test), or a parameter of a
+    normalization layer (``norms``: their names, from the bound model)."""
     lowered = name.lower()
-    return any(part in lowered for part in DENSE_NAME_PARTS)
+    return name in norms or any(part in lowered for part in DENSE_NAME_PARTS)
 
 
-def mask_sizes(names, numels, density: float, dense_norms: bool) -> tuple[int, ...]:
+def mask_sizes(names, numels, density: float, dense_norms: bool, norms=frozenset()) -> tuple[int, ...]:
     """Entries of each tensor's mask at ``density``: ``max(1, int(density x numel))``, the whole
     tensor at density 1 and for the tensors sent whole."""
-    return tuple(n if density >= 1.0 or (dense_norms and sent_whole(name)) else max(1, int(density * n))
+    return tuple(n if density >= 1.0 or (dense_norms and sent_whole(name, norms)) else max(1, int(density * n))
                  for name, n in zip(names, numels))
 
 
@@ -152,9 +156,9 @@ class SharedMaskWire(AllreducedValues):
     name = "shared_mask"
 
     def __init__(self, config, names, numels, density: float, next_density: float, value_dtype: torch.dtype,
-                 world_size: int):
-        self.ks = mask_sizes(names, numels, density, config.mask_dense_norms)
-        self.next_ks = mask_sizes(names, numels, next_density, config.mask_dense_norms)
+                 world_size: int, norms=frozenset()):
+        self.ks = mask_sizes(names, numels, density, config.mask_dense_norms, norms)
+        self.next_ks = mask_sizes(names, numels, next_density, config.mask_dense_norms, norms)
         super().__init__(config, sum(self.ks), value_dtype, world_size)
         self.names, self.numels = tuple(names), tuple(numels)
         self.ranges = owned_ranges(numels, world_size)
