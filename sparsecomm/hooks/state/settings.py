@@ -405,7 +405,8 @@ class TopKConfig:
         kind="choice", choices=EXCHANGE_CHOICES, checkpoint="if-set")
     mask_dense_norms: bool = option(
         True, "the shared mask sends norm weights and biases whole (tensors whose name holds layernorm, layer_norm, "
-              "rmsnorm, rms_norm or bias: SCAPE's default); `False` ranks them like the others", kind="bool",
+              "rmsnorm, rms_norm or bias: SCAPE's default; and the parameters of normalization layers, whatever "
+              "their names); `False` ranks them like the others", kind="bool",
         condition='with `exchange="shared-mask"` only', checkpoint="if-set")
     # ScaleCom's low-pass filter (Chen et al., NeurIPS 2020, Algorithm 1): the memory keeps
     # (1 - beta) of itself and takes beta of what this step left, so that the rotating
