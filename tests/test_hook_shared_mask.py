@@ -263,14 +263,17 @@ def test_owners_sizes_and_bitmaps_worked_by_hand():
     assert torch.equal(unpack_bits(packed, 10), bits)
 
 
-def _steady_bytes(rank, world_size):
+def _steady_bytes(rank, world_size, layers=1):
     """(sent, received) of step 3 (steady: the mask of the step before, a bitmap for the next)
-    of one 100 x 50 bias-free layer at density 0.02, under AdamS."""
+    at density 0.02 under AdamS: one 100 x 50 bias-free layer, or ``layers`` of 40 x 40."""
     torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(50, 100, bias=False), bucket_cap_mb=25)
+    width = 50 if layers == 1 else 40
+    model = torch.nn.Linear(50, 100, bias=False) if layers == 1 else torch.nn.Sequential(
+        *(torch.nn.Linear(40, 40, bias=False) for _ in range(layers)))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
     optimizer = AdamS(ddp.parameters(), lr=1e-3)
     state = sparsecomm.register_topk_hook(ddp, density=0.02, exchange="shared-mask", optimizer=optimizer)
-    for x in rank_data(rank, 4, (4, 50)):
+    for x in rank_data(rank, 4, (4, width)):
         ddp(x).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -279,17 +282,7 @@ def _steady_bytes(rank, world_size):
 
 
 def _four_tensors(rank, world_size):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(40, 40, bias=False) for _ in range(4)))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-    optimizer = AdamS(ddp.parameters(), lr=1e-3)
-    state = sparsecomm.register_topk_hook(ddp, density=0.02, exchange="shared-mask", optimizer=optimizer)
-    for x in rank_data(rank, 4, (4, 40)):
-        ddp(x).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    last = state.stats()["last_step"]
-    return last["bytes_sent"], last["bytes_received"]
+    return _steady_bytes(rank, world_size, layers=4)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
