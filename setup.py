@@ -24,6 +24,8 @@ from setuptools import find_packages, setup
 
 BUILD_EXT = os.environ.get("SPARSECOMM_BUILD_EXT", "")
 LAB_REQUIRES = ["scipy", "matplotlib", "scikit-learn", "submitit>=1.5"]
+TORCHTITAN_REQUIRES = ["torchtitan==0.3.0"]
+METRICS_REQUIRES = ["tensorboard", "wandb"]
 
 
 def _say(message: str) -> None:
@@ -146,7 +148,7 @@ setup(
         # The framework integrations (sparsecomm.integrations) are tested too, so CI installs
         # both. Neither caps torch, so pip keeps the torch installed first.
         "test": [*LAB_REQUIRES, "transformers>=4.40", "pytest", "pytest-timeout", "pytest-xdist", "triton; platform_system == 'Linux'", "lightning>=2.0", "accelerate>=1.0",
-                 "mpi4py", "mpich"],
+                 "mpi4py", "mpich", *TORCHTITAN_REQUIRES, *METRICS_REQUIRES],
         "triton": ["triton; platform_system == 'Linux'"],
         # transport="mpi" and mpiexec launches: mpi4py's wheel runs on the mpich wheel's MPI.
         "mpi": ["mpi4py", "mpich"],
@@ -156,6 +158,12 @@ setup(
         "accelerate": ["accelerate>=1.0"],
         # SparseCommTrainerCallback (sparsecomm.integrations.transformers).
         "transformers": ["transformers>=4.40"],
+        # sparsecomm.integrations.torchtitan: written against torchtitan 0.3.0's Trainer, config
+        # registry and parallelize functions (its APIs change between releases).
+        "torchtitan": TORCHTITAN_REQUIRES,
+        # sparsecomm.metrics: the hook's and the averager's figures in TensorBoard and W&B.
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["sparsecomm=sparsecomm.lab.cli:main"]},
     **_native_extension(),
