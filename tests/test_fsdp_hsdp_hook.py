@@ -60,6 +60,56 @@ def test_density_one_equals_custom_hsdp_with_a_plain_allreduce_bit_for_bit(repli
                 assert torch.equal(a, b), f"rank {rank}: the dense wire differs from native HSDP at 2 replicas"
 
 
+def _summing(model):
+    """``model`` as torchtitan sets its FSDP modules: no division by FSDP (the loss is already
+    divided), and sums on the wire (gloo has no PREMUL_SUM); FSDP then sums over every rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _plain_sum(replicas):
+    def hook(reduce_output: torch.Tensor) -> None:
+        dist.all_reduce(reduce_output, group=replicas)
+    return hook
+
+
+def _dense_summing_against_fsdp(rank, world_size, replicas, shards):
+    from torch.distributed.fsdp import FSDPModule
+
+    import sparsecomm
+
+    mesh = mesh_of(replicas, shards)
+    ours = _summing(model_on(mesh["shard"]))
+    sparsecomm.register_hsdp_hook(ours, mesh, density=1.0)
+    ours_params = train(ours, rank, STEPS)
+    plain = _summing(model_on(mesh["shard"]))
+    for module in plain.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(_plain_sum(mesh.get_group("replicate")))
+    plain_params = train(plain, rank, STEPS)
+    native_params = train(_summing(model_on(mesh)), rank, STEPS) if replicas == 2 else None
+    return ours_params, plain_params, native_params
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2), (4, 1)])
+def test_a_module_with_its_own_divide_factor_gets_the_sum_over_replicas(replicas, shards):
+    # Oracles: native HSDP with the same factor (2 replicas), a plain summing all-reduce (4).
+    # The hook's average times a power-of-two replica count is exactly the sum: fl(a/4 + b/4 +
+    # c/4 + d/4) * 4 == fl(a + b + c + d), the divisions and the product being exact.
+    for rank, (ours, plain, native) in enumerate(run_on_ranks(
+            _dense_summing_against_fsdp, replicas, shards, world_size=replicas * shards, timeout=200)):
+        for a, b in zip(ours, plain):
+            assert torch.equal(a, b), f"rank {rank}: the hook's sum differs from a plain summing all-reduce"
+        if native is not None:
+            for a, b in zip(ours, native):
+                assert torch.equal(a, b), f"rank {rank}: the hook's sum differs from native HSDP (factor 1.0)"
+
+
 def _sparse_replicas_agree(rank, world_size, replicas, shards, options, bf16):
     import sparsecomm
 

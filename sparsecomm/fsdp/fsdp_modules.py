@@ -49,6 +49,14 @@ def _param_groups(module: torch.nn.Module) -> list:
     return [] if group is None else [group]
 
 
+def sets_own_divide_factor(module: torch.nn.Module) -> bool:
+    """Whether FSDP divides ``module``'s reduced gradients by a factor set with
+    ``set_gradient_divide_factor`` (as torchtitan does, with 1.0: its loss is already divided by
+    the global token count) rather than averaging them over the ranks it knows. Native HSDP then
+    sums over every rank, replicas included, before that one division; so must the HSDP hook."""
+    return _param_groups(module)[0].gradient_divide_factor is not None
+
+
 def _ranks(mesh: DeviceMesh) -> list[int]:
     return mesh.mesh.flatten().tolist()
 

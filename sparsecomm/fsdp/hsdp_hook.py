@@ -9,13 +9,20 @@ padded shards of the module's parameters, concatenated, averaged over the shard 
 be reduced across replicas in place. Here that buffer goes through
 :func:`sparsecomm.topk_hook` as a DDP bucket would, over ``mesh.get_group(replicate_dim)``:
 error feedback per module shard (float32 for 16-bit reduce dtypes), every selection, codec
-and exchange of the hook, the average written back in place. FSDP then applies its own
+and exchange of the hook, the result written back in place. FSDP then applies its own
 post-division and dtype cast as after a native all-reduce.
+
+The result is what native HSDP would hand FSDP at that point: the average over the replicas
+when FSDP averages (its default: it divides by the shard group's size itself), the sum when the
+module has a gradient divide factor of its own (``set_gradient_divide_factor``, as torchtitan
+sets 1.0), which FSDP then applies to the sum over every rank. The hook always averages (its
+residuals are in that scale); the sum is the average times the replica count, exact when the
+count is a power of two.
 """
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from sparsecomm.fsdp.fsdp_modules import sharded_modules
+from sparsecomm.fsdp.fsdp_modules import sets_own_divide_factor, sharded_modules
 from sparsecomm.fsdp.shard_bucket import ShardArrivals, ShardBucket
 from sparsecomm.hooks.momentum_handover import resolve_for_registration, unwrap
 from sparsecomm.hooks.register import say_what_changed
@@ -27,10 +34,12 @@ OWNER = "register_hsdp_hook"
 class ShardReduce:
     """The hook FSDP calls for one module: ``hook(reduce_output) -> None``, in place."""
 
-    __slots__ = ("state", "arrivals", "index", "placeholder")
+    __slots__ = ("state", "arrivals", "index", "placeholder", "module", "replicas")
 
-    def __init__(self, state: TopKState, arrivals: ShardArrivals, index: int, placeholder: torch.Tensor):
+    def __init__(self, state: TopKState, arrivals: ShardArrivals, index: int, placeholder: torch.Tensor,
+                 module: torch.nn.Module, replicas: int):
         self.state, self.arrivals, self.index, self.placeholder = state, arrivals, index, placeholder
+        self.module, self.replicas = module, replicas
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if reduce_output.numel() != self.placeholder.numel():
@@ -43,6 +52,10 @@ class ShardReduce:
         reduced = topk_hook(self.state, bucket).wait()
         if reduced.data_ptr() != reduce_output.data_ptr():
             reduce_output.copy_(reduced)
+        # Read at every call: the factor may be set after registration, and it decides what FSDP
+        # expects from the all-reduce (module docstring).
+        if sets_own_divide_factor(self.module):
+            reduce_output.mul_(self.replicas)
 
     def __repr__(self) -> str:
         return f"sparsecomm HSDP hook of {self.arrivals.names[self.index] or '<root>'!r}"
@@ -71,6 +84,9 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
 
     ``wrap`` (for measurements, e.g. the lab's): each module's hook passes through
     ``wrap(hook, module_name)`` before FSDP gets it; the wrapper must call the hook.
+
+    A module with a gradient divide factor of its own (``set_gradient_divide_factor``) gets the
+    sum over replicas, as native HSDP gives FSDP before that division; otherwise the average.
 
     Every FSDP module must reduce once per step (FSDP calls the hook per module; the step
     closes when all have). Gradient accumulation: ``model.set_requires_gradient_sync(False)``
@@ -116,7 +132,8 @@ def register_hsdp_hook(model: torch.nn.Module, mesh: DeviceMesh, state: TopKStat
     # a stream only for custom HSDP, which this is).
     stream = torch.cuda.Stream() if mesh.device_type == "cuda" else None
     for index, (found, (placeholder, _)) in enumerate(zip(modules, placeholders.values())):
-        hook = ShardReduce(state, arrivals, index, placeholder)
+        hook = ShardReduce(state, arrivals, index, placeholder, found.module,
+                           mesh.get_group(replicate_dim).size())
         found.module.set_all_reduce_hook(hook if wrap is None else wrap(hook, found.name), stream=stream)
     if built:
         say_what_changed(OWNER, state, optimizer, state_kwargs, handover)
