@@ -82,9 +82,15 @@ def sharded_modules(model: torch.nn.Module, mesh: DeviceMesh, replicate_dim: str
         )
     shard_ranks = _ranks(mesh[shard_dim])
     found = []
+    # fully_shard([a, b]) makes a and b one FSDP unit: both are FSDPModules with one state and one
+    # parameter group, reduced (and hooked) once. They are found once, named "a+b".
+    units = {}
     for name, module in model.named_modules():
-        if not is_fsdp_module(module):
-            continue
+        if is_fsdp_module(module):
+            units.setdefault(id(module._get_fsdp_state()), []).append((name, module))
+    for members in units.values():
+        name = "+".join(member_name for member_name, _ in members)
+        module = members[0][1]
         groups = _param_groups(module)
         where = f"FSDP module {name or '<root>'!r}"
         if not groups:

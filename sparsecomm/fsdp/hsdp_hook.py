@@ -46,7 +46,9 @@ class ShardReduce:
             raise RuntimeError(
                 f"FSDP handed the HSDP hook {reduce_output.numel()} entries for module "
                 f"{self.arrivals.names[self.index] or '<root>'!r}, which holds {self.placeholder.numel()} "
-                "per shard: the module was re-sharded after register_hsdp_hook"
+                "per shard: the module was re-sharded after register_hsdp_hook, or it reduces part of its parameters "
+                "at a time (FSDP leaves out parameters without a gradient; e.g. torchtitan's ChunkedLossWrapper "
+                "backpropagates through the output layer first and through the final norm later)"
             )
         bucket = ShardBucket(reduce_output, self.index, self.placeholder, self.arrivals.arrive(self.index))
         reduced = topk_hook(self.state, bucket).wait()
