@@ -1,5 +1,5 @@
 """The body of one CPU level's run for the op tests (kernel_implementations.CpuLevelRuns), in
-a process forked from the tests' fork server (tests/multiprocess.py), which has imported torch
+a process forked from the tests' fork server (tests/rank_processes.py), which has imported torch
 but not sparsecomm's native library: a process chooses its CPU level when that library loads,
 so this module imports nothing of sparsecomm itself, sets the environment
 (SPARSECOMM_CPU_CAPABILITY included) and only then imports the op's test module, whose import
@@ -34,7 +34,7 @@ def run(environment: dict, module: str, path: str, precomputed: str) -> None:
         with open(path + ".error", "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)
-    os._exit(0)  # no interpreter teardown in a forked child (as tests/multiprocess.py's ranks)
+    os._exit(0)  # no interpreter teardown in a forked child (as tests/rank_processes.py's ranks)
 
 
 def _report_refusal() -> None:

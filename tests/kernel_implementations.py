@@ -282,7 +282,7 @@ def capture_in_a_cuda_graph(step: Callable):
 #
 # A process chooses its CPU level once (when the native library loads), so each level runs in
 # a process of its own with SPARSECOMM_CPU_CAPABILITY set: forked from the tests' fork server
-# (tests/multiprocess.py: torch imported, the library not loaded; tests/cpu_level_child.py sets
+# (tests/rank_processes.py: torch imported, the library not loaded; tests/cpu_level_child.py sets
 # the variable before anything loads it, then imports the op's test module and runs its
 # cpu_level_cases()). The outputs must match the reference's as the op tests compare them, and
 # the levels must agree byte for byte, payload order included.
@@ -334,7 +334,7 @@ class CpuLevelRuns:
     @staticmethod
     def _run(module: str, level: str, path: Path, precomputed_inputs: Path) -> dict:
         import cpu_level_child
-        from multiprocess import _context
+        from rank_processes import _context
 
         env = dict(os.environ)
         env["SPARSECOMM_CPU_CAPABILITY"] = level
@@ -432,7 +432,7 @@ def assert_the_hook_trains_with_the_kernels_as_with_the_reference(hook_options: 
     kernels chosen as usual and the reference forced: not one bit of the parameters, nor of the
     bytes sent, differs (the hook's own conservation audit checks every call). Returns each
     rank's last-step stats of both runs."""
-    from multiprocess import run_on_ranks
+    from rank_processes import run_on_ranks
 
     with_kernels = run_on_ranks(_train, "auto", hook_options, world_size=2, timeout=180)
     reference_only = run_on_ranks(_train, "reference", hook_options, world_size=2, timeout=180)

@@ -1,4 +1,4 @@
-"""Rank functions for tests/multiprocess.py's run_on_ranks that drive sparsecomm.lab.experiment.script_run
+"""Rank functions for tests/rank_processes.py's run_on_ranks that drive sparsecomm.lab.experiment.script_run
 directly (a run's script, minus the launch)."""
 from pathlib import Path
 

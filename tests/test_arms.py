@@ -47,7 +47,7 @@ def _powersgd_worker(rank, world_size, bucket_cap_mb):
 
 
 def test_powersgd_on_gloo_refuses_a_second_bucket_instead_of_hanging():
-    from multiprocess import run_on_ranks
+    from rank_processes import run_on_ranks
 
     for said in run_on_ranks(_powersgd_worker, 1e-6, world_size=2):  # one bucket per parameter
         # DDP's first step has one bucket (its first bucket is 1 MB), the rebuilt layout several: refused

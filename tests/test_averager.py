@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import SparseDeltaAverager
 from sparsecomm.averaging.sparse_delta import check_settings
 from sparsecomm.compress.payload_seal import TRAILER_BYTES

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_models import loss, mesh_of, model_on
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(240)
 

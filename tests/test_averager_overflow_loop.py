@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_models import all_finite, mlp, rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import SparseDeltaAverager
 
 pytestmark = pytest.mark.timeout(240)

@@ -5,7 +5,7 @@ quantized values go through the owners)."""
 import pytest
 import torch
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import SparseDeltaAverager, WireIntegrityError
 from sparsecomm.ops import native
 from test_averager import QUANTIZED, SPARSE, _model, _train

@@ -309,7 +309,7 @@ def test_finish_without_the_metric_raises_naming_it(tmp_path):
     """run.finish() before run.log recorded the metric raises on every rank, naming it. A
     script that does so ends by raising, the "raises" ending above (same record, this message);
     here its ranks are forked in-process rather than launched."""
-    from multiprocess import run_on_ranks
+    from rank_processes import run_on_ranks
     from script_run_ranks import finish_without_the_metric
 
     (tmp_path / "train.py").write_text("# the run's script (not run: the ranks call the lab themselves)\n")

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.checkpoint import (
     CheckpointCorrupt,
     CheckpointManager,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import sparsecomm.checkpoint.files as checkpoint_files
 import sparsecomm.checkpoint.manager as checkpoint_manager
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.checkpoint import CheckpointError, CheckpointManager, committed_steps, step_directory
 from sparsecomm.checkpoint.rng import capture_rng
 from sparsecomm.hooks import TopKState

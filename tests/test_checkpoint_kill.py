@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import sparsecomm.checkpoint.files as checkpoint_files
 import sparsecomm.checkpoint.manager as checkpoint_manager
-from multiprocess import run_on_ranks, run_on_ranks_allowing_deaths
+from rank_processes import run_on_ranks, run_on_ranks_allowing_deaths
 from sparsecomm.checkpoint import CheckpointError, committed_steps
 from test_checkpoint import _Job
 

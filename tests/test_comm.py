@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.comm import allgather_future
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sparsecomm
 from sparsecomm import TopKState
 from sparsecomm.hooks.state.settings import DensitySchedule
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 
 def test_exponential_schedule_reproduces_dgc_warmup():

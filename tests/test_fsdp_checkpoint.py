@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fsdp_models import loss, mesh_of, model_on
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::sparsecomm.DenseFallbackWarning")]
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import sparsecomm
 from ddp_models import fit_doubling, mlp, rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.compress.chunk_layout import ChunkLayout
 from sparsecomm.compress.payload_seal import TRAILER_BYTES
 

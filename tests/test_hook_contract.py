@@ -15,7 +15,7 @@ from sparsecomm import TopKState, topk_hook
 from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
 from sparsecomm.monitor import StalenessMonitor
 from ddp_models import backward_error, mlp, params, rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

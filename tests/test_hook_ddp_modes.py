@@ -19,7 +19,7 @@ import sparsecomm
 from sparsecomm import TopKState, topk_hook
 from ddp_models import mlp, params, rank_data
 from exact_sums import UNIT, gamma, unit_roundoff, units
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -4,7 +4,7 @@ import torch
 
 import sparsecomm
 from ddp_models import rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.hooks.state.settings import TopKConfig
 from sparsecomm.hooks.pipeline import exchange_choice
 

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from ddp_models import all_finite, autocast_fp16_scaler_loop, memories_finite, mlp, params, rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import sparsecomm
 from ddp_models import fit_sine, mlp, params, rank_data
 from density_one import assert_density_one_is_allreduce, compare_with_allreduce
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import ops
 from sparsecomm.checkpoint import rebuild_buckets
 from sparsecomm.compress.chunk_layout import ChunkLayout

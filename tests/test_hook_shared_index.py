@@ -13,7 +13,7 @@ import torch.distributed as dist
 import sparsecomm
 from ddp_models import final_parameters, first_sparse_step_bytes, fit_sine, mlp
 from exact_sums import sum_rounding_misses
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.compress.payload_seal import TRAILER_BYTES
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import sparsecomm
 import sparsecomm.hooks.state.memories
 from ddp_models import rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.checkpoint.bucket_rebuild import rebuild_buckets
 from sparsecomm.hooks.wires.shared_mask import mask_sizes, owned_ranges, owners, pack_bits, unpack_bits
 from sparsecomm.optim import AdamS

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm import TopKState
 from ddp_models import backward_error
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)

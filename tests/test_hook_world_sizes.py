@@ -22,7 +22,7 @@ import sparsecomm
 from sparsecomm import TopKState
 from ddp_models import mlp, rank_data
 from density_one import assert_density_one_is_allreduce, compare_with_allreduce
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.compress.payload_seal import TRAILER_BYTES
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_models import STEPS, loss, mesh_of, model_on, replica_check, train
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore::sparsecomm.DenseFallbackWarning"),

@@ -15,7 +15,7 @@ import traceback
 import pytest
 import torch
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from integration_checks import assert_defaults_are_topk_dgc, assert_sparse_then_restored
 
 STEPS, MORE_STEPS = 6, 2

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from integration_checks import assert_defaults_are_topk_dgc
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 DENSITY = 0.01
 # The callback's default: the Trainer example holds dense's final training loss within 0.1 at

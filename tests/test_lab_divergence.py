@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.lab.experiment.named import digits_quick
 from sparsecomm.lab.experiment.worker import train_run
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from ddp_models import mlp, rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import SparseDeltaAverager
 from sparsecomm.averaging.sparse_delta import check_settings
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 N_W, N_B = 70, 30  # the two parameters' sizes: one bucket of 100 entries
 DENSITY, WARMUP = 0.1, 2

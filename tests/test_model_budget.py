@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.checkpoint import rebuild_buckets
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

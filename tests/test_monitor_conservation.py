@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import ConservationError, TopKState, topk_hook
 from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, GradientAgreementMonitor
 

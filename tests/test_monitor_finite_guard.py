@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import TopKState, compress, topk_hook
 from sparsecomm.compress.packing import payload_nbytes
 from sparsecomm.hooks.state.events import HookEvent

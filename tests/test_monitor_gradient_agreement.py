@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from ddp_models import mlp, params
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, GradientAgreementMonitor, flip_bit
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, ReplicaDigestMonitor, flip_bit, parameter_digest
 from sparsecomm.monitor.consensus import suspects
 from sparsecomm.monitor.replica_digest import tensors_digest

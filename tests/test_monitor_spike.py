@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm import TopKState, topk_hook
 from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import BitFlipInjector, CorruptionDetected, UpdateSpikeDetector

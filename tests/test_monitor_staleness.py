@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.hooks.state.events import HookEvent
 from sparsecomm.monitor import StalenessExceeded, StalenessMonitor
 from sparsecomm.lab.results.policy import Policy

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.hooks.state.settings import TopKConfig
 from sparsecomm.hooks.wires import owner
 from sparsecomm.lab.compare import parse_arms

@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 from sparsecomm.hooks.momentum_handover import OptimizerChangedWarning
 from sparsecomm.lab.experiment.arms import make_arm_hook
 from sparsecomm.lab.experiment.config import ExperimentConfig

@@ -24,7 +24,7 @@ from ddp_models import grads as _grads
 from ddp_models import mlp as _mlp
 from ddp_models import params as _params
 from ddp_models import rank_data as _rank_data
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

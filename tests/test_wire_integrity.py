@@ -37,7 +37,7 @@ from sparsecomm.monitor.fault_injector import BitFlipInjector, flip_bit
 
 from ddp_models import backward_error, mlp, params, rank_data
 from mpi_launch import run_mpiexec
-from multiprocess import run_on_ranks
+from rank_processes import run_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
