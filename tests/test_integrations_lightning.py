@@ -3,7 +3,8 @@
 One spawn of 2 ranks covers the expensive parts (Lightning takes seconds to import per
 rank), one scenario after the other: the hook runs sparse on CPU, a checkpoint holds every
 rank's residuals and a resumed fit gives each rank its own back bit for bit, and the two
-ways of registering a second hook are refused; then the defaults' momentum handover.
+ways of registering a second hook are refused; then the defaults' momentum handover; then the
+hook's figures in the Trainer's own TensorBoard and CSV loggers.
 Checks that need no process group run in this process; one subprocess checks that
 importing sparsecomm needs none of the frameworks (Lightning, Accelerate, transformers).
 """
@@ -17,6 +18,7 @@ import torch
 
 from rank_processes import run_on_ranks
 from integration_checks import assert_defaults_are_topk_dgc, assert_sparse_then_restored
+from metrics_checks import bytes_sent_per_step, scalars
 
 STEPS, MORE_STEPS = 6, 2
 DENSITY = 0.01
@@ -118,7 +120,7 @@ def _lightning_worker(rank, world_size, root):
 def _both_scenarios(rank, world_size, root):
     """Each scenario in its own directory: what it returned, or ("raised", traceback)."""
     results = {}
-    for name, worker in (("fit", _lightning_worker), ("defaults", _defaults_worker)):
+    for name, worker in (("fit", _lightning_worker), ("defaults", _defaults_worker), ("metrics", _metrics_worker)):
         os.makedirs(os.path.join(root, name), exist_ok=True)
         try:
             results[name] = ("ok", worker(rank, world_size, os.path.join(root, name)))
@@ -216,6 +218,56 @@ def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(sp
         assert refused["momentum"] == 0.9
 
 
+def _metrics_worker(rank, world_size, root):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from sparsecomm.integrations import SparseCommCallback
+
+    Regressor, loader = _module_and_data(pl)
+
+    class Logged(Regressor):
+        def training_step(self, batch, batch_index):
+            loss = super().training_step(batch, batch_index)
+            self.log("loss", loss)  # Lightning's own value, to line the figures up with
+            return loss
+
+    loggers = [TensorBoardLogger(root, name="tb", version=0), CSVLogger(root, name="csv", version=0)]
+    callback = SparseCommCallback(density=DENSITY, budget="bucket")  # log_every="auto": log_every_n_steps
+    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=DDPStrategy(), callbacks=[callback],
+                         max_steps=STEPS, log_every_n_steps=2, logger=loggers, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    model = Logged()
+    trainer.fit(model, loader)
+    return dict(numel=sum(p.numel() for p in model.parameters()))
+
+
+@pytest.mark.timeout(240)
+def test_figures_reach_the_trainers_loggers_at_lightnings_steps(spawned):
+    results, root = _scenario(spawned, "metrics")
+    numel = results[0]["numel"]
+    # Written every log_every_n_steps = 2 optimizer steps, at the step Lightning gives the
+    # batch of optimizer step 2, 4, 6 (1, 3, 5), where its own "loss" is.
+    logged = scalars(root / "tb" / "version_0")
+    assert [step for step, _ in logged["loss"]] == [1, 3, 5]
+    expected = [bytes_sent_per_step(numel, DENSITY, first, first + 1) for first in (1, 3, 5)]
+    assert logged["sparsecomm/bytes_sent_per_step"] == [(1, pytest.approx(expected[0])), (3, pytest.approx(
+        expected[1])), (5, pytest.approx(expected[2]))]
+    assert [value for _, value in logged["sparsecomm/steps"]] == [2, 4, 6]
+    assert {"sparsecomm/compression", "sparsecomm/residual_norm", "sparsecomm/density"} <= logged.keys()
+    # The CSV logger got the same figures, at the steps of Lightning's own values.
+    import csv
+
+    with open(root / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(row["step"]), float(row["sparsecomm/bytes_sent_per_step"])) for row in rows
+            if row["sparsecomm/bytes_sent_per_step"]] == [(1, pytest.approx(expected[0])),
+                                                          (3, pytest.approx(expected[1])), (5, pytest.approx(expected[2]))]
+    assert [int(row["step"]) for row in rows if row["loss"]] == [1, 3, 5]
+
+
 def test_strategy_without_ddp_is_refused(pl, tmp_path):
     from sparsecomm.integrations import SparseCommCallback
 
@@ -239,6 +291,10 @@ def test_two_callbacks_and_bad_options_are_refused(pl):
         SparseCommCallback(strict_load="yes")
     with pytest.raises(ValueError, match="momentum must be 'auto' .* got 'dgc'"):
         SparseCommCallback(momentum="dgc")
+    with pytest.raises(ValueError, match="log_every must be None, 'auto' or an integer >= 1 .* got 0"):
+        SparseCommCallback(log_every=0)
+    with pytest.raises(TypeError, match="log_every must be None, 'auto' or an integer >= 1 .* got 2.5"):
+        SparseCommCallback(log_every=2.5)
 
 
 def test_importing_sparsecomm_needs_no_framework_and_names_the_extra():

@@ -83,3 +83,20 @@ def gather_state_dicts(state: TopKState) -> dict:
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(own, gathered, dst=dist.get_global_rank(group, 0), group=group)
     return merge_rank_state_dicts(gathered) if rank == 0 else own
+
+
+AUTO_LOG = "auto"
+
+
+def check_log_every(owner: str, log_every, allow_auto: bool):
+    """``log_every``: None (no figures logged), an integer >= 1 (every that many optimizer
+    steps) or, where the framework has a logging cadence of its own, "auto" (follow it)."""
+    if log_every is None or (allow_auto and log_every == AUTO_LOG):
+        return log_every
+    accepted = "None, 'auto' or an integer >= 1" if allow_auto else "None or an integer >= 1"
+    message = f"{owner}: log_every must be {accepted} (optimizer steps between logged figures), got {log_every!r}"
+    if isinstance(log_every, bool) or not isinstance(log_every, (int, str)):
+        raise TypeError(message)
+    if isinstance(log_every, str) or log_every < 1:
+        raise ValueError(message)
+    return log_every

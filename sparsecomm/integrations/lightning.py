@@ -28,14 +28,22 @@ keeps the checkpoint one self-contained file, so whatever Lightning does with it
 residuals with the weights; a side file per rank would need a shared file system and
 would outlive deleted checkpoints. The cost: rank 0 holds and writes world_size copies of
 the residual (one float per parameter per rank, plus velocities with momentum).
+
+Figures: by default (``log_every="auto"``) the hook's figures (:mod:`sparsecomm.metrics`:
+bytes per step, compression, density, residual norm, ...) go to the Trainer's own loggers
+(``trainer.loggers``: TensorBoardLogger, WandbLogger, CSVLogger, ...) as ``sparsecomm/<name>``,
+every ``Trainer(log_every_n_steps=...)`` optimizer steps, at the step Lightning gives that
+batch's ``self.log`` values; ``logger=False`` logs nothing (docs/metrics.md).
 """
 import torch
 
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.state.settings import check_bool
 from sparsecomm.hooks.topk import TopKState
-from sparsecomm.integrations.common import check_state_options, gather_state_dicts, import_framework
+from sparsecomm.integrations.common import AUTO_LOG, check_log_every, check_state_options, gather_state_dicts
+from sparsecomm.integrations.common import import_framework
 from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover
+from sparsecomm.metrics import CallableSink, MetricsLogger
 
 pl = import_framework("lightning.pytorch", "lightning", "lightning")
 strategies = import_framework("lightning.pytorch.strategies", "lightning", "lightning")
@@ -56,6 +64,10 @@ class SparseCommCallback(pl.Callback):
         strict_load: passed to :meth:`TopKState.load_state_dict` on resume. False resets
             the residuals with a warning instead of refusing a checkpoint from another
             world size or hook configuration.
+        log_every: the hook's figures (``sparsecomm/<name>``, rank 0's) to every logger in
+            ``trainer.loggers`` every that many optimizer steps: "auto" (default) at the
+            Trainer's ``log_every_n_steps`` (so with ``logger=False``, or
+            ``log_every_n_steps=0``, nothing), an integer >= 1, or None (off).
         **state_options: any other :class:`~sparsecomm.TopKState` keyword argument
             (``error_feedback``, ``momentum``, ``warmup_steps``, ``selector``, ...), checked
             here; ``module`` and ``process_group`` come from the DDP model.
@@ -63,6 +75,8 @@ class SparseCommCallback(pl.Callback):
     Attributes:
         state: the :class:`~sparsecomm.TopKState` once ``fit`` has started (None before);
             ``callback.state.stats()`` reports what this rank sent.
+        metrics: the :class:`~sparsecomm.metrics.MetricsLogger` writing the figures to the
+            Trainer's loggers once ``fit`` has started (None when nothing is logged).
 
     Raises (when ``fit`` starts, on every rank, before the first step):
         TypeError: the strategy is not a ``DDPStrategy``, or did not wrap the model in
@@ -72,8 +86,10 @@ class SparseCommCallback(pl.Callback):
     """
 
     def __init__(self, density: float = 0.01, *, momentum: float | str = AUTO, strict_load: bool = True,
-                 **state_options):
+                 log_every: int | str | None = AUTO_LOG, **state_options):
         self.strict_load = check_bool("strict_load", strict_load)
+        self.log_every = check_log_every("SparseCommCallback", log_every, allow_auto=True)
+        self.metrics: MetricsLogger | None = None
         self._options = check_state_options("SparseCommCallback",
                                             {"density": density, "momentum": momentum, **state_options})
         self.state: TopKState | None = None
@@ -121,6 +137,31 @@ class SparseCommCallback(pl.Callback):
         if self._state_to_load is not None:
             self.state.load_state_dict(self._state_to_load, strict=self.strict_load)
             self._state_to_load = None
+        self.metrics = self._metrics_logger(trainer)  # after the load: its first window starts here
+
+    def _metrics_logger(self, trainer: "pl.Trainer") -> MetricsLogger | None:
+        every = trainer.log_every_n_steps if self.log_every == AUTO_LOG else self.log_every
+        if not every or not trainer.loggers:
+            return None
+        loggers = list(trainer.loggers)
+
+        def to_loggers(figures: dict, step: int) -> None:
+            # Lightning logs the k-th optimizer step's batch at step k - 1 (its self.log values
+            # go out before it counts the batch): the figures join that batch's row.
+            for logger in loggers:
+                logger.log_metrics(figures, step=step - 1)
+
+        return MetricsLogger(self.state, every=every, sinks=[CallableSink(to_loggers)])
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs, batch,
+                           batch_idx: int) -> None:
+        if self.metrics is not None:  # a batch that only accumulated gradients leaves global_step as it was
+            self.metrics.step(trainer.global_step)
+
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     def state_dict(self) -> dict:
         """Every rank's hook state on rank 0 (collective: Lightning calls it on all ranks)."""
