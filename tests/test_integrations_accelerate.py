@@ -2,7 +2,9 @@
 
 One spawned run: the hook runs sparse on the prepared model, save_state writes one hook
 file per process, a fresh Accelerator's load_state gives each rank its own residuals back
-bit for bit and training goes on sparse, and the wrong inputs are refused.
+bit for bit and training goes on sparse, and the wrong inputs are refused. A second: the
+defaults' momentum handover, and the hook's figures through ``accelerator.log`` to the
+TensorBoard tracker.
 """
 import os
 
@@ -11,6 +13,7 @@ import torch
 
 from rank_processes import run_on_ranks
 from integration_checks import assert_defaults_are_topk_dgc, assert_sparse_then_restored
+from metrics_checks import bytes_sent_per_step, scalars
 
 STEPS, MORE_STEPS = 6, 2
 DENSITY = 0.01
@@ -143,6 +146,7 @@ def _defaults_worker(rank, world_size, root):
     except ValueError as error:
         no_optimizer_error = str(error)
     return dict(
+        metrics=_metrics_run(root),
         defaults=train(adamw),
         # The topk-dgc setting built by hand: AdamW without a first moment, the hook's momentum 0.9.
         by_hand=train(lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.0, 0.999)), momentum=0.9),
@@ -152,9 +156,31 @@ def _defaults_worker(rank, world_size, root):
     )
 
 
+def _metrics_run(root):
+    """The hook's figures every 2 steps into the accelerator's TensorBoard tracker."""
+    from accelerate import Accelerator
+
+    from sparsecomm.integrations import register_topk_hook_accelerate
+
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=os.path.join(root, "tb"))
+    accelerator.init_trackers("run")
+    model, optimizer, loader, raw_model = _prepared(accelerator)
+    state = register_topk_hook_accelerate(accelerator, model, density=DENSITY, budget="bucket", log_every=2)
+    _train(accelerator, model, optimizer, loader, 6)
+    for tracker in accelerator.trackers:  # (end_training() would also destroy the process group)
+        tracker.finish()
+    return dict(numel=sum(p.numel() for p in raw_model.parameters()), steps=state.step)
+
+
+@pytest.fixture(scope="module")
+def defaults_and_metrics(accelerate, tmp_path_factory):
+    root = tmp_path_factory.mktemp("defaults")
+    return run_on_ranks(_defaults_worker, str(root), timeout=80), root
+
+
 @pytest.mark.timeout(90)
-def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(accelerate, tmp_path):
-    for rank, runs in enumerate(run_on_ranks(_defaults_worker, str(tmp_path), timeout=80)):
+def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(defaults_and_metrics):
+    for rank, runs in enumerate(defaults_and_metrics[0]):
         assert_defaults_are_topk_dgc(runs, rank, "register_topk_hook_accelerate", sparse_calls=2)
         # Refused before anything changes: an optimizer whose momentum cannot move, and "auto"
         # with no prepared optimizer to take it from.
@@ -165,8 +191,24 @@ def test_defaults_move_adamws_first_moment_into_the_hook_and_say_so_on_rank_0(ac
             runs["no_optimizer"]
 
 
+@pytest.mark.timeout(90)
+def test_figures_reach_the_accelerators_trackers(defaults_and_metrics):
+    results, root = defaults_and_metrics
+    numel = results[0]["metrics"]["numel"]
+    assert results[0]["metrics"]["steps"] == 6
+    logged = scalars(root / "tb" / "run")  # the tracker's directory: project_dir / run name, main process only
+    expected = [(step, pytest.approx(bytes_sent_per_step(numel, DENSITY, step - 1, step))) for step in (2, 4, 6)]
+    assert logged["sparsecomm/bytes_sent_per_step"] == expected
+    assert [value for _, value in logged["sparsecomm/steps"]] == [2, 4, 6]
+    assert {"sparsecomm/compression", "sparsecomm/effective_density", "sparsecomm/residual_norm"} <= logged.keys()
+
+
 def test_bad_arguments_are_refused(accelerate):
     from sparsecomm.integrations import register_topk_hook_accelerate
 
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator, got str"):
         register_topk_hook_accelerate("accelerator", torch.nn.Linear(1, 1))
+    from accelerate import Accelerator
+
+    with pytest.raises(ValueError, match="log_every must be None or an integer >= 1 .* got 'auto'"):
+        register_topk_hook_accelerate(Accelerator(cpu=True), torch.nn.Linear(1, 1), log_every="auto")

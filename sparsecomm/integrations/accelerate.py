@@ -22,8 +22,19 @@ hooks were registered on this accelerator, r: ``accelerator.process_index``), an
 ``load_state(dir)`` reads it back on the same process. That is how Accelerate keeps its
 own per-process RNG states (``random_states_{r}.pkl``), so the files live wherever those
 do: a shared directory, or a per-node one on each node.
+
+Figures: ``log_every=N`` sends the hook's figures (:mod:`sparsecomm.metrics`) every N
+optimizer steps through ``accelerator.log(figures, step=...)``, to the trackers of
+``Accelerator(log_with=...)`` once ``accelerator.init_trackers(...)`` started them. The hook
+has no step point of its own in an Accelerate loop (it runs inside ``backward``), so the helper
+puts one on the optimizer: ``register_step_post_hook``, which runs after every step the
+optimizer really takes (not after an accumulation micro-batch, nor after a step a
+``GradScaler`` skipped). The step logged is the hook's step counter, which
+``accelerator.load_state`` restores. The figures' first window starts at the first training
+forward, after any ``load_state`` (docs/metrics.md).
 """
 import os
+import warnings
 import weakref
 from pathlib import Path
 
@@ -32,8 +43,9 @@ import torch
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.state.settings import check_bool
 from sparsecomm.hooks.topk import TopKState
-from sparsecomm.integrations.common import check_state_options, import_framework
+from sparsecomm.integrations.common import check_log_every, check_state_options, import_framework
 from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover, unwrap
+from sparsecomm.metrics import CallableSink, MetricsLogger
 
 accelerate = import_framework("accelerate", "accelerate", "accelerate")
 accelerate_utils = import_framework("accelerate.utils", "accelerate", "accelerate")
@@ -49,7 +61,7 @@ def hook_state_path(directory, index: int, process_index: int) -> Path:
 
 def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = None, *, optimizer=None,
                                   momentum: float | str = AUTO, strict_load: bool = True,
-                                  **state_kwargs) -> TopKState:
+                                  log_every: int | None = None, **state_kwargs) -> TopKState:
     """Register :func:`~sparsecomm.topk_hook` on a model prepared by ``accelerator``.
 
     Call it after ``accelerator.prepare`` and before ``accelerator.load_state``. Hook
@@ -74,6 +86,9 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
         strict_load: passed to :meth:`TopKState.load_state_dict` by ``load_state``;
             False resets the residuals with a warning instead of refusing a state saved
             with another world size or configuration.
+        log_every: every that many optimizer steps, the hook's figures (``sparsecomm/<name>``,
+            the main process's) through ``accelerator.log`` to its trackers; None (default):
+            none. Needs the optimizer (``optimizer=`` or the prepared one) for its step point.
 
     Returns:
         The registered state; ``state.stats()`` reports what this process sent.
@@ -83,13 +98,19 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
             (single process, DeepSpeed, FSDP, XLA, or the unprepared module).
         ValueError: ``DistributedDataParallelKwargs(comm_hook=...)`` is set or the model
             already has a hook (DDP allows one), bad TopKState arguments, an optimizer
-            whose momentum the hook cannot take over, or ``momentum="auto"`` with no
-            prepared optimizer.
+            whose momentum the hook cannot take over, ``momentum="auto"`` or ``log_every``
+            with no prepared optimizer, or a bad ``log_every``.
     """
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     check_bool("strict_load", strict_load)
+    check_log_every("register_topk_hook_accelerate", log_every, allow_auto=False)
     ddp_model = _prepared_ddp(accelerator, model)
+    optimizers = [unwrap(optimizer)] if optimizer is not None else _optimizers_of(accelerator, ddp_model)
+    if log_every is not None and not optimizers:
+        raise ValueError("register_topk_hook_accelerate: log_every logs after every optimizer step, but no optimizer "
+                         "updates this model: prepare it with accelerator.prepare before calling the helper, or pass "
+                         "optimizer=")
     handler = accelerator.ddp_handler
     if handler is not None and handler.comm_hook != accelerate_utils.DDPCommunicationHookType.NO:
         raise ValueError(
@@ -104,7 +125,6 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
     else:
         owner = "register_topk_hook_accelerate"
         options = check_state_options(owner, {"momentum": momentum, **state_kwargs})
-        optimizers = [optimizer] if optimizer is not None else _optimizers_of(accelerator, ddp_model)
         handover = plan_handover(owner, optimizers, options)  # raises before anything changes
         state = register_topk_hook(ddp_model, **handover.hook_options(options))
         announce(owner, handover.apply(), accelerator.process_index)
@@ -112,7 +132,38 @@ def register_topk_hook_accelerate(accelerator, model, state: TopKState | None = 
     if checkpoint is None:
         checkpoint = _CHECKPOINTS[accelerator] = _PerRankCheckpoint(accelerator)
     checkpoint.add(state, strict_load)
+    if log_every is not None:
+        _log_through_accelerator(accelerator, ddp_model, state, optimizers, log_every)
     return state
+
+
+def _log_through_accelerator(accelerator, ddp_model, state: TopKState, optimizers: list, every: int) -> None:
+    """Every ``every`` optimizer steps, ``state``'s figures into ``accelerator.log``. The logger
+    is built at the first training forward, after any ``load_state``, so that its first window
+    starts at the resumed step; each optimizer step taken then offers it the hook's step count."""
+    accelerator = weakref.proxy(accelerator)  # the hooks must not keep the accelerator alive
+    logging = {"metrics": None, "warned": False}
+
+    def to_trackers(figures: dict, step: int) -> None:
+        if not accelerator.trackers and not logging["warned"]:
+            logging["warned"] = True
+            warnings.warn("register_topk_hook_accelerate(log_every=...): the accelerator has no trackers, so the hook's "
+                          "figures go nowhere: pass Accelerator(log_with=...) and call accelerator.init_trackers(...) "
+                          "before training", stacklevel=2)
+        accelerator.log(figures, step=step)
+
+    def start(module, inputs) -> None:
+        if logging["metrics"] is None and module.training:
+            logging["metrics"] = MetricsLogger(state, every=every, sinks=[CallableSink(to_trackers)])
+            pre_hook.remove()
+
+    def after_step(optimizer, args, kwargs) -> None:
+        if logging["metrics"] is not None:
+            logging["metrics"].step(state.step)  # several optimizers of one model: one write per step
+
+    pre_hook = ddp_model.register_forward_pre_hook(start)
+    for torch_optimizer in optimizers:
+        torch_optimizer.register_step_post_hook(after_step)
 
 
 def _prepared_ddp(accelerator, model) -> torch.nn.parallel.DistributedDataParallel:
