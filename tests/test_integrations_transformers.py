@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from integration_checks import assert_defaults_are_topk_dgc
+from metrics_checks import bytes_sent_per_step, scalars
 from rank_processes import run_on_ranks
 
 DENSITY = 0.01
@@ -66,10 +67,10 @@ def _trainer(output_dir, callbacks, *, max_steps=STEPS, save_steps=SAVE_AT, mode
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir=str(output_dir), use_cpu=True, ddp_backend=ddp_backend, report_to="none", max_steps=max_steps,
+        output_dir=str(output_dir), use_cpu=True, ddp_backend=ddp_backend, max_steps=max_steps,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, per_device_train_batch_size=4,
-        learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, disable_tqdm=True, seed=0, data_seed=0,
-        log_level="error", **arguments,
+        learning_rate=3e-3, lr_scheduler_type="constant", disable_tqdm=True, seed=0, data_seed=0,
+        log_level="error", **{"report_to": "none", "logging_steps": 1, **arguments},
     )
     eval_dataset = Patterns(16, offset=1000) if arguments.get("eval_strategy", "no") != "no" else None
     return Trainer(model=model or _model(), args=args, train_dataset=Patterns(), eval_dataset=eval_dataset,
@@ -132,7 +133,8 @@ def _two_rank_scenarios(rank, world_size, root, three_rank_root):
                  "defaults": (_defaults_worker, Path(root) / "defaults"),
                  "lab_and_momentum": (_lab_and_momentum_worker, Path(root) / "lab_and_momentum"),
                  "fewer_ranks": (_fewer_ranks_resume_worker, Path(three_rank_root)),
-                 "refusals": (_refusals_worker, Path(root) / "refusals")}
+                 "refusals": (_refusals_worker, Path(root) / "refusals"),
+                 "metrics": (_metrics_worker, Path(root) / "metrics")}
     results = {}
     for name, (worker, directory) in scenarios.items():
         try:
@@ -472,6 +474,40 @@ def test_three_ranks_agree_and_their_checkpoint_is_refused_by_two(three_ranks, t
 # ----- in this process: a single process, bad options, lazy import --------------------------
 
 
+def _metrics_worker(rank, world_size, root):
+    """The figures through report_to=["tensorboard"]: every 2 steps (the Trainer logs every step),
+    and at every training log ("auto", logging every 3 steps)."""
+    _join_as_trainer_ranks(rank, world_size)
+    from sparsecomm.integrations import SparseCommTrainerCallback
+
+    runs = {}
+    for name, log_every, logging_steps in (("every2", 2, 1), ("auto", "auto", 3)):
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(Path(root) / name)  # TensorBoardCallback's directory
+        callback = SparseCommTrainerCallback(density=DENSITY, budget="bucket", log_every=log_every)
+        trainer = _trainer(Path(root) / name, [callback], save_steps=0, report_to=["tensorboard"],
+                           logging_steps=logging_steps)
+        del os.environ["TENSORBOARD_LOGGING_DIR"]
+        trainer.train()
+        runs[name] = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    return dict(callbacks=runs, numel=sum(p.numel() for p in trainer.model.parameters()))
+
+
+@pytest.mark.timeout(400)
+def test_figures_reach_the_report_to_integrations(two_ranks):
+    results, root = _scenario(two_ranks, "metrics")
+    numel = results[0]["numel"]
+    for name, windows in (("every2", [(1, 2), (3, 4), (5, 6)]), ("auto", [(1, 3), (4, 6)])):
+        # The callback moved ahead of TensorBoardCallback, which the Trainer put before it.
+        callbacks = results[0]["callbacks"][name]
+        assert callbacks.index("SparseCommTrainerCallback") < callbacks.index("TensorBoardCallback"), callbacks
+        logged = scalars(root / name)
+        assert [step for step, _ in logged["train/loss"]] == ([1, 2, 3, 4, 5, 6] if name == "every2" else [3, 6])
+        assert logged["train/sparsecomm/bytes_sent_per_step"] == [
+            (last, pytest.approx(bytes_sent_per_step(numel, DENSITY, first, last))) for first, last in windows], name
+        assert [value for _, value in logged["train/sparsecomm/steps"]] == [last for _, last in windows]
+        assert {"train/sparsecomm/compression", "train/sparsecomm/residual_norm"} <= logged.keys()
+
+
 def test_single_process_warns_once_and_registers_nothing(transformers, tmp_path):
     from sparsecomm.integrations import SparseCommTrainerCallback
     from sparsecomm.integrations.transformers import NotDistributedWarning
@@ -567,5 +603,7 @@ def test_bad_options_are_refused(transformers):
         SparseCommTrainerCallback(momentum="dgc")
     with pytest.raises(ValueError, match=r"momentum must be in \[0.0, 1.0\)"):
         SparseCommTrainerCallback(momentum=1.0)
+    with pytest.raises(ValueError, match="log_every must be None, 'auto' or an integer >= 1 .* got -2"):
+        SparseCommTrainerCallback(log_every=-2)
     with pytest.raises(TypeError, match="either hook_factory or TopKState options, not both .*momentum"):
         SparseCommTrainerCallback(momentum=0.9, hook_factory=lambda ddp, optimizer: None)

@@ -47,7 +47,18 @@ forward (ValueError naming the file).
 
 The lab: :meth:`SparseCommTrainerCallback.for_lab_run` lets a ``sparsecomm.lab.init()``
 run register its experiment arm (``run.apply``) and record every evaluation's loss.
+
+Figures (``log_every``): the hook's figures (:mod:`sparsecomm.metrics`) are added to the
+Trainer's own training logs, so that its ``report_to`` integrations (TensorBoardCallback,
+WandbCallback, ...) and ``state.log_history`` carry them, as ``sparsecomm/<name>`` (which those
+integrations write as ``train/sparsecomm/<name>``). The Trainer hands every log to its callbacks
+in their order, and puts the ``report_to`` ones before the user's: a callback that adds to the
+logs in ``on_log`` after them adds nothing they write. The Trainer gives callbacks no handle on
+that order, so at ``on_train_begin`` the callback finds the ``CallbackHandler`` that calls it
+(the caller's frame) and moves itself before the first callback that reads logs; a Trainer whose
+handler it cannot find is warned about, once.
 """
+import inspect
 import json
 import os
 import warnings
@@ -60,12 +71,14 @@ import torch.distributed as dist
 from sparsecomm.hooks.register import register_topk_hook
 from sparsecomm.hooks.topk import TopKState
 from sparsecomm.hooks.state.settings import check_bool
-from sparsecomm.integrations.common import to_cpu, check_state_options, import_framework
+from sparsecomm.integrations.common import AUTO_LOG, check_log_every, check_state_options, import_framework, to_cpu
 from sparsecomm.hooks.momentum_handover import AUTO, announce, plan_handover, unwrap
+from sparsecomm.metrics import CallableSink, MetricsLogger
 
 transformers = import_framework("transformers", "transformers", "transformers")
 trainer_module = import_framework("transformers.trainer", "transformers", "transformers")
 trainer_utils = import_framework("transformers.trainer_utils", "transformers", "transformers")
+trainer_callback = import_framework("transformers.trainer_callback", "transformers", "transformers")
 
 STATE_FILE_FORMAT = 1
 # Measured on the Trainer example (experiments/examples/README.md, "Defaults that hold
@@ -118,6 +131,13 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
         strict_load: False: a resumed checkpoint whose hook state is missing, from another
             world size or (TopKState) another configuration restarts the hook with a
             warning instead of raising.
+        log_every: the hook's figures (rank 0's ``sparsecomm/<name>``: bytes per step,
+            compression, density, residual norm, ...) in the Trainer's training logs, which
+            its ``report_to`` integrations write: None (default): none; "auto": in every
+            training log (``logging_steps``), each covering the steps since the last; an
+            integer N >= 1: every N optimizer steps (the callback asks the Trainer to log at
+            those steps, its loss included). With ``hook_factory``, its state must be a
+            TopKState or a SparseDeltaAverager (anything else is warned about, and not logged).
         **state_options: any other :class:`~sparsecomm.TopKState` keyword argument
             (``warmup_steps``, ``selector``, ...), checked here; ``module`` and
             ``process_group`` come from the DDP model.
@@ -127,6 +147,8 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             returned) once the first training forward ran; None before, and in a
             single-process run. ``callback.state.stats()`` reports what this rank sent.
             (``hook_state``: its former name, deprecated.)
+        metrics: the :class:`~sparsecomm.metrics.MetricsLogger` adding the figures to the
+            logs (``log_every``), once the hook is registered; None otherwise.
 
     Raises (at construction): ValueError/TypeError for bad TopKState options (naming the
     option), for both ``hook_factory`` and TopKState options, or for a ``hook_factory`` /
@@ -141,8 +163,11 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
     """
 
     def __init__(self, density: float | None = None, *, momentum: float | str = AUTO, hook_factory=None,
-                 on_metrics=None, strict_load: bool = True, **state_options):
+                 on_metrics=None, strict_load: bool = True, log_every: int | str | None = None, **state_options):
         self.strict_load = check_bool("strict_load", strict_load)
+        self.log_every = check_log_every("SparseCommTrainerCallback", log_every, allow_auto=True)
+        self.metrics = None
+        self._logs = None  # the training log the figures are being added to (inside on_log)
         if hook_factory is not None:
             if momentum != AUTO:
                 state_options = {"momentum": momentum, **state_options}
@@ -227,6 +252,11 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             self._state_to_load = self._read_resumed_state(args, state)
         if self._pre_hook is None:
             self._pre_hook = model.register_forward_pre_hook(self._on_forward)
+        if self.log_every is not None and not _run_before_log_readers(self):
+            warnings.warn(
+                "SparseCommTrainerCallback(log_every=...): the Trainer's CallbackHandler was not found, so the callback "
+                "could not move ahead of the report_to integrations: the figures reach only the callbacks after it "
+                "(and the printed logs)", stacklevel=2)
 
     def on_save(self, args, state, control, **kwargs):
         if self._ddp is None:  # single process, or no training forward yet: nothing registered
@@ -243,9 +273,20 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self._report_metrics(metrics or {}, state.global_step)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if isinstance(self.log_every, int) and self.metrics is not None and state.global_step % self.log_every == 0:
+            control.should_log = True  # the Trainer then logs this step, and on_log adds the figures
+        return control
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and any(key.startswith("eval_") for key in logs):
             self._report_metrics(logs, state.global_step)
+        if self.metrics is not None and logs is not None and "loss" in logs:  # a training log
+            self._logs = logs
+            try:
+                self.metrics.step(state.global_step)
+            finally:
+                self._logs = None
 
     # ----- registering at the first DDP forward ------------------------------------------
 
@@ -285,6 +326,21 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             path, state_dict = self._state_to_load
             self._state_to_load = None
             self._load_hook_state(path, state_dict)
+        if self.log_every is not None:
+            self.metrics = self._metrics_logger()  # after the load: its first window starts here
+
+    def _metrics_logger(self) -> MetricsLogger | None:
+        every = 1 if self.log_every == AUTO_LOG else self.log_every  # "auto": at every training log
+        try:
+            return MetricsLogger(self.state, every=every, sinks=[CallableSink(self._add_to_logs)])
+        except TypeError:  # a hook_factory's state of its own (or None: the lab's dense arm)
+            warnings.warn(f"SparseCommTrainerCallback(log_every=...): the hook state is a {type(self.state).__name__}, "
+                          "whose figures sparsecomm.metrics cannot read (a TopKState or a SparseDeltaAverager): none "
+                          "are logged", stacklevel=3)
+            return None
+
+    def _add_to_logs(self, figures: dict, step: int) -> None:
+        self._logs.update(figures)
 
     def _check_factory_state(self) -> None:
         if self.state is not None and not callable(getattr(self.state, "state_dict", None)):
@@ -361,6 +417,36 @@ class SparseCommTrainerCallback(transformers.TrainerCallback):
             return
         self._last_reported = key
         self.on_metrics(metrics, step)
+
+
+def _run_before_log_readers(callback) -> bool:
+    """Move ``callback`` before the first callback of its Trainer that reads logs (overrides
+    ``on_log``: the ``report_to`` integrations, which the Trainer puts before the user's), so
+    that what it adds to a log in ``on_log`` reaches them. The handler is the ``self`` of the
+    frame that called the event (``CallbackHandler.call_event``); False when none is found.
+    Called from inside the handler's loop over its callbacks: moving one element to a lower
+    index leaves every element after the old index where it was, so none is called twice or
+    skipped."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(6):
+            frame = frame.f_back
+            if frame is None:
+                return False
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, trainer_callback.CallbackHandler) and any(c is callback for c in handler.callbacks):
+                break
+        else:
+            return False
+    finally:
+        del frame  # a frame held here would keep the Trainer's locals alive
+    callbacks = handler.callbacks
+    mine = next(i for i, c in enumerate(callbacks) if c is callback)
+    first_reader = next(i for i, c in enumerate(callbacks)
+                        if c is callback or type(c).on_log is not transformers.TrainerCallback.on_log)
+    if first_reader < mine:
+        callbacks.insert(first_reader, callbacks.pop(mine))
+    return True
 
 
 def _check_callable(name: str, value) -> None:
