@@ -7,6 +7,7 @@ COMMANDS = {
     "ledger": ("sparsecomm.lab.ledger", "print the time-to-quality ledger of a run directory"),
     "check": ("sparsecomm.lab.tolerance", "judge 'no loss' claims against a tolerance (TOST over seeds); exit code for CI"),
     "plot": ("sparsecomm.lab.plot_command", "draw time-to-loss, loss-vs-step and ledger plots of a run directory"),
+    "tensorboard": ("sparsecomm.lab.tensorboard_export", "write a run's curves (loss, bytes, step times) as TensorBoard event files"),
     "frontier": ("sparsecomm.lab.frontier", "sweep densities x sparse techniques; the sparsest setting still equivalent"),
     "scale": ("sparsecomm.lab.scaling", "run the paired experiment at several world sizes; verdicts and bytes per rank vs p"),
     "run": ("sparsecomm.lab.experiment.run_command", "one arm x seed as one rank of a job started by mpiexec / srun / torchrun"),
@@ -16,7 +17,8 @@ COMMANDS = {
 
 def _usage() -> str:
     lines = ["usage: sparsecomm <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {summary}" for name, (_, summary) in COMMANDS.items()]
     lines += ["", "sparsecomm <command> --help for its options"]
     return "\n".join(lines)
 
