@@ -112,3 +112,120 @@ def test_a_checkpoint_resumes_bit_for_bit(tmp_path, drop_hook_state):
         assert same, f"rank {rank}: the resumed job's parameters differ from the uninterrupted job's"
         assert all(losses[s] == whole_losses[s] for s in losses), (losses, whole_losses)
         assert hook["step"] == whole_hook["step"] == steps and replicas_agree
+
+
+# -- configs, command line, set-up: one process, no process group -----------------------------
+
+CLI = ["--module", "sparsecomm.integrations.torchtitan", "--config", "llama3_debugmodel_sparse"]
+
+
+def test_command_line_options_reach_the_hook():
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args(CLI + ["--sparsecomm.density", "0.05", "--sparsecomm.momentum", "0.8",
+                                               "--sparsecomm.exchange", "owner", "--sparsecomm.warmup_steps", "5"])
+    assert config.sparsecomm.enable and config.parallelism.data_parallel_replicate_degree == 2
+    assert config.sparsecomm.state_options() == {
+        "density": 0.05, "momentum": 0.8, "exchange": "owner", "warmup_steps": 5, "index_codec": "rice",
+        "value_codec": "int2", "selector": "exact"}
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--sparsecomm.density", "2"], "density must be in (0.0, 1.0]"),
+    (["--sparsecomm.momentum", "1.5"], "--sparsecomm.momentum must be 'auto' or a number in [0, 1)"),
+    (["--sparsecomm.value_codec", "int3"], "value_codec must be one of"),
+    (["--parallelism.data_parallel_replicate_degree", "1"], "--parallelism.data_parallel_replicate_degree must be > 1"),
+    (["--parallelism.spmd_backend", "spmd_types"], "--parallelism.spmd_backend must be 'partial_dtensor'"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree must be 1"),
+])
+def test_bad_command_lines_are_refused_naming_the_flag(flags, named, capsys):
+    from torchtitan.config import ConfigManager
+
+    with pytest.raises(SystemExit) as exited:
+        ConfigManager().parse_args(CLI + flags)
+    assert exited.value.code == 2
+    said = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, unwrapped
+    assert named in said, said
+
+
+def test_a_config_changed_after_it_was_built_is_refused_before_any_process_group():
+    import torch.distributed as dist
+
+    from sparsecomm.integrations.torchtitan import SparseCommTrainer
+    from sparsecomm.integrations.torchtitan.config_registry import llama3_debugmodel_offline
+
+    config = llama3_debugmodel_offline()
+    config.sparsecomm.enable = True  # replicate degree still 1
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree must be > 1"):
+        SparseCommTrainer(config)
+    assert not dist.is_initialized()
+
+
+def test_to_sparsecomm_keeps_the_job_and_unwraps_the_chunked_loss():
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from sparsecomm.integrations.torchtitan import to_sparsecomm
+
+    original = llama3_debugmodel()
+    assert isinstance(original.loss, ChunkedLossWrapper.Config)
+    original.parallelism.data_parallel_replicate_degree = 2
+    converted = to_sparsecomm(original, enable=True, density=0.1)
+    assert isinstance(converted.loss, CrossEntropyLoss.Config) and converted.loss is original.loss.loss_fn
+    assert converted.training is original.training and converted.optimizer is original.optimizer
+    assert converted.parallelism.spmd_backend == "partial_dtensor"
+    assert converted.sparsecomm.enable and converted.sparsecomm.density == 0.1
+    with pytest.raises(TypeError, match="Trainer.Config"):
+        to_sparsecomm({"training": {}})
+    with pytest.raises(TypeError):
+        to_sparsecomm(original, densty=0.1)  # a misspelt option
+
+
+def test_offline_data_is_pythons_help_text_in_bytes():
+    from pydoc_data.topics import topics
+
+    from sparsecomm.integrations.torchtitan.offline_data import ByteTokenizer, load_pydoc_topics
+
+    tokenizer = ByteTokenizer()
+    assert tokenizer.encode("é!", add_bos=True, add_eos=True) == [256, 0xC3, 0xA9, 0x21, 257]
+    assert tokenizer.decode([256, 0xC3, 0xA9, 0x21, 257]) == "é!" and tokenizer.get_vocab_size() == 258
+    data = load_pydoc_topics("unused")
+    assert data["text"] == [topics[name] for name in sorted(topics)]
+
+
+def test_importing_sparsecomm_never_imports_torchtitan_and_the_integration_settles_the_device():
+    import subprocess
+    import sys
+
+    from sparsecomm.integrations.torchtitan.cpu import has_accelerator
+
+    script = ("import sys, sparsecomm, sparsecomm.integrations, sparsecomm.fsdp\n"
+              "assert not [m for m in sys.modules if m.startswith('torchtitan')], 'torchtitan imported'\n"
+              # torchtitan's metrics module copies the device type at import: imported first here
+              "import torchtitan.components.metrics as metrics\n"
+              "before = metrics.device_type\n"
+              "import sparsecomm.integrations.torchtitan\n"
+              "print(before, metrics.device_type, type(metrics.device_module).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if not has_accelerator():
+        assert done.stdout.split() == ["cuda", "cpu", "CpuDeviceModule"]
+
+
+def test_the_worked_example_trains_on_two_cpu_ranks(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "experiments" / "examples" / "torchtitan_hsdp.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--local-ranks-filter", "0", str(example), "--sparsecomm.enable", "--sparsecomm.density", "0.035",
+               "--sparsecomm.index_codec", "rice", "--sparsecomm.value_codec", "int2", "--training.steps", "4",
+               "--metrics.log_freq", "2", "--dump_folder", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert "sparsecomm: step 4: sent" in said and "of dense" in said, said[-3000:]
+    assert "register_hsdp_hook: AdamW betas (0.9, 0.95) -> (0.0, 0.95)" in said  # the momentum handover, said once

@@ -8,6 +8,7 @@ A job of your own: in your config registry, return ``to_sparsecomm(your_config()
 import dataclasses
 
 from sparsecomm.integrations.torchtitan.cpu import has_accelerator, runnable_on_cpu
+from sparsecomm.integrations.torchtitan.offline_data import use_offline_data
 from sparsecomm.integrations.torchtitan.trainer import SparseCommTrainer
 
 
@@ -37,16 +38,9 @@ def llama3_debugmodel_offline() -> SparseCommTrainer.Config:
     validation off (its data set is a download), float32 parameters. On a machine without an
     accelerator also :func:`~sparsecomm.integrations.torchtitan.cpu.runnable_on_cpu`. The hook
     is off: ``--sparsecomm.enable`` switches it on."""
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    from sparsecomm.integrations.torchtitan.offline_data import DATASET, ByteTokenizer, register_dataset
-
-    register_dataset()
-    config = llama3_debugmodel()
-    config.tokenizer = ByteTokenizer.Config()
-    config.dataloader = HuggingFaceTextDataLoader.Config(dataset=DATASET)
-    config.validator.enable = False
+    config = use_offline_data(llama3_debugmodel())
     config.training.seq_len = 256
     config.training.local_batch_size = 4
     config.training.mixed_precision_param = "float32"

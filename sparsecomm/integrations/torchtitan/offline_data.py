@@ -31,6 +31,19 @@ def register_dataset() -> None:
                                                sample_processor=lambda sample: sample["text"]))
 
 
+def use_offline_data(config):
+    """``config`` (a torchtitan ``Trainer.Config``) reading :data:`DATASET` with
+    :class:`ByteTokenizer`, validation off (its data set is a download). Returns it (changed
+    in place)."""
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    register_dataset()
+    config.tokenizer = ByteTokenizer.Config()
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset=DATASET)
+    config.validator.enable = False
+    return config
+
+
 class ByteTokenizer(BaseTokenizer):
     """UTF-8 bytes as tokens 0-255, BOS 256, EOS 257: no vocabulary file to fetch."""
 

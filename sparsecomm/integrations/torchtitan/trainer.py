@@ -109,6 +109,9 @@ class SparseCommTrainer(Trainer):
         self._figures = None
         options = config.sparsecomm
         if options.enable:
+            problems = _refusals(config)  # again: a config changed after it was built was never checked
+            if problems:
+                raise ValueError("--sparsecomm.enable: " + "; ".join(problems))
             spec = config.model_spec
             config.model_spec = dataclasses.replace(spec, parallelize_fn=shard_only(spec.parallelize_fn))
         super().__init__(config)
