@@ -21,7 +21,8 @@
 # value codec pair on 9 geometries, ~1-2 min of it; the Triton cases compile Triton kernels;
 # tests/test_hook_cuda.py runs the hook under DDP with NCCL on the one GPU, selector="chunk"
 # included; tests/test_hsdp_cuda.py the FSDP2 hook on its own CUDA stream, on 1 GPU, and on 2
-# or 4 where the machine has them), benchmark ~1 min. About 7-10 minutes in all: leave room for
+# or 4 where the machine has them), torchtitan's trainer with the hook on 2 or 4 GPUs ~1 min
+# (skipped on one GPU, or without torchtitan), benchmark ~1 min. About 7-10 minutes in all: leave room for
 # one rerun (or run only tests/test_op_chunk_encode.py -k cuda first).
 # A failed build stops the script; the benchmark runs even if tests fail; the exit status is
 # non-zero if the build, a test or the benchmark failed, or the tests could not run.
@@ -116,6 +117,27 @@ if "$PYTHON" -c "import pytest, pytest_timeout" 2>/dev/null; then
 else
   echo "tests SKIPPED: $PYTHON cannot import pytest and pytest_timeout (carry their wheels to run ${tests[*]})"
   status=1
+fi
+
+stamp "torchtitan: its trainer with the hook across replicas (its launcher, FlexAttention, NCCL)"
+# The worked example at 2 replicas (x 2 shards on 4 GPUs): torchtitan's own attention and
+# collectives, which the CPU tests replace (docs/torchtitan.md, "On CPU"). NCCL needs a GPU per
+# process, so a one-GPU machine cannot hold two replicas.
+if [ "$dry_run" = 1 ]; then
+  gpus=4 titan=1
+else
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+  titan=$("$PYTHON" -c "import torchtitan" 2>/dev/null && echo 1 || echo 0)
+fi
+if [ "$titan" != 1 ]; then
+  echo "torchtitan SKIPPED: $PYTHON cannot import torchtitan (carry the torchtitan==0.3.0 wheel and its dependencies)"
+elif [ "${gpus:-0}" -lt 2 ]; then
+  echo "torchtitan SKIPPED: 2 replicas need 2 GPUs (NCCL: one per process); this machine has ${gpus:-0}"
+else
+  run "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$(( gpus >= 4 ? 4 : 2 ))" \
+    experiments/examples/torchtitan_hsdp.py --sparsecomm.enable --sparsecomm.density 0.035 \
+    --sparsecomm.index_codec rice --sparsecomm.value_codec int2 --training.steps 30 --metrics.log_freq 10 \
+    --dump_folder "${TMPDIR:-/tmp}/sparsecomm_torchtitan.$$" || status=$?
 fi
 
 stamp "benchmark"
