@@ -114,6 +114,22 @@ def test_a_checkpoint_resumes_bit_for_bit(tmp_path, drop_hook_state):
         assert hook["step"] == whole_hook["step"] == steps and replicas_agree
 
 
+def _accumulating(rank, world_size, folder):
+    config = job_config(2, folder, density=0.1)
+    config.training.global_batch_size = 2 * WORLD * config.training.local_batch_size  # 2 micro-batches
+    try:
+        run_trainer(rank, world_size, config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_gradient_accumulation_is_refused_before_the_first_step(tmp_path):
+    # torchtitan reduces every micro-batch across replicas: the hook would count each as a step.
+    for message in run_on_ranks(_accumulating, str(tmp_path), world_size=WORLD, timeout=200):
+        assert message is not None and "2 micro-batches per step" in message and "--training.global_batch_size" in message
+
+
 # -- configs, command line, set-up: one process, no process group -----------------------------
 
 CLI = ["--module", "sparsecomm.integrations.torchtitan", "--config", "llama3_debugmodel_sparse"]

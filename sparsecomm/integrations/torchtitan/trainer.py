@@ -23,7 +23,8 @@ Where it plugs in, all through torchtitan's own extension points:
 - its figures (:class:`sparsecomm.metrics.CommFigures`) go to torchtitan's metrics logger
   (TensorBoard, W&B) at its ``--metrics.log_freq``, under ``sparsecomm/``, and to its console log.
 
-Supported: the loss without ``ChunkedLossWrapper`` (:func:`to_sparsecomm` unwraps it), data
+Supported: one micro-batch per step (no gradient accumulation: torchtitan reduces every
+micro-batch), the loss without ``ChunkedLossWrapper`` (:func:`to_sparsecomm` unwraps it), data
 parallelism only (no TP, PP, CP or EP yet: each is refused when the config is
 built), ``--parallelism.spmd_backend partial_dtensor`` (the classic FSDP path; the others shard
 over the whole SPMD mesh), one model part and one optimizer.
@@ -116,6 +117,14 @@ class SparseCommTrainer(Trainer):
             config.model_spec = dataclasses.replace(spec, parallelize_fn=shard_only(spec.parallelize_fn))
         super().__init__(config)
         if options.enable:
+            if self.gradient_accumulation_steps > 1:
+                # torchtitan lets FSDP reduce at every micro-batch: the hook would take each one for a
+                # step (its warm-up, momentum and budget count steps).
+                raise ValueError(
+                    f"--sparsecomm.enable: --training.global_batch_size {config.training.global_batch_size} means "
+                    f"{self.gradient_accumulation_steps} micro-batches per step, each reduced across replicas by "
+                    "FSDP; the hook needs one reduction per step: set it to local_batch_size x the data-parallel "
+                    "degree (or -1)")
             self._register_hook(options)
 
     def _register_hook(self, options: SparseCommOptions) -> None:
