@@ -2,7 +2,8 @@
 
 Each example prints one line per rank ("rank r: S steps, C sparse bucket reductions,
 sent P% of dense bytes, loss ..."); the tests read those lines and the files the
-examples write. A run that exceeds its deadline is killed with all its ranks.
+examples write (TensorBoard's with TensorBoard's own reader). A run that exceeds its deadline
+is killed with all its ranks.
 """
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from deadline import run_with_deadline
+from metrics_checks import bytes_sent_per_step, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "experiments" / "examples"
@@ -56,8 +58,19 @@ def _own_residuals(path: Path, rank: int) -> dict:
 
 @pytest.mark.timeout(60)
 def test_plain_ddp(tmp_path):
-    summaries = _torchrun("plain_ddp.py", "--out", str(tmp_path), timeout=50)
-    _check_sparse(summaries, steps=4 * 4096 // 32 // 2)  # 4 epochs of 64 batches per rank
+    pytest.importorskip("tensorboard")
+    summaries = _torchrun("plain_ddp.py", "--out", str(tmp_path), "--tensorboard", str(tmp_path / "tb"), timeout=50)
+    steps = 4 * 4096 // 32 // 2  # 4 epochs of 64 batches per rank
+    _check_sparse(summaries, steps=steps)
+    # Rank 0's loss at every step, and the hook's figures of every 10 steps (the first 10 hold
+    # the 2 dense warm-up steps; the model is one bucket).
+    logged = scalars(tmp_path / "tb")
+    assert [step for step, _ in logged["train/loss"]] == list(range(1, steps + 1))
+    assert [(step, value) for step, value in logged["sparsecomm/steps"]] == [(s, s) for s in range(10, steps, 10)]
+    numel = 32 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10  # plain_ddp.student()
+    assert logged["sparsecomm/bytes_sent_per_step"] == [
+        (s, pytest.approx(bytes_sent_per_step(numel, 0.01, s - 9, s))) for s in range(10, steps, 10)]
+    assert {"sparsecomm/compression", "sparsecomm/residual_norm", "sparsecomm/density"} <= logged.keys()
     for rank, s in summaries.items():
         assert s["last"] < 0.75 * s["loss"], f"rank {rank}: loss {s['loss']} -> {s['last']}"
     # Every rank saved its own residuals, and they differ (different data per rank).

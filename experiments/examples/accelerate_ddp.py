@@ -8,9 +8,11 @@ too.) The same teacher/student task as ``plain_ddp.py``, trained with AdamW; the
 DataLoader gives every process different samples. The helper's defaults move AdamW's first
 moment into the hook (betas (0.9, 0.999) -> (0.0, 0.999), said at start-up). ``--out``
 saves ``accelerator.save_state(DIR)``, which then holds one hook-state file per process;
-``--resume`` loads it first. ``--dense`` trains without sparsecomm (the baseline). The last
-line per process gives ``final loss``: the mean training loss of both processes over the
-last quarter of the steps.
+``--resume`` loads it first. ``--dense`` trains without sparsecomm (the baseline).
+``--tensorboard DIR`` starts Accelerate's TensorBoard tracker in ``DIR/accelerate_ddp``: the
+loss every step and, with ``log_every=10``, the hook's figures every 10 steps, both through
+``accelerator.log``. The last line per process gives ``final loss``: the mean training loss of
+both processes over the last quarter of the steps.
 """
 import argparse
 from pathlib import Path
@@ -35,11 +37,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     parser.add_argument("--out", type=Path, default=None, help="accelerator.save_state(DIR) at the end")
     parser.add_argument("--resume", action="store_true", help="accelerator.load_state(DIR) first")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="log the loss and the hook's figures with Accelerate's TensorBoard tracker in DIR")
     args = parser.parse_args(argv)
 
     # Without cpu=True, Accelerate on a machine without GPUs runs every process alone
     # (DistributedType.NO, no DDP); with it, MULTI_CPU over gloo.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="tensorboard" if args.tensorboard else None,
+                              project_dir=args.tensorboard)
+    if args.tensorboard is not None:
+        accelerator.init_trackers("accelerate_ddp")
     torch.manual_seed(args.seed)
     model = student()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -47,11 +54,13 @@ def main(argv=None) -> None:
                         generator=torch.Generator().manual_seed(args.seed))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if not args.dense:
-        state = register_topk_hook_accelerate(accelerator, model, density=args.density)  # sparsecomm (2/2)
+        state = register_topk_hook_accelerate(accelerator, model, density=args.density,  # sparsecomm (2/2)
+                                              log_every=10 if args.tensorboard else None)
     if args.resume:
         accelerator.load_state(args.out)  # after registering: restores this process's residuals too
 
     losses = []
+    first_step = 0 if args.dense else state.step  # a resumed hook goes on counting where it stopped
     for _ in range(args.epochs):
         for x, y in loader:
             optimizer.zero_grad()
@@ -59,6 +68,8 @@ def main(argv=None) -> None:
             accelerator.backward(loss)
             optimizer.step()
             losses.append(loss.detach())
+            if args.tensorboard is not None:
+                accelerator.log({"train/loss": loss.item()}, step=first_step + len(losses))
 
     if args.out is not None:
         accelerator.save_state(args.out)  # every process writes sparsecomm_topk_0_rank{r}.pt

@@ -13,9 +13,12 @@ checkpoint gets each rank's ``sparsecomm_rank<r>.pt``. The last line per rank gi
 the training losses the Trainer logged (each over both ranks) in the last quarter of the steps;
 the last step's is always logged (the Trainer logs every ``--logging-steps``, so a run of
 fewer steps, or one that ends between two logs, would otherwise have none there).
+``--tensorboard DIR`` reports to TensorBoard there (``report_to=["tensorboard"]``); standalone,
+the callback's ``log_every="auto"`` adds the hook's figures to every training log.
 """
 import argparse
 import gc
+import os
 import tempfile
 
 import pydoc_data.topics
@@ -56,6 +59,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="the Trainer's output_dir (default: a new temporary one)")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="report the Trainer's logs (and, standalone, the hook's figures) to TensorBoard in DIR")
     args = parser.parse_args(argv)
     run = sparsecomm.lab.init(args.seed)  # lab: arm and seed from the runner; standalone: --seed (default 0)
     text = torch.tensor(list(" ".join(sorted(pydoc_data.topics.topics.values())).encode()), dtype=torch.long)
@@ -67,7 +72,10 @@ def main(argv=None) -> None:
     if run.in_lab:
         callback = SparseCommTrainerCallback.for_lab_run(run, metric="eval_loss", as_name="val_loss")
     else:
-        callback = None if args.dense else SparseCommTrainerCallback(density=args.density)  # None: its default
+        callback = None if args.dense else SparseCommTrainerCallback(  # density None: its default
+            density=args.density, log_every="auto" if args.tensorboard else None)
+    if args.tensorboard is not None:
+        os.environ["TENSORBOARD_LOGGING_DIR"] = args.tensorboard  # where the Trainer's TensorBoardCallback writes
     cpu = not torch.cuda.is_available()
     training_args = TrainingArguments(
         output_dir=args.out or tempfile.mkdtemp(prefix="hf_trainer_"), max_steps=run.steps or args.max_steps,
@@ -75,7 +83,7 @@ def main(argv=None) -> None:
         eval_strategy="steps", eval_steps=args.eval_steps, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         seed=run.seed, data_seed=run.seed, use_cpu=cpu,
-        report_to="none", disable_tqdm=True, log_level="warning",
+        report_to=["tensorboard"] if args.tensorboard else "none", disable_tqdm=True, log_level="warning",
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=byte_windows(text[:split]),
                       eval_dataset=byte_windows(text[split:split + 256 * WINDOW]),

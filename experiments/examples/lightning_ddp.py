@@ -9,14 +9,17 @@ AdamW; Lightning's DistributedSampler gives every rank different samples. The ca
 defaults move AdamW's first moment into the hook (betas (0.9, 0.999) -> (0.0, 0.999), said
 at start-up). ``--out`` saves a checkpoint with every rank's hook state in it; ``--resume``
 continues from it for ``--epochs`` more epochs. ``--dense`` trains without sparsecomm (the
-baseline). The last line per rank gives ``final loss``: the mean training loss of both ranks
-over the last quarter of the steps.
+baseline). ``--tensorboard DIR`` gives the Trainer a TensorBoardLogger there: the callback's
+default ``log_every="auto"`` then writes the hook's figures to it every ``log_every_n_steps``
+(10) steps, beside the loss. The last line per rank gives ``final loss``: the mean training loss
+of both ranks over the last quarter of the steps.
 """
 import argparse
 import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
@@ -57,6 +60,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     parser.add_argument("--out", type=Path, default=None, help="write DIR/last.ckpt at the end")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/last.ckpt")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="log the loss and the hook's figures with a TensorBoardLogger writing to DIR")
     args = parser.parse_args(argv)
 
     pl.seed_everything(args.seed, verbose=False)  # also seeds the DistributedSampler's shuffle
@@ -70,7 +75,9 @@ def main(argv=None) -> None:
         strategy="ddp",
         callbacks=[] if args.dense else [sparse],
         max_epochs=done_epochs + args.epochs,
-        logger=False,
+        # The callback writes the hook's figures to the Trainer's loggers (none: nothing).
+        logger=TensorBoardLogger(args.tensorboard, name="", version="") if args.tensorboard else False,
+        log_every_n_steps=10,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

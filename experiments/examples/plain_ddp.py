@@ -1,11 +1,13 @@
 """A complete DDP training script with sparsecomm added: the two marked lines.
 
-    torchrun --standalone --nproc-per-node 2 experiments/examples/plain_ddp.py [--out DIR]
+    torchrun --standalone --nproc-per-node 2 experiments/examples/plain_ddp.py [--out DIR] [--tensorboard DIR]
 
 A small MLP learns to imitate a fixed random "teacher" network on generated inputs (no
 download), on CPU with gloo. DistributedSampler gives every rank different samples.
 With ``--out DIR`` every rank saves its own hook state (its residuals differ from every
-other rank's) next to the model, and ``--resume`` loads them back.
+other rank's) next to the model, and ``--resume`` loads them back. ``--tensorboard DIR``
+writes rank 0's training loss and, every 10 steps, the hook's figures (bytes per step,
+compression, residual norm, ...: ``sparsecomm.metrics``) to TensorBoard.
 """
 import argparse
 import gc
@@ -41,6 +43,8 @@ def main(argv=None) -> None:
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--out", type=Path, default=None, help="save model and per-rank hook state here")
     parser.add_argument("--resume", action="store_true", help="load them from --out first")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="rank 0's loss and the hook's figures in TensorBoard event files in DIR")
     args = parser.parse_args(argv)
 
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
@@ -65,6 +69,15 @@ def train(args) -> None:
         optimizer.load_state_dict(torch.load(args.out / f"optimizer_rank{rank}.pt", weights_only=True))
         state.load_state_dict(torch.load(args.out / f"sparsecomm_rank{rank}.pt", weights_only=True))
 
+    writer = metrics = None
+    if args.tensorboard is not None and rank == 0:  # rank 0 logs (pip install 'sparsecomm[tensorboard]')
+        from torch.utils.tensorboard import SummaryWriter
+
+        from sparsecomm.metrics import MetricsLogger, TensorBoardSink
+
+        writer = SummaryWriter(str(args.tensorboard))
+        metrics = MetricsLogger(state, every=10, sinks=[TensorBoardSink(writer)])
+
     dataset = teacher_dataset(4096)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # each rank: a different shard
     loader = DataLoader(dataset, batch_size=32, sampler=sampler)
@@ -77,6 +90,11 @@ def train(args) -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            if writer is not None:
+                writer.add_scalar("train/loss", losses[-1], len(losses))
+                metrics.step(len(losses))  # every 10th step: the figures of the last 10
+    if writer is not None:
+        writer.close()
 
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
