@@ -37,12 +37,12 @@ def test_every_arm_and_seed_of_an_experiment_becomes_a_run(experiment, capsys):
     logged = scalars(out / "topk-dgc" / "seed1")
     assert logged["train/loss"] == [(step, pytest.approx(3.0 / step)) for step in (1, 2, 3, 4)]
     assert logged["val/val_loss"] == [(2, pytest.approx(2.2)), (4, pytest.approx(1.7))]
-    assert logged["comm/bytes_sent_per_step"] == [(step, 40.0) for step in (1, 2, 3, 4)]
-    assert logged["comm/bytes_dense_per_step"] == [(step, 1000.0) for step in (1, 2, 3, 4)]
-    assert logged["comm/compression"] == [(step, pytest.approx(0.04)) for step in (1, 2, 3, 4)]
+    assert logged["traffic/bytes_sent_per_step"] == [(step, 40.0) for step in (1, 2, 3, 4)]
+    assert logged["traffic/bytes_dense_per_step"] == [(step, 1000.0) for step in (1, 2, 3, 4)]
+    assert logged["traffic/compression"] == [(step, pytest.approx(0.04)) for step in (1, 2, 3, 4)]
     assert logged["time/step_seconds"] == [(step, pytest.approx(0.15)) for step in (1, 2, 3, 4)]
     assert {"time/compute_seconds", "time/compress_seconds", "time/comm_wait_seconds"} <= logged.keys()
-    assert scalars(out / "dense" / "seed0")["comm/bytes_sent_per_step"][0] == (1, 1000.0)
+    assert scalars(out / "dense" / "seed0")["traffic/bytes_sent_per_step"][0] == (1, 1000.0)
 
 
 def test_again_replaces_its_own_files_and_one_run_goes_to_out(experiment, tmp_path):
@@ -61,7 +61,7 @@ def test_again_replaces_its_own_files_and_one_run_goes_to_out(experiment, tmp_pa
     assert _files(tmp_path / "one") == {p for p in _files(tmp_path / "one") if p.startswith("topk-dgc/seed0/")}
     logged = scalars(tmp_path / "one" / "topk-dgc" / "seed0")
     assert logged["val/val_accuracy"] == [(1, pytest.approx(0.9))] and "train/loss" not in logged
-    assert logged["comm/compression"] == [(1, pytest.approx(0.1))]
+    assert logged["traffic/compression"] == [(1, pytest.approx(0.1))]
 
 
 def test_bad_directories_exit_2_naming_them_before_writing(experiment, tmp_path, capsys):

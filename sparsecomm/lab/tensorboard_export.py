@@ -11,7 +11,7 @@ Tags, per recorded step (rank 0's row: the loss is the mean over ranks, the byte
 
 - ``train/loss``; ``val/<metric>`` at each evaluation (``val/val_loss``, or the metric a
   script's ``run.log`` reported);
-- ``comm/bytes_sent_per_step``, ``comm/bytes_dense_per_step``, ``comm/compression`` (sent /
+- ``traffic/bytes_sent_per_step``, ``traffic/bytes_dense_per_step``, ``traffic/compression`` (sent /
   dense);
 - ``time/step_seconds``, ``time/compute_seconds``, ``time/compress_seconds``,
   ``time/comm_wait_seconds``.
@@ -32,7 +32,7 @@ DEFAULT_OUT = "tensorboard"  # under DIR
 SUFFIX = ".sparsecomm"  # the event files this command writes end so: a new export replaces them, nothing else
 TRAIN_TAGS = {"step_seconds": "time/step_seconds", "compute_seconds": "time/compute_seconds",
               "compress_seconds": "time/compress_seconds", "comm_wait_seconds": "time/comm_wait_seconds",
-              "bytes_sent": "comm/bytes_sent_per_step", "bytes_dense": "comm/bytes_dense_per_step"}
+              "bytes_sent": "traffic/bytes_sent_per_step", "bytes_dense": "traffic/bytes_dense_per_step"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +95,7 @@ def write_events(writer_class, log_dir: Path, rows: list[dict]) -> Path:
                 scalars = {tag: row.get(name) for name, tag in TRAIN_TAGS.items()}
                 scalars["train/loss"] = row.get("train_loss")
                 if row.get("bytes_sent") is not None and row.get("bytes_dense"):
-                    scalars["comm/compression"] = row["bytes_sent"] / row["bytes_dense"]
+                    scalars["traffic/compression"] = row["bytes_sent"] / row["bytes_dense"]
             elif row.get("kind") == "eval":
                 scalars = {f"val/{row.get('metric', 'val_loss')}": row.get("val_loss")}
             else:
