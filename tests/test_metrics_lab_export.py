@@ -2,6 +2,7 @@
 back with TensorBoard's own reader and compared with the rows of steps.jsonl."""
 import json
 import os
+import sys
 
 import pytest
 
@@ -79,3 +80,10 @@ def test_bad_directories_exit_2_naming_them_before_writing(experiment, tmp_path,
         (run / "steps.jsonl").unlink()
     assert cli.main(["tensorboard", str(experiment)]) == 2
     assert "no run has recorded a step yet" in capsys.readouterr().err
+
+
+def test_without_tensorboard_it_names_the_extra_and_writes_nothing(experiment, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    assert cli.main(["tensorboard", str(experiment)]) == 2
+    assert "pip install 'sparsecomm[tensorboard]'" in capsys.readouterr().err
+    assert not (experiment / "tensorboard").exists()
