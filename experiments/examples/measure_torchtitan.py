@@ -16,7 +16,6 @@ over ``sparsecomm/bytes_dense_per_step``, both after warm-up). The bar: every se
 """
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # experiments/cpu_info.py
 LOSS = "loss_metrics/global_avg_loss"
 
 
@@ -70,7 +70,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.1)
     parser.add_argument("--out", type=Path, default=Path("runs/torchtitan-quality"))
     args = parser.parse_args(argv)
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; torchtitan llama3 debugmodel, "
+    from cpu_info import describe_cpu
+
+    print(f"{describe_cpu()}; torchtitan llama3 debugmodel, "
           f"2 replicas x {args.nproc // 2} shards, {args.steps} steps, sparse: density {args.density}, "
           f"{args.index_codec} + {args.value_codec}", flush=True)
     print("| seed | dense final loss | sparse final loss | sparse - dense | bytes vs dense (last quarter) | "
