@@ -9,6 +9,7 @@ import dataclasses
 
 from sparsecomm.integrations.torchtitan.cpu import has_accelerator, runnable_on_cpu
 from sparsecomm.integrations.torchtitan.offline_data import use_offline_data
+from sparsecomm.integrations.torchtitan.options import SparseCommOptions
 from sparsecomm.integrations.torchtitan.trainer import SparseCommTrainer
 
 
@@ -27,8 +28,7 @@ def to_sparsecomm(config, **options) -> SparseCommTrainer.Config:
     kept["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
     if isinstance(config.loss, ChunkedLossWrapper.Config):
         kept["loss"] = config.loss.loss_fn
-    sparse = SparseCommTrainer.Config.__dataclass_fields__["sparsecomm"].default_factory()
-    return SparseCommTrainer.Config(**kept, sparsecomm=dataclasses.replace(sparse, **options))
+    return SparseCommTrainer.Config(**kept, sparsecomm=SparseCommOptions(**options))
 
 
 def llama3_debugmodel_offline() -> SparseCommTrainer.Config:

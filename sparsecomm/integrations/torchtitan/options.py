@@ -9,7 +9,7 @@ Every value is checked when the config is built (a bad one names ``--sparsecomm.
 the accepted range), before torchtitan starts any process group.
 """
 import inspect
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from sparsecomm.hooks.momentum_handover import AUTO
 from sparsecomm.hooks.topk_state import TopKState
@@ -86,7 +86,3 @@ class SparseCommOptions:
         if value is None or not 0.0 <= value < 1.0:
             raise ValueError(f"--sparsecomm.momentum must be {AUTO!r} or a number in [0, 1), got {self.momentum!r}")
         return value
-
-
-def options_field():
-    return field(default_factory=SparseCommOptions)

@@ -36,7 +36,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from sparsecomm.integrations.torchtitan.checkpoint import STATES_KEY, HookCheckpoint
-from sparsecomm.integrations.torchtitan.options import SparseCommOptions, options_field
+from sparsecomm.integrations.torchtitan.options import SparseCommOptions
 
 REPLICATE_DIM, SHARD_DIM = "dp_replicate", "fsdp"
 
@@ -96,7 +96,7 @@ class SparseCommTrainer(Trainer):
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        sparsecomm: SparseCommOptions = options_field()
+        sparsecomm: SparseCommOptions = dataclasses.field(default_factory=SparseCommOptions)
 
         def __post_init__(self):
             Trainer.Config.__post_init__(self)  # (slots dataclasses do not support a bare super())
