@@ -21,7 +21,9 @@ WORLD = 4  # 2 replicas x 2 shards
 
 def _dense_against_native(rank, world_size, folder, steps):
     native = run_trainer(rank, world_size, job_config(steps, f"{folder}/native"), "torchtitan")
-    ours = run_trainer(rank, world_size, job_config(steps, f"{folder}/ours", density=1.0, momentum="0"))
+    # The dense wire: every entry in the gradient's dtype (int2 at density 1 would still compress).
+    ours = run_trainer(rank, world_size, job_config(steps, f"{folder}/ours", density=1.0, momentum="0",
+                                                    index_codec="int32", value_codec=None))
     return native, ours
 
 

@@ -2,8 +2,7 @@
 parallelize function; the top-k hook on the replica dimension of HSDP.
 
     torchrun --standalone --nproc-per-node 4 experiments/examples/torchtitan_hsdp.py \
-        --sparsecomm.enable --sparsecomm.density 0.035 --sparsecomm.index_codec rice \
-        --sparsecomm.value_codec int2 --training.steps 50
+        --sparsecomm.enable --training.steps 50
 
 Without ``--sparsecomm.enable`` it is torchtitan's own HSDP (the baseline). Any torchtitan flag
 works (``--training.steps``, ``--debug.seed``, ``--metrics.enable_tensorboard``,

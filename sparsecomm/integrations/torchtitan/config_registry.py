@@ -51,10 +51,10 @@ def llama3_debugmodel_offline() -> SparseCommTrainer.Config:
 
 
 def llama3_debugmodel_sparse() -> SparseCommTrainer.Config:
-    """:func:`llama3_debugmodel_offline` with the hook on: 3.5% of each module's shard per
-    step, Rice-coded indices and 2-bit values, 2 replicas (run it on 4 processes for 2x2)."""
+    """:func:`llama3_debugmodel_offline` with the hook on at its defaults (20% of each module's
+    shard per step, Rice-coded indices, 2-bit values) and 2 replicas (run it on 4 processes for
+    2x2)."""
     config = llama3_debugmodel_offline()
     config.parallelism.data_parallel_replicate_degree = 2
-    config.sparsecomm = dataclasses.replace(config.sparsecomm, enable=True, density=0.035, index_codec="rice",
-                                            value_codec="int2")
+    config.sparsecomm = dataclasses.replace(config.sparsecomm, enable=True)
     return config
