@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         dense, sparse = run(args, seed, False), run(args, seed, True)
         gaps.append(sparse["final"] - dense["final"])
-        print(f"| {seed} | {dense['final']:.4f} | {sparse['final']:.4f} | {gaps[-1]:+.4f} | {sparse['share_whole']:.2%} / {sparse['share']:.2%} | "
+        shares = f"{sparse['share_whole']:.2%} / {sparse['share']:.2%}"
+        print(f"| {seed} | {dense['final']:.4f} | {sparse['final']:.4f} | {gaps[-1]:+.4f} | {shares} | "
               f"{dense['seconds']:.0f} / {sparse['seconds']:.0f} |", flush=True)
     held = all(gap <= args.tolerance for gap in gaps)
     print(f"mean {sum(gaps) / len(gaps):+.4f}, largest {max(gaps):+.4f}: every seed within {args.tolerance}: "

@@ -17,7 +17,8 @@ def to_sparsecomm(config, **options) -> SparseCommTrainer.Config:
     """``config`` (a torchtitan ``Trainer.Config``) as a :class:`SparseCommTrainer` config: every
     field kept but two the hook needs: the classic FSDP path (``spmd_backend="partial_dtensor"``),
     and the loss without ``ChunkedLossWrapper`` (its inner loss kept: the wrapper reduces the
-    output layer's FSDP group in two parts per step, which the hook cannot key), and ``options`` (:class:`~sparsecomm.integrations.torchtitan.options.SparseCommOptions`
+    output layer's FSDP group in two parts per step, which the hook cannot key), and ``options``
+    (:class:`~sparsecomm.integrations.torchtitan.options.SparseCommOptions`
     fields, e.g. ``enable=True, density=0.035``) in its ``sparsecomm`` section."""
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.trainer import Trainer

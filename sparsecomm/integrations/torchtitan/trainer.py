@@ -64,6 +64,15 @@ def shard_only(parallelize_fn):
     return parallelize_without_replicas
 
 
+def check_config(config) -> None:
+    """With the hook on, a ValueError naming every flag of ``config`` it cannot take (when the
+    config is built, and again when the trainer starts: a config may change in between)."""
+    if config.sparsecomm.enable:
+        problems = _refusals(config)
+        if problems:
+            raise ValueError("--sparsecomm.enable: " + "; ".join(problems))
+
+
 def _refusals(config) -> list[str]:
     """What the hook cannot take in ``config``: (--flag, why) as messages."""
     parallelism = config.parallelism
@@ -100,19 +109,14 @@ class SparseCommTrainer(Trainer):
 
         def __post_init__(self):
             Trainer.Config.__post_init__(self)  # (slots dataclasses do not support a bare super())
-            if self.sparsecomm.enable:
-                problems = _refusals(self)
-                if problems:
-                    raise ValueError("--sparsecomm.enable: " + "; ".join(problems))
+            check_config(self)
 
     def __init__(self, config: Config):
         self.sparsecomm_state = None
         self._figures = None
         options = config.sparsecomm
+        check_config(config)
         if options.enable:
-            problems = _refusals(config)  # again: a config changed after it was built was never checked
-            if problems:
-                raise ValueError("--sparsecomm.enable: " + "; ".join(problems))
             spec = config.model_spec
             config.model_spec = dataclasses.replace(spec, parallelize_fn=shard_only(spec.parallelize_fn))
         super().__init__(config)
@@ -129,7 +133,6 @@ class SparseCommTrainer(Trainer):
 
     def _register_hook(self, options: SparseCommOptions) -> None:
         from sparsecomm.fsdp.hsdp_hook import register_hsdp_hook
-        from sparsecomm.metrics import CommFigures
 
         if len(self.model_parts) != 1 or len(self.optimizers.optimizers) != 1:
             raise ValueError(f"--sparsecomm.enable needs one model part and one optimizer, got "
@@ -145,9 +148,14 @@ class SparseCommTrainer(Trainer):
                              f"{SHARD_DIM!r} alone when parallel_dims.dp_replicate_enabled is False)") from None
         if getattr(self.checkpointer, "enable", False):
             self.checkpointer.states[STATES_KEY] = HookCheckpoint(self.sparsecomm_state, strict=options.strict_load)
-        self._figures = CommFigures(self.sparsecomm_state)
 
     def train_step(self, data_iterator):
+        if self.sparsecomm_state is not None and self._figures is None:
+            from sparsecomm.metrics import CommFigures
+
+            # Built at the first step, after train() has loaded any checkpoint: the first window
+            # starts at the resumed step.
+            self._figures = CommFigures(self.sparsecomm_state)
         super().train_step(data_iterator)
         if self._figures is not None and self.metrics_processor.should_log(self.step):
             self._log_figures()
@@ -158,7 +166,11 @@ class SparseCommTrainer(Trainer):
                                           self.step)
         if dist.get_rank() == 0:
             sent, dense = figures.get("bytes_sent_per_step"), figures.get("bytes_dense_per_step")
-            share = f" ({sent / dense:.1%} of dense)" if sent is not None and dense else ""
-            logger.info(f"sparsecomm: step {self.step}: sent {sent or 0:,.0f} B/step across replicas{share}, "
-                        f"density {figures.get('effective_density', figures.get('density', 0)):.4f}, "
-                        f"residual norm {figures.get('residual_norm', 0):.4g}")
+            said = []
+            if sent is not None:  # (a window without a step has no per-step figures)
+                share = f" ({sent / dense:.1%} of dense)" if dense else ""
+                said.append(f"sent {sent:,.0f} B/step across replicas{share}")
+            said.append(f"density {figures.get('effective_density', figures['density']):.4f}")
+            if "residual_norm" in figures:
+                said.append(f"residual norm {figures['residual_norm']:.4g}")
+            logger.info(f"sparsecomm: step {self.step}: " + ", ".join(said))
